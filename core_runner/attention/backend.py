@@ -1,0 +1,92 @@
+"""The attention backend interface and the per-step metadata every backend reads."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slotrunner.core_runner.runner.input_batch import InputBatch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Common attention metadata of one step (self-attention over the paged KV cache)."""
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    query_start_loc_np: np.ndarray  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs] int32, KV length of each row after this step's writes
+    seq_lens_np: np.ndarray  # [num_reqs]
+    max_query_len: int
+    max_seq_len: int
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new K/V goes in the flat cache
+
+    @classmethod
+    def from_batch(cls, batch: InputBatch) -> AttentionMetadata:
+        return cls(
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            query_start_loc=batch.query_start_loc,
+            query_start_loc_np=batch.query_start_loc_np,
+            seq_lens=batch.seq_lens,
+            seq_lens_np=batch.seq_lens_np,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            block_tables=batch.block_tables,
+            slot_mapping=batch.slot_mapping,
+        )
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer is: the backend needs nothing else about the model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # a query attends to keys with q_pos - k_pos < sliding_window
+    logits_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Layout of one layer's paged cache: K and V, each [num_blocks, block_size, heads, dim]."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+class AttentionBackend(abc.ABC):
+    """Causal self-attention over a paged KV cache for varlen batches mixing prefill and decode."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        spec: AttentionSpec,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write this step's K/V into the cache at `meta.slot_mapping`, then attend each query
+        token to its request's keys at positions <= its own (within the sliding window)."""
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store K/V of `num_tokens` tokens at flat cache slots (block_id * block_size + offset)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

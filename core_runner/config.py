@@ -1,0 +1,61 @@
+"""EngineConfig: every knob of one engine, validated once when the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of float32, float16, bfloat16")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacities and choices of one engine. `max_*` are capacities, `num_*` counts."""
+
+    model: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int  # longest prompt + output a request may reach
+    max_num_seqs: int  # live requests (slots) at once
+    max_num_batched_tokens: int  # token budget of one step (chunked prefill splits longer prompts)
+    block_size: int  # tokens per KV-cache block
+    num_kv_blocks: int  # blocks in the paged KV cache, shared by all requests
+    seed: int = 0  # engine seed: draws the Gumbel seed of requests that give none
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
+                f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
+            )
+
+    @property
+    def max_num_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)

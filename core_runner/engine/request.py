@@ -1,0 +1,64 @@
+"""Request: one prompt's life inside the engine (tokens, status, stop checks)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from slotrunner.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted and waiting to recompute
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    """Engine-side record of a request. The runner never sees this object, only `NewRequestData`."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]  # the model's end-of-sequence ids (several for some chat models)
+    arrival: int  # admission order; FCFS ties are broken by it
+    seed: int  # resolved Gumbel seed (the user's seed, or one drawn at intake)
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Tokens to prefill at (re)admission: the prompt, plus earlier output after a preemption.
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def check_stop(self, max_model_len: int) -> None:
+        """Set a finished status after a token was appended (EOS, stop ids, max_tokens, length)."""
+        sp = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif sp.stop_token_ids and last in sp.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+        elif sp.max_tokens is not None and len(self.output_token_ids) >= sp.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+        elif self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH

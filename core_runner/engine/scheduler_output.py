@@ -1,0 +1,56 @@
+"""SchedulerOutput: what the scheduler decided for one step, as the runner receives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slotrunner.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request entering the runner: first admission, or re-admission after preemption.
+
+    `prefill_token_ids` is the prompt plus, after a preemption, the tokens generated before it:
+    the runner recomputes all of them (prefill_len >= prompt_len).
+    """
+
+    req_id: str
+    prompt_len: int
+    prefill_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+
+    @property
+    def prefill_len(self) -> int:
+        return len(self.prefill_token_ids)
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request already in the runner that is scheduled again this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step, in batch order (new requests after cached ones).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests whose slot must be freed before this step: finished, aborted or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

@@ -1,0 +1,42 @@
+"""The one ambient forward context: what attention layers read during a forward pass.
+
+The runner installs it with `forward_context(...)` around the model call; nesting is an error,
+so no stale metadata can leak from one step into the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
+from slotrunner.model_states.interface import FamilyAttnMetadata
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    backend: AttentionBackend
+    attn: AttentionMetadata
+    family_attn: FamilyAttnMetadata | None = None
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context is already active: forward passes must not nest")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: attention layers run only inside ModelRunner's forward_context")
+    return _current

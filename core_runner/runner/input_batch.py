@@ -1,0 +1,44 @@
+"""InputBatch: the per-step view of the batch, built from persistent tables through idx_mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    """Everything one forward needs, for `num_reqs` batch rows and `num_tokens` query tokens.
+
+    Batch row i serves the request in slot `idx_mapping[i]`; its query tokens are
+    `query_start_loc[i]:query_start_loc[i + 1]`. Nothing here is persistent: the next step
+    builds a new InputBatch from the same slot tables.
+    """
+
+    req_ids: list[str]  # [num_reqs]
+    num_reqs: int
+    num_tokens: int
+    idx_mapping: torch.Tensor  # [num_reqs] int64, batch row -> slot
+    idx_mapping_np: np.ndarray  # [num_reqs]
+    num_scheduled_tokens_np: np.ndarray  # [num_reqs]
+    num_computed_tokens_np: np.ndarray  # [num_reqs] tokens already in the KV cache before this step
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    query_start_loc_np: np.ndarray  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs] int32, tokens in the KV cache after this step
+    seq_lens_np: np.ndarray  # [num_reqs]
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    logits_indices: torch.Tensor  # [num_reqs] int64, row of each request's last query token
+    sample_mask_np: np.ndarray  # [num_reqs] bool, the row's prefill is complete: it samples a token
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV-cache slot of each query token
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.num_scheduled_tokens_np.max()) if self.num_reqs else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens_np.max()) if self.num_reqs else 0

@@ -1,0 +1,120 @@
+"""ModelRunner: turns one SchedulerOutput into one forward and one sampling pass.
+
+Only code common to every model lives here. The runner never names an architecture and never
+probes the model for features: what a family needs beyond the common tables comes from its
+ModelState hooks, called in the order ARCHITECTURE.md lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from slotrunner.core_runner.attention.backend import AttentionMetadata
+from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
+from slotrunner.core_runner.config import EngineConfig
+from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.block_table import BlockTables
+from slotrunner.core_runner.runner.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.runner.input_batch import InputBatch
+from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache
+from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
+from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
+from slotrunner.core_runner.runner.request_state import RequestState
+from slotrunner.core_runner.sample.sampler import Sampler
+from slotrunner.core_runner.sample.sampling_states import SamplingStates
+from slotrunner.model_states.interface import CacheSpec, ModelState
+
+
+@dataclass(frozen=True)
+class _ExecutedStep:
+    """What execute_model leaves for sample_tokens."""
+
+    batch: InputBatch
+    hidden: torch.Tensor  # [num_tokens, hidden]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, model_state_cls: type[ModelState]) -> None:
+        self.config = config
+        self.device = config.device
+        self.model = model
+        self.model_state = model_state_cls(config, model, self.device)
+        self.req_state = RequestState(config.max_num_seqs, config.max_model_len, self.device)
+        self.block_tables = BlockTables(
+            config.max_num_seqs, config.max_num_blocks_per_req, config.block_size, self.device
+        )
+        self.sampling_states = SamplingStates(config.max_num_seqs, self.device)
+        self.sampler = Sampler()
+        self.attn_backend = TorchRefBackend()
+        self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
+        self.model_state.initialize_cache(
+            CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
+        )
+        self._executed: _ExecutedStep | None = None
+
+    # -- step, part 1 -----------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        """Update slot tables from the scheduler's decisions, then run the forward."""
+        assert self._executed is None, "execute_model called twice without sample_tokens"
+        self._update_states(sched)
+        if sched.is_empty:
+            return
+        batch = self._prepare_batch(sched)
+        ms = self.model_state
+        ms.preprocess_state(batch)
+        family_attn = ms.prepare_attn(batch)
+        inputs_embeds = ms.prepare_inputs_embeds(batch)
+        extra = ms.prepare_inputs(batch)
+        ctx = ForwardContext(self.attn_backend, AttentionMetadata.from_batch(batch), family_attn)
+        with torch.inference_mode(), forward_context(ctx):
+            hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
+        self._executed = _ExecutedStep(batch, hidden)
+
+    # -- step, part 2 -----------------------------------------------------------------------
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Sample one token per batch row whose prefill is complete; write state back."""
+        step, self._executed = self._executed, None
+        if step is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = step.batch
+        with torch.inference_mode():
+            logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
+            params = self.sampling_states.gather(batch.idx_mapping_np)
+            # The sampled token takes position seq_len: that position keys its Gumbel noise.
+            sampled = self.sampler(logits, params, batch.seq_lens.to(torch.int64))
+            post_update(self.req_state, batch, sampled)
+            num_sampled = torch.from_numpy(batch.sample_mask_np.astype(np.int32)).to(self.device)
+            self.model_state.postprocess_state(batch, num_sampled, torch.zeros_like(num_sampled))
+            sampled_np = sampled.cpu().numpy()
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=[[int(t)] if m else [] for t, m in zip(sampled_np, batch.sample_mask_np)],
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            slot = self.req_state.remove(req_id)
+            if slot is not None:
+                self.model_state.remove_request(slot)
+        for new in sched.new_reqs:
+            slot = self.req_state.add(new)
+            self.block_tables.reset(slot, new.block_ids)
+            self.sampling_states.add_request(slot, new.sampling_params, new.seed)
+            self.model_state.add_request(slot, new)
+        for cached in sched.cached_reqs:
+            slot = self.req_state.req_id_to_slot[cached.req_id]
+            self.block_tables.append(slot, cached.new_block_ids)
+            self.req_state.num_computed_tokens_np[slot] = cached.num_computed_tokens
+        self.block_tables.commit()
+
+    def _prepare_batch(self, sched: SchedulerOutput) -> InputBatch:
+        req_ids = list(sched.num_scheduled_tokens)
+        slots = self.req_state.req_id_to_slot
+        idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        return prepare_inputs(req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables)

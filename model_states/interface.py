@@ -1,0 +1,136 @@
+"""The ModelState contract: the hooks the common runner calls for family-specific state.
+
+The runner owns what every architecture has (token history, lengths, block tables, sampling
+state). Whatever one family needs beyond that -- recurrent state pools (Mamba hybrids), encoder
+outputs and cross-attention caches (encoder-decoders), media embeddings and M-RoPE deltas
+(multimodal) -- lives in a ModelState subclass, indexed by the request's stable slot.
+
+Hooks run in this order in a step:
+
+    remove_request / add_request      (slot bookkeeping, before inputs are built)
+    preprocess_state(batch)           (before the forward: encoder runs, state copies)
+    prepare_attn(batch)               (family attention metadata)
+    prepare_inputs_embeds(batch)      (merged embeddings, or None)
+    prepare_inputs(batch)             (typed extra model inputs)
+    -- forward, logits, sampling --
+    postprocess_state(batch, ...)     (advance state by accepted tokens)
+
+Rules for every hook: never reorder or move persistent per-slot state (a step only gathers
+through `batch.idx_mapping`); never synchronize host and device in the step hooks
+(`preprocess_state` .. `postprocess_state`) unless the family truly cannot avoid it; never
+raise for user input (that is rejected at intake).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from slotrunner.core_runner.config import EngineConfig
+    from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+    from slotrunner.core_runner.runner.input_batch import InputBatch
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Typed extra keyword inputs of the model's forward, beyond `input_ids` and `positions`.
+
+    Families subclass it (e.g. encoder outputs, recurrent-state indices, an M-RoPE position
+    override [3, num_tokens]); every field becomes a keyword argument of `model.forward`.
+    """
+
+    def as_kwargs(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class FamilyAttnMetadata:
+    """Base for family attention metadata that the common attention metadata lacks
+    (cross-attention lengths, Mamba prefill flags, state indices). Layers of the family read it
+    from the forward context as `ctx.family_attn`."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What `initialize_cache` learns about the allocated KV cache."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ModelState(abc.ABC):
+    """Runner-side state of one model family, one row per slot.
+
+    Subclasses must implement the four abstract hooks; the others default to doing nothing and
+    are overridden where the family needs them.
+    """
+
+    # Human-readable family name, shown by `python -m slotrunner models`.
+    family: ClassVar[str] = "abstract"
+
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+        """Called once, after the model is built and loaded. Allocate per-slot tables sized by
+        `config.max_num_seqs` here; never allocate per step."""
+        self.config = config
+        self.model = model
+        self.device = device
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if abc.ABC in cls.__bases__:
+            return
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise TypeError(f"{cls.__name__} subclasses ModelState but does not implement: {', '.join(missing)}")
+
+    def initialize_cache(self, spec: CacheSpec) -> None:
+        """Called once after the KV cache is allocated. Allocate recurrent-state pools or
+        cross-attention caches here."""
+
+    @abc.abstractmethod
+    def add_request(self, slot: int, new_request: NewRequestData) -> None:
+        """Called when a request is admitted to `slot` -- also when it is re-admitted after a
+        preemption, in which case all family state must be rebuilt from `new_request` alone
+        (recurrent state reset, positions recomputed). Runs on the host before inputs are built;
+        may stage small device writes but must not run the model."""
+
+    @abc.abstractmethod
+    def remove_request(self, slot: int) -> None:
+        """Called when the request in `slot` finishes, is aborted or is preempted. Free family
+        state; the slot may be handed to another request in the same step."""
+
+    def preprocess_state(self, batch: InputBatch) -> None:
+        """Called every step before the forward: run encoders for newly admitted requests, copy
+        or zero state rows. Must not reorder slot state."""
+
+    def prepare_attn(self, batch: InputBatch) -> FamilyAttnMetadata | None:
+        """Called every forward: family attention metadata, or None when the common attention
+        metadata suffices."""
+        return None
+
+    def prepare_inputs_embeds(self, batch: InputBatch) -> torch.Tensor | None:
+        """Called every forward: input embeddings [num_tokens, hidden] with media merged at
+        placeholder positions, or None to let the model embed `batch.input_ids` itself."""
+        return None
+
+    @abc.abstractmethod
+    def prepare_inputs(self, batch: InputBatch) -> ModelInputs:
+        """Called every forward: typed extra model inputs for this batch."""
+
+    @abc.abstractmethod
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> ModelInputs:
+        """Called for warm-up and CUDA-graph capture: extra inputs of the right shapes, with no
+        live requests behind them."""
+
+    def postprocess_state(self, batch: InputBatch, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> None:
+        """Called after sampling. `num_sampled` [num_reqs] tokens were sampled per row, of which
+        `num_rejected` [num_reqs] were rejected drafts: advance recurrent state by accepted tokens
+        only. Runs on device; must not synchronize."""

@@ -1,0 +1,40 @@
+"""Attention layer: the model-side handle of one layer's paged KV cache.
+
+Models call it with projected q/k/v; it forwards to the attention backend of the current
+forward context. The runner binds `kv_cache` once after allocating the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.runner.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, dim], bound by the runner
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        assert self.kv_cache is not None, f"layer {self.layer_idx}: KV cache not bound before the forward"
+        ctx = get_forward_context()
+        s = self.spec
+        out = ctx.backend.forward(
+            s,
+            q.view(-1, s.num_heads, s.head_dim),
+            k.view(-1, s.num_kv_heads, s.head_dim),
+            v.view(-1, s.num_kv_heads, s.head_dim),
+            self.kv_cache,
+            ctx.attn,
+        )
+        return out.reshape(-1, s.num_heads * s.head_dim)

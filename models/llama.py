@@ -1,0 +1,210 @@
+"""The Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+One implementation; the variants differ only by flags read from the HF config (qkv bias for
+Qwen2, q/k RMSNorm for Qwen3, sliding windows for Mistral and `layer_types`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.models.layers.activation import GatedAct
+from slotrunner.models.layers.attention import Attention
+from slotrunner.models.layers.linear import MergedLinear
+from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
+from slotrunner.models.weights import WeightLoader
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeConfig
+    hidden_act: str
+    attention_bias: bool  # q/k/v biases (Qwen2; Llama's `attention_bias`)
+    o_bias: bool  # o_proj bias (Llama's `attention_bias` covers it too, Qwen2's does not)
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_windows: tuple[int | None, ...]  # per layer
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, c: object, qkv_bias: bool | None = None, qk_norm: bool = False) -> LlamaArgs:
+        num_heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
+        layer_types = getattr(c, "layer_types", None)
+        window = getattr(c, "sliding_window", None)
+        if layer_types is not None:
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        elif getattr(c, "use_sliding_window", True) is False:
+            windows = (None,) * c.num_hidden_layers
+        else:
+            windows = (window,) * c.num_hidden_layers
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position=c.max_position_embeddings,
+            rope=RopeConfig.from_hf(c),
+            hidden_act=getattr(c, "hidden_act", "silu"),
+            attention_bias=attention_bias if qkv_bias is None else qkv_bias,
+            o_bias=attention_bias and qkv_bias is None,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            qk_norm=qk_norm,
+            sliding_windows=windows,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.head_dim = args.head_dim
+        self.qkv_proj = MergedLinear(
+            args.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=args.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        spec = AttentionSpec(
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            scale=args.head_dim**-0.5,
+            sliding_window=args.sliding_windows[layer_idx],
+        )
+        self.attn = Attention(spec, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            args.hidden_size, {"gate": args.intermediate_size, "up": args.intermediate_size}, bias=args.mlp_bias
+        )
+        self.act = GatedAct(args.hidden_act)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, layer_idx)
+        self.mlp = LlamaMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM and MistralForCausalLM; Qwen2/Qwen3 subclasses set two flags."""
+
+    qkv_bias: bool | None = None  # None: follow the config's `attention_bias`
+    qk_norm: bool = False
+
+    def __init__(self, hf_config: object) -> None:
+        super().__init__()
+        self.args = LlamaArgs.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(self.args)
+        if self.args.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = WeightLoader(self, merged={
+            ".q_proj.": (".qkv_proj.", "q"),
+            ".k_proj.": (".qkv_proj.", "k"),
+            ".v_proj.": (".qkv_proj.", "v"),
+            ".gate_proj.": (".gate_up_proj.", "gate"),
+            ".up_proj.": (".gate_up_proj.", "up"),
+        })
+        return loader.load(weights)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

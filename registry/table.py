@@ -1,0 +1,34 @@
+"""The architecture table: HF architecture name -> where its model, ModelState and tiny config live.
+
+Entries are strings ("module:attr") so that importing the registry imports no model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchEntry:
+    model: str  # "package.module:ClassName"
+    model_state: str | None = None  # None: resolve (model declaration, then config traits, then default)
+    tiny_config: str | None = None  # "package.module:function" returning a tiny HF config
+
+
+_M = "slotrunner.models"
+_T = "slotrunner.registry.tiny_configs"
+
+IN_TREE: dict[str, ArchEntry] = {
+    "LlamaForCausalLM": ArchEntry(f"{_M}.llama:LlamaForCausalLM", tiny_config=f"{_T}:llama"),
+    "MistralForCausalLM": ArchEntry(f"{_M}.llama:MistralForCausalLM", tiny_config=f"{_T}:mistral"),
+    "Qwen2ForCausalLM": ArchEntry(f"{_M}.llama:Qwen2ForCausalLM", tiny_config=f"{_T}:qwen2"),
+    "Qwen3ForCausalLM": ArchEntry(f"{_M}.llama:Qwen3ForCausalLM", tiny_config=f"{_T}:qwen3"),
+}
+
+# The families, by the ModelState that serves them.
+FAMILY_STATES: dict[str, str] = {
+    "default": "slotrunner.model_states.default:DefaultModelState",
+    "encoder_decoder": "slotrunner.model_states.encoder_decoder:EncoderDecoderModelState",
+    "mamba_hybrid": "slotrunner.model_states.mamba_hybrid:MambaHybridModelState",
+    "multimodal": "slotrunner.model_states.multimodal:MultimodalModelState",
+}

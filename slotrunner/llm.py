@@ -1,0 +1,181 @@
+"""LLM: offline generation, vLLM's interface (`LLM(model).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slotrunner.core_runner.config import EngineConfig, parse_dtype
+from slotrunner.core_runner.engine.engine import LLMEngine
+from slotrunner.core_runner.engine.intake import PromptType
+from slotrunner.core_runner.loader.checkpoint import load_hf_config
+from slotrunner.core_runner.loader.model_loader import load_model
+from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
+from slotrunner.core_runner.runner.model_runner import ModelRunner
+from slotrunner.outputs import RequestOutput
+from slotrunner.sampling_params import SamplingParams
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+_CPU_KV_CACHE_BYTES = 2 << 30  # default KV-cache budget on CPU
+_GPU_MEMORY_UTILIZATION = 0.85  # fraction of free GPU memory (after loading) given to the KV cache
+
+
+class LLM:
+    """An engine over one model, for offline batched generation.
+
+    Args:
+        model: a Hugging Face model directory (config.json + safetensors).
+        dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "float16", "bfloat16".
+        device: "cpu", "cuda", "cuda:1", ...; default CUDA when available.
+        max_model_len: longest prompt + output; default the model's max_position_embeddings.
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per step; longer prompts are prefilled in chunks.
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: KV-cache blocks; default sized from free memory.
+        load_format: "auto" (checkpoint weights) or "dummy" (random weights, for benchmarks).
+        seed: draws the sampling seed of requests that set none.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = parse_dtype(dtype, dev)
+        hf_config = load_hf_config(model)
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        model_max = getattr(text_config, "max_position_embeddings", None) or 2048
+        if max_model_len is None:
+            max_model_len = model_max
+        elif max_model_len > model_max:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+        nn_model, arch = load_model(model, hf_config, torch_dtype, dev, load_format, seed)
+        if num_kv_blocks is None:
+            num_kv_blocks = _default_num_blocks(nn_model, block_size, torch_dtype, dev, max_num_seqs, max_model_len)
+        self.config = EngineConfig(
+            model=str(model),
+            device=dev,
+            dtype=torch_dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 2048),
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+        )
+        self.architecture = arch.architecture
+        self.tokenizer = _load_tokenizer(model)
+        runner = ModelRunner(self.config, nn_model, arch.model_state_cls)
+        self.engine = LLMEngine(self.config, runner, self.tokenizer, text_config.vocab_size, _eos_ids(model, text_config))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any | None:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt is validated before any runs: a bad one raises ValueError naming its index
+        and nothing is generated, so a call either runs all its prompts or none.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        req_ids = [f"req-{next(self._counter)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for i, (req_id, prompt, sp) in enumerate(zip(req_ids, prompts, params)):
+                try:
+                    self.engine.add_request(req_id, prompt, sp)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+                added.append(req_id)
+        except ValueError:
+            for req_id in added:
+                self.engine.abort_request(req_id)
+            raise
+        return self._run(req_ids, use_tqdm and len(prompts) > 1)
+
+    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(req_ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in req_ids]
+
+
+def _default_num_blocks(
+    model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int
+) -> int:
+    per_block = kv_bytes_per_block(model, block_size, dtype)
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * _GPU_MEMORY_UTILIZATION)
+    else:
+        budget = _CPU_KV_CACHE_BYTES
+    return max(1, min(wanted, budget // max(per_block, 1)))
+
+
+def _load_tokenizer(model: str) -> Any | None:
+    path = Path(model)
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None  # token-id prompts only, like vLLM's skip_tokenizer_init
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_ids(model: str, text_config: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (chat models list several), else config."""
+    eos: Any = None
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except (OSError, ValueError):
+        pass
+    if eos is None:
+        eos = getattr(text_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,0 +1,27 @@
+"""What `LLM.generate` returns: one RequestOutput per prompt, in input order (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string), "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
