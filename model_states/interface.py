@@ -87,7 +87,9 @@ class ModelState(abc.ABC):
         super().__init_subclass__(**kwargs)
         if abc.ABC in cls.__bases__:
             return
-        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        # Checked here, at class creation, so the author sees the error where the class is
+        # defined (or registered) rather than when the engine first instantiates it.
+        missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
         if missing:
             raise TypeError(f"{cls.__name__} subclasses ModelState but does not implement: {', '.join(missing)}")
 

@@ -109,12 +109,13 @@ def _entry(architecture: str) -> tuple[Any, Any, Any]:
     return entry
 
 
-def tiny_config(architecture: str) -> Any:
-    """A small HF config for `architecture`, or raise if it registered none."""
+def tiny_config(architecture: str, **overrides: Any) -> Any:
+    """A small HF config for `architecture` (fields in `overrides` replaced), or raise if it
+    registered none."""
     builder = _entry(architecture)[2]
     if builder is None:
         raise ValueError(f"architecture {architecture!r} registered no tiny config")
-    return (_import(builder) if isinstance(builder, str) else builder)()
+    return (_import(builder) if isinstance(builder, str) else builder)(**overrides)
 
 
 def _family_from_config(hf_config: Any) -> str:
@@ -128,14 +129,16 @@ def _family_from_config(hf_config: Any) -> str:
     return "default"
 
 
-def resolve(hf_config: Any) -> ResolvedArch:
-    """Pick the model class and ModelState class for an HF config (its first architecture)."""
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs:
-        raise UnknownArchitectureError(
-            f"config has no 'architectures' field; supported: {', '.join(supported_architectures())}"
-        )
-    architecture = archs[0]
+def resolve(hf_config: Any, architecture: str | None = None) -> ResolvedArch:
+    """Pick the model class and ModelState class for an HF config (its first architecture,
+    unless `architecture` names one)."""
+    if architecture is None:
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise UnknownArchitectureError(
+                f"config has no 'architectures' field; supported: {', '.join(supported_architectures())}"
+            )
+        architecture = archs[0]
     model_ref, state_ref, _ = _entry(architecture)
     model_cls = _import(model_ref) if isinstance(model_ref, str) else model_ref
     if state_ref is not None:
@@ -151,3 +154,25 @@ def resolve(hf_config: Any) -> ResolvedArch:
                 f"architecture {architecture!r} belongs to the {family} family, which this version does not implement"
             ) from None
     return ResolvedArch(architecture, model_cls, state_cls)
+
+
+def describe_architectures() -> list[tuple[str, str, str]]:
+    """(architecture, model class, ModelState class) for every registered architecture; the
+    ModelState column is resolved from the tiny config when the entry leaves it open."""
+    rows = []
+    for arch in supported_architectures():
+        model_ref, state_ref, builder = _entry(arch)
+        model_name = model_ref if isinstance(model_ref, str) else f"{model_ref.__module__}:{model_ref.__qualname__}"
+        if state_ref is None and builder is not None:
+            try:
+                state_ref = resolve(tiny_config(arch), arch).model_state_cls
+            except (ImportError, ValueError) as e:  # keep listing the others
+                state_ref = f"unresolved ({e})"
+        if state_ref is None:
+            state = "resolved from the checkpoint's config"
+        elif isinstance(state_ref, str):
+            state = state_ref.rpartition(":")[2] if ":" in state_ref and " " not in state_ref else state_ref
+        else:
+            state = state_ref.__name__
+        rows.append((arch, model_name.replace("slotrunner.models.", ""), state))
+    return rows

@@ -1,0 +1,5 @@
+import sys
+
+from slotrunner.cli import main
+
+sys.exit(main())

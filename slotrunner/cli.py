@@ -1,0 +1,104 @@
+"""Command line: `python -m slotrunner generate|models`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (config.json + safetensors)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from slotrunner.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
+
+
+def _build_llm(args: argparse.Namespace):
+    from slotrunner.llm import LLM
+
+    if args.model is None:
+        raise SystemExit("error: --model DIR is required")
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        params = _sampling_params(args)
+        llm = _build_llm(args)
+        prompts = []
+        for p in args.prompts:
+            if args.token_ids:
+                prompts.append({"prompt_token_ids": [int(t) for t in p.replace(",", " ").split()]})
+            else:
+                prompts.append(p)
+        outputs = llm.generate(prompts, params)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for out in outputs:
+        c = out.outputs[0]
+        shown = out.prompt if out.prompt is not None else out.prompt_token_ids
+        print(f"--- prompt: {shown!r}")
+        print(c.text if llm.tokenizer is not None else c.token_ids)
+        print(f"--- ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from slotrunner.registry import describe_architectures
+
+    for arch, model_cls, state in describe_architectures():
+        print(f"{arch:<36} {model_cls:<48} {state}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slotrunner", description="Offline LLM generation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    _add_engine_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--token-ids", action="store_true", help="prompts are space-separated token ids")
+    g.add_argument("prompts", nargs="+", help="one or more prompts")
+    g.set_defaults(func=cmd_generate)
+    m = sub.add_parser("models", help="list supported architectures and their ModelState")
+    m.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

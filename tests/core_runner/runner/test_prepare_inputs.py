@@ -1,0 +1,67 @@
+"""prepare_inputs gathers one step purely from slot tables through idx_mapping.
+
+Guards against: input ids taken from the wrong slot when batch order differs from slot order,
+positions not offset by the cached tokens, slot mapping through the wrong block-table row, a
+prefill chunk that samples, a sampled token appended at the wrong column.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.block_table import BlockTables
+from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
+from slotrunner.core_runner.runner.request_state import RequestState
+from slotrunner.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+BLOCK = 4
+
+
+def setup():
+    state = RequestState(max_num_reqs=4, max_model_len=32, device=CPU)
+    tables = BlockTables(4, 8, BLOCK, CPU)
+    reqs = {"a": list(range(100, 110)), "b": [7, 8, 9], "c": [50]}
+    blocks = {"a": [5, 2, 9], "b": [1], "c": [3]}
+    for rid, toks in reqs.items():
+        slot = state.add(NewRequestData(rid, len(toks), toks, blocks[rid], 0, SamplingParams(), 0))
+        tables.reset(slot, blocks[rid])
+    tables.commit()
+    return state, tables, reqs, blocks
+
+
+def test_gather_in_any_batch_order():
+    state, tables, reqs, blocks = setup()
+    slot = state.req_id_to_slot
+    state.num_computed_tokens_np[slot["a"]] = 4  # a is mid-prefill: tokens 4..9 remain
+    state.num_computed_tokens_np[slot["b"]] = 2  # b decodes its last token
+    order = ["c", "a", "b"]  # batch order differs from slot order
+    idx = np.array([slot[r] for r in order])
+    sched = np.array([1, 3, 1])  # a gets a 3-token chunk: 4, 5, 6
+    batch = prepare_inputs(order, idx, sched, state, tables)
+    assert batch.input_ids.tolist() == [50, 104, 105, 106, 9]
+    assert batch.positions.tolist() == [0, 4, 5, 6, 2]
+    assert batch.query_start_loc_np.tolist() == [0, 1, 4, 5]
+    assert batch.seq_lens_np.tolist() == [1, 7, 3]
+    assert batch.logits_indices.tolist() == [0, 3, 4]
+    assert batch.sample_mask_np.tolist() == [True, False, True], "a's chunk stops short of its prefill"
+    expected_slots = [blocks["c"][0] * BLOCK + 0]
+    expected_slots += [blocks["a"][p // BLOCK] * BLOCK + p % BLOCK for p in (4, 5, 6)]
+    expected_slots += [blocks["b"][0] * BLOCK + 2]
+    assert batch.slot_mapping.tolist() == expected_slots
+
+
+def test_post_update_appends_only_for_sampling_rows():
+    state, tables, reqs, _ = setup()
+    slot = state.req_id_to_slot
+    order = ["a", "b"]
+    idx = np.array([slot[r] for r in order])
+    batch = prepare_inputs(order, idx, np.array([5, 3]), state, tables)  # a: chunk, b: full prefill
+    post_update(state, batch, torch.tensor([777, 888]))
+    assert state.num_tokens_np[slot["a"]] == 10, "a's chunk sampled nothing"
+    assert state.num_tokens_np[slot["b"]] == 4
+    assert state.token_ids[slot["b"], :4].tolist() == [7, 8, 9, 888]
+    assert int(state.last_sampled[slot["b"]]) == 888
+    assert state.token_ids[slot["a"], 10].item() == 0

@@ -1,0 +1,116 @@
+"""The registry: lazy table, resolution order, register_model and plugin discovery.
+
+Guards against: an unknown architecture failing with a bare KeyError, silently replacing an
+architecture registered twice, resolution picking the wrong ModelState, plugins never loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+from transformers import LlamaConfig
+
+from slotrunner import registry
+from slotrunner.model_states.default import DefaultModelState
+from slotrunner.model_states.interface import ModelInputs, ModelState
+from slotrunner.models.llama import LlamaForCausalLM
+
+
+class OtherState(DefaultModelState):
+    family = "test"
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry(monkeypatch):
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+
+
+def config(arch: str, **kw) -> LlamaConfig:
+    return LlamaConfig(architectures=[arch], **kw)
+
+
+def test_in_tree_architectures_resolve_to_default_state():
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        resolved = registry.resolve(config(arch))
+        assert resolved.model_state_cls is DefaultModelState
+        assert resolved.model_cls.__name__ == arch
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(registry.UnknownArchitectureError, match="'Nope' is not supported; supported: .*Qwen3ForCausalLM"):
+        registry.resolve(config("Nope"))
+    with pytest.raises(registry.UnknownArchitectureError, match="no 'architectures'"):
+        registry.resolve(LlamaConfig())
+
+
+def test_register_twice_needs_overwrite():
+    registry.register_model("MyLlama", LlamaForCausalLM)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_model("MyLlama", LlamaForCausalLM)
+    registry.register_model("MyLlama", LlamaForCausalLM, OtherState, overwrite=True)
+    assert registry.resolve(config("MyLlama")).model_state_cls is OtherState
+
+
+def test_register_rejects_non_model_state():
+    with pytest.raises(TypeError, match="must subclass ModelState"):
+        registry.register_model("Bad", LlamaForCausalLM, model_state_cls=dict)
+
+
+def test_resolution_order():
+    class Declaring(LlamaForCausalLM):
+        model_state_cls = OtherState
+
+    registry.register_model("Declaring", Declaring)
+    assert registry.resolve(config("Declaring")).model_state_cls is OtherState, "model declaration"
+    registry.register_model("Explicit", Declaring, DefaultModelState)
+    assert registry.resolve(config("Explicit")).model_state_cls is DefaultModelState, "registry entry first"
+    registry.register_model("EncDec", LlamaForCausalLM)
+    cfg = config("EncDec")
+    cfg.is_encoder_decoder = True
+    with pytest.raises(registry.UnknownArchitectureError, match="encoder_decoder family"):
+        registry.resolve(cfg)
+
+
+def test_model_state_missing_hook_is_named():
+    with pytest.raises(TypeError, match="does not implement: prepare_dummy_inputs, prepare_inputs"):
+
+        class Incomplete(ModelState):
+            def add_request(self, slot, new_request):
+                pass
+
+            def remove_request(self, slot):
+                pass
+
+
+def test_model_inputs_become_keyword_arguments():
+    from dataclasses import dataclass
+
+    import torch
+
+    @dataclass(frozen=True)
+    class Extra(ModelInputs):
+        encoder_out: torch.Tensor
+
+    t = torch.zeros(2)
+    assert Extra(t).as_kwargs() == {"encoder_out": t}
+    assert ModelInputs().as_kwargs() == {}
+
+
+def test_plugin_entry_point_is_discovered(tmp_path, monkeypatch):
+    pkg = tmp_path / "my_plugin.py"
+    pkg.write_text(textwrap.dedent("""
+        from slotrunner.registry import register_model
+        def register():
+            register_model("PluginLlama", "slotrunner.models.llama:LlamaForCausalLM")
+    """))
+    dist = tmp_path / "my_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[slotrunner.plugins]\nmy_plugin = my_plugin:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "PluginLlama" in registry.supported_architectures()
+    assert registry.resolve(config("PluginLlama")).model_cls is LlamaForCausalLM
+    sys.modules.pop("my_plugin", None)
