@@ -34,7 +34,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    # Tokens to prefill at (re)admission: the prompt, plus earlier output after a preemption.
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 

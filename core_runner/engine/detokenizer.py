@@ -1,0 +1,96 @@
+"""IncrementalDetokenizer: turns one request's sampled token ids into text, step by step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Tokens of prompt context decoded in front of the first output token. Some tokenizers
+# (SentencePiece) drop or add a leading space at the start of a decode; decoding the new token
+# together with a few earlier ones, and subtracting their text, keeps the spacing right.
+_INITIAL_PREFIX_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"  # what an incomplete multi-byte UTF-8 sequence decodes to
+
+
+class IncrementalDetokenizer:
+    """Per-request text state, fed by the engine after every `Scheduler.update`.
+
+    Decoding the whole sequence every step is quadratic; decoding each token alone breaks
+    multi-byte characters and spacing. Instead keep two offsets into the token ids:
+    `prefix_offset` (start of a short context window) and `read_offset` (end of the text already
+    emitted). Each step decodes `ids[prefix_offset:]` and `ids[prefix_offset:read_offset]`; the
+    difference is the new text. Text that ends in U+FFFD is held back until the next token
+    completes the character.
+
+    With `tokenizer=None` (token-id-only models) the text stays "" and stop strings are ignored.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any | None,  # a transformers tokenizer: needs .decode(ids, skip_special_tokens=...)
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        stop: list[str],
+        include_stop_str_in_output: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop) if tokenizer is not None else []
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # A new match can start at most this many characters before the new text.
+        self._stop_lookback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
+        self.prefix_offset = max(len(prompt_token_ids) - _INITIAL_PREFIX_TOKENS, 0)
+        self.read_offset = len(prompt_token_ids)
+        self.output_text = ""  # all output text so far (cut at a stop string once one matched)
+        self.stopped_by: str | None = None
+
+    def step(self, new_token_ids: list[int]) -> str | None:
+        """Append this step's sampled tokens; return the stop string they completed, if any.
+
+        Once a stop string matched, the request is over: calling again is a bug.
+        """
+        assert self.stopped_by is None, f"step() after the request stopped on {self.stopped_by!r}"
+        if self.tokenizer is None:
+            self.token_ids.extend(new_token_ids)
+            return None
+        num_chars_before = len(self.output_text)
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            self.output_text += self._decode_next()
+        if len(self.output_text) > num_chars_before:
+            self.stopped_by = self._check_stop(num_chars_before)
+        return self.stopped_by
+
+    def _decode_next(self) -> str:
+        """Text the newest token completes; advances the offsets only when text is emitted."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            # Nothing visible yet (a skipped special token, or half of a UTF-8 character): widen the
+            # window and wait for the next token.
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # No clean-up of tokenization spaces: it rewrites " ." to "." depending on the window,
+        # so the deltas would no longer add up to the full decode.
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _check_stop(self, num_chars_before: int) -> str | None:
+        """Find the earliest stop string that ends in the new text; cut `output_text` at it."""
+        if not self.stop:
+            return None
+        start = max(num_chars_before - self._stop_lookback, 0)
+        best: tuple[int, str] | None = None
+        for stop_str in self.stop:
+            index = self.output_text.find(stop_str, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop_str)
+        if best is None:
+            return None
+        index, stop_str = best
+        self.output_text = self.output_text[: index + len(stop_str) if self.include_stop_str_in_output else index]
+        return stop_str

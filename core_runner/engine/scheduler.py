@@ -1,0 +1,208 @@
+"""Scheduler: decides, each step, which requests compute how many tokens (continuous batching)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from slotrunner.core_runner.config import EngineConfig
+from slotrunner.core_runner.engine.block_manager import BlockManager
+from slotrunner.core_runner.engine.request import Request, RequestStatus
+from slotrunner.core_runner.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
+
+
+class Scheduler:
+    """vLLM-V1-style scheduler: one token budget per step shared by prefills and decodes.
+
+    There are no prefill or decode phases: a request simply has `num_tokens` tokens, of which
+    `num_computed_tokens` are in the KV cache, and each step closes part of that gap (the rest
+    of a prompt, chunked by the budget, or the one token sampled last step).
+
+    Life of a request: `add_request` (WAITING) -> admitted by `schedule` (RUNNING, holds a runner
+    slot and KV blocks) -> finished by `update`, `finish_request` or `abort_request`. When KV
+    blocks run out, the most recently admitted running request is preempted by recompute: it
+    loses its slot and blocks and waits at the front of the queue; on re-admission it prefills
+    its prompt plus the tokens it had generated.
+
+    The engine calls `schedule()`, runs the model on the output, then calls `update()` with the
+    same SchedulerOutput before the next `schedule()`.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order; each holds a runner slot
+        self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        # Requests that held a slot and finished since the last schedule(): the runner frees them.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # total since start: tests and stats read it
+
+    # ---- intake and removal -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (the engine rejects bad input before it gets here)."""
+        assert request.req_id not in self._requests, f"request id {request.req_id!r} is already live"
+        assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0, (
+            f"request {request.req_id!r} must be new (WAITING, nothing computed), got {request.status}"
+        )
+        assert 0 < request.num_tokens < self.max_model_len, (
+            f"request {request.req_id!r} has {request.num_tokens} tokens; the engine must reject "
+            f"prompts that are empty or leave no room for output (max_model_len={self.max_model_len})"
+        )
+        self._requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, req_id: str) -> bool:
+        """Abort a waiting or running request. Returns False (and does nothing) if it is not live,
+        e.g. it finished in the same step the user gave up on it."""
+        return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED, None)
+
+    def finish_request(self, req_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        """Finish a live request from outside `update()`: a stop string found by the detokenizer,
+        or an abort. Frees its blocks; if it held a slot, the next SchedulerOutput lists it in
+        `finished_req_ids`. Returns False (and does nothing) if the request is not live: one
+        that `update()` already finished (e.g. by length) is the engine's to relabel.
+        """
+        assert status.finished, f"finish_request needs a finished status, got {status}"
+        request = self._requests.get(req_id)
+        if request is None:
+            return False
+        request.status, request.stop_reason = status, stop_reason
+        self._remove(request)
+        return True
+
+    def _remove(self, request: Request) -> None:
+        """Drop a request that just got a finished status from every queue and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+            self._finished_req_ids.add(request.req_id)
+        else:
+            self.waiting.remove(request)  # never reached the runner, or was preempted out of it
+        self.block_manager.free(request.req_id)
+        del self._requests[request.req_id]
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first (admission order), then new ones.
+
+        Preempts when blocks run out; admits waiting requests only in a step without
+        preemption. Advances `num_computed_tokens` of every scheduled request as if the step
+        succeeds; the output carries the values from before the step.
+        """
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute until update() appends its sampled token
+                i += 1
+                continue
+            new_block_ids = self._grow_or_preempt(request, request.num_computed_tokens + num_new, out)
+            if new_block_ids is None:
+                break  # it preempted itself, so it was the last running request
+            out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
+            out.num_scheduled_tokens[request.req_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+            i += 1
+
+        while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            assert request.num_computed_tokens == 0, f"waiting request {request.req_id!r} has computed tokens"
+            num_new = min(request.num_tokens, budget)  # chunked prefill: the rest comes in later steps
+            if not self.block_manager.can_grow(request.req_id, num_new):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.block_manager.grow(request.req_id, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_reqs.append(
+                NewRequestData(
+                    req_id=request.req_id,
+                    prompt_len=len(request.prompt_token_ids),
+                    prefill_token_ids=request.all_token_ids,  # prompt + output generated before a preemption
+                    block_ids=self.block_manager.block_ids(request.req_id),
+                    num_computed_tokens=0,
+                    sampling_params=request.sampling_params,
+                    seed=request.seed,
+                )
+            )
+            out.num_scheduled_tokens[request.req_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+
+        for request in scheduled:
+            request.num_computed_tokens += out.num_scheduled_tokens[request.req_id]
+        return out
+
+    def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[int] | None:
+        """Grow `request` to hold `num_tokens` tokens, preempting from the tail of `running`
+        until the blocks fit. Returns the new block ids, or None if `request` itself was preempted.
+
+        Victims come from the tail, which this step has not scheduled yet (the loop in
+        `schedule` walks from the head), so no scheduled request is ever preempted.
+        """
+        while not self.block_manager.can_grow(request.req_id, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_req_ids.add(victim.req_id)
+            if victim is request:
+                return None
+        return self.block_manager.grow(request.req_id, num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: the request forgets its KV cache and waits at the front."""
+        self.block_manager.free(request.req_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's sampled tokens. Called once per `schedule()`, with its output.
+
+        Rows with no sampled token (a prefill chunk short of the end) change nothing more.
+        Returns the requests that got tokens this step, finished ones included, in batch order.
+        """
+        assert len(runner_out.req_ids) == len(runner_out.sampled_token_ids), "one sampled list per batch row"
+        touched: list[Request] = []
+        for req_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            assert req_id in sched_out.num_scheduled_tokens, f"runner returned a row for unscheduled {req_id!r}"
+            request = self._requests.get(req_id)
+            if not sampled or request is None:
+                continue  # prefill chunk, or aborted / finished while the step ran
+            assert request.num_computed_tokens == request.num_tokens, (
+                f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
+                f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
+            )
+            for token_id in sampled:
+                request.output_token_ids.append(token_id)
+                request.check_stop(self.max_model_len)
+                if request.status.finished:
+                    break  # drop tokens sampled after the stop (speculative rows)
+            if request.status.finished:
+                self._remove(request)
+            touched.append(request)
+        return touched

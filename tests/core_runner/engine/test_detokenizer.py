@@ -1,0 +1,146 @@
+"""IncrementalDetokenizer: streamed text equals the full decode; stop strings cut it right.
+
+The tokenizer is a tiny byte-level BPE trained here (no network), wrapped like a Hugging Face
+tokenizer. Multi-byte characters (accents, CJK, emoji) are split over several tokens by it,
+which is exactly what incremental decoding must survive.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
+
+EOS = "<|endoftext|>"
+CORPUS = [
+    "héllo wörld 日本語 🙂",
+    "the quick brown fox jumps over the lazy dog.",
+    "stop here ### and go on, said the fox",
+    "naïve café résumé — “quotes” ünïcödé",
+]
+ALPHABET = "abcdefghij .,#éöü—日本語🙂🦊𝄞\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS * 10, vocab_size=300, min_frequency=1, special_tokens=[EOS], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1) -> tuple[list[str], str | None]:
+    """Feed `token_ids` `chunk` at a time; return the text each step added and the stop hit."""
+    deltas, stop = [], None
+    for i in range(0, len(token_ids), chunk):
+        before = len(detok.output_text)
+        stop = detok.step(token_ids[i : i + chunk])
+        deltas.append(detok.output_text[before:])
+        if stop is not None:
+            break
+    return deltas, stop
+
+
+def make(
+    tokenizer, prompt: str = "the fox said: ", stop: list[str] | None = None, include: bool = False, skip: bool = True
+) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, encode(tokenizer, prompt), skip, stop or [], include)
+
+
+@pytest.mark.parametrize("text", CORPUS + ["🙂🙂 日本語日本語 𝄞 unseen: 🦊ß"])
+def test_deltas_add_up_to_full_decode(tokenizer, text: str) -> None:
+    """Guards against broken multi-byte characters (U+FFFD leaking out) and lost or doubled
+    spaces between deltas of a byte-level BPE."""
+    output_ids = encode(tokenizer, text)
+    assert len(output_ids) > len(text.split())  # multi-byte chars really span several tokens
+    deltas, stop = stream(make(tokenizer), output_ids)
+    assert stop is None
+    assert "".join(deltas) == tokenizer.decode(output_ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.text(ALPHABET, min_size=0, max_size=12),
+    text=st.text(ALPHABET, min_size=1, max_size=30),
+    chunk=st.integers(1, 4),
+)
+def test_deltas_property(tokenizer, prompt: str, text: str, chunk: int) -> None:
+    """Guards against spacing or byte-boundary bugs for any text, prompt context and number of
+    tokens per step (speculative decoding appends several)."""
+    output_ids = encode(tokenizer, text)
+    detok = make(tokenizer, prompt)
+    deltas, _ = stream(detok, output_ids, chunk)
+    assert "".join(deltas) == detok.output_text == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def _boundary_stop(tokenizer, text: str) -> tuple[list[int], str]:
+    """A stop string made of the end of one token and the start of the next one."""
+    ids = encode(tokenizer, text)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    k = next(
+        k
+        for k in range(2, len(pieces) - 1)
+        if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2 and "\ufffd" not in pieces[k] + pieces[k + 1]
+    )
+    return ids, pieces[k][-2:] + pieces[k + 1][:2]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_two_tokens(tokenizer, include: bool) -> None:
+    """Guards against missing a stop string split over tokens, and against the stop string (or
+    text after it) staying in the output when include_stop_str_in_output is False."""
+    text = "the quick brown fox jumps over the lazy dog."
+    ids, stop = _boundary_stop(tokenizer, text)
+    assert text.count(stop) == 1
+    detok = make(tokenizer, stop=["never", stop], include=include)
+    deltas, hit = stream(detok, ids)
+    assert hit == stop and detok.stopped_by == stop
+    cut = text.index(stop) + (len(stop) if include else 0)
+    assert detok.output_text == text[:cut]
+    completing = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1]))
+    assert len(deltas) == completing + 1  # reported by the very step that completed it
+    with pytest.raises(AssertionError, match="stopped"):
+        detok.step(ids[:1])
+
+
+def test_earliest_stop_string_wins(tokenizer) -> None:
+    """Guards against reporting the first stop string of the list instead of the first one in
+    the text when one step completes several."""
+    text = "stop here ### and go on"
+    detok = make(tokenizer, stop=["go", "##", "here"])
+    _, hit = stream(detok, encode(tokenizer, text), chunk=100)
+    assert hit == "here" and detok.output_text == "stop "
+
+
+def test_stop_string_in_prompt_is_ignored(tokenizer) -> None:
+    """Guards against matching a stop string in the prompt instead of the output."""
+    detok = make(tokenizer, prompt="say ### now", stop=["###"])
+    _, hit = stream(detok, encode(tokenizer, " fine"))
+    assert hit is None and detok.output_text == " fine"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(tokenizer, skip: bool) -> None:
+    """Guards against special tokens leaking into text when skipped (or vanishing when not)."""
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    ids = encode(tokenizer, "hello") + [eos_id] + encode(tokenizer, " café")
+    detok = make(tokenizer, skip=skip)
+    deltas, _ = stream(detok, ids)
+    expected = "hello café" if skip else f"hello{EOS} café"
+    assert "".join(deltas) == detok.output_text == expected
+
+
+def test_without_tokenizer_text_stays_empty() -> None:
+    """Guards against token-id-only models crashing in the detokenizer or matching stop strings."""
+    detok = IncrementalDetokenizer(None, [1, 2, 3], True, ["x"], False)
+    assert detok.step([4, 5]) is None and detok.output_text == "" and detok.token_ids == [1, 2, 3, 4, 5]
