@@ -71,11 +71,23 @@ class WeightLoader:
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(self.params) - loaded)
+        missing = sorted(self._checkpoint_names(m, shards_seen.get(m, set())) for m in set(self.params) - loaded)
+        missing = [name for names in missing for name in names]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise WeightLoadError(f"checkpoint lacks {len(missing)} weight(s) of {type(self.model).__name__}: {shown}")
         return loaded
+
+    def _checkpoint_names(self, param_name: str, shards_seen: set[str]) -> list[str]:
+        """The checkpoint tensor names that would have filled `param_name` but were absent."""
+        module = self.modules.get(param_name.rpartition(".")[0])
+        if not isinstance(module, MergedLinear):
+            return [param_name]
+        names = []
+        for old, (new, shard) in self.merged.items():
+            if new in param_name and shard in module.shard_offsets and shard not in shards_seen:
+                names.append(param_name.replace(new, old))
+        return names or [param_name]
 
     def _merged_target(self, name: str) -> tuple[str, str] | None:
         for old, (new, shard) in self.merged.items():
