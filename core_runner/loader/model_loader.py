@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from slotrunner.core_runner.loader.checkpoint import iter_safetensors, safetensors_files
 from slotrunner.registry import ResolvedArch, resolve
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def build_model(hf_config: object, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ResolvedArch]:
@@ -43,13 +42,19 @@ def random_init(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(
-    model_dir: str, hf_config: object, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    hf_config: object,
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> tuple[nn.Module, ResolvedArch]:
+    """Build the model for `hf_config` and fill it from `weights()` (or randomly: "dummy")."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
     model, arch = build_model(hf_config, dtype, device)
     if load_format == "dummy":
         random_init(model, seed)
     else:
-        load_weights(model, iter_safetensors(safetensors_files(model_dir), dtype))
+        load_weights(model, weights())
     return model, arch

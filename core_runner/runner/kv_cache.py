@@ -26,7 +26,9 @@ def allocate_kv_cache(
     caches = []
     for layer in attention_layers(model):
         s = layer.spec
-        cache = torch.zeros(kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
+        # Uninitialised on purpose: every position is written before it is read (a row reads only
+        # its first seq_len positions), and untouched pages of a large CPU cache cost nothing.
+        cache = torch.empty(kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
         layer.kv_cache = cache
         caches.append(cache)
     return caches

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slotrunner import LLM, SamplingParams
-from slotrunner.core_runner.loader.checkpoint import load_hf_config
 from slotrunner.core_runner.loader.model_loader import load_model
+from slotrunner.core_runner.loader.source import open_model
 from slotrunner.models.weights import WeightLoadError
 
 CPU = torch.device("cpu")
@@ -92,11 +92,12 @@ def test_unexpected_tensor_is_named(tiny_llama_dir, tmp_path):
 
 
 def test_dtype_choice_and_random_weights(tiny_llama_dir):
-    hf_config = load_hf_config(tiny_llama_dir)
-    model, _ = load_model(str(tiny_llama_dir), hf_config, torch.bfloat16, CPU)
+    source = open_model(tiny_llama_dir, torch.bfloat16)
+    model, _ = load_model(source.hf_config, source.weights, torch.bfloat16, CPU)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    dummy, _ = load_model(str(tiny_llama_dir), hf_config, torch.float32, CPU, load_format="dummy")
-    real = dict(load_model(str(tiny_llama_dir), hf_config, torch.float32, CPU)[0].named_parameters())
+    source = open_model(tiny_llama_dir, torch.float32)
+    dummy, _ = load_model(source.hf_config, source.weights, torch.float32, CPU, load_format="dummy")
+    real = dict(load_model(source.hf_config, source.weights, torch.float32, CPU)[0].named_parameters())
     for name, p in dummy.named_parameters():
         assert torch.isfinite(p).all() and not torch.equal(p, real[name]), name
     out = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", max_model_len=32).generate(PROMPT, GREEDY, use_tqdm=False)
@@ -104,4 +105,4 @@ def test_dtype_choice_and_random_weights(tiny_llama_dir):
     with pytest.raises(ValueError, match="dtype 'float8'"):
         LLM(str(tiny_llama_dir), device="cpu", dtype="float8")
     with pytest.raises(ValueError, match="load_format"):
-        load_model(str(tiny_llama_dir), hf_config, torch.float32, CPU, load_format="pt")
+        LLM(str(tiny_llama_dir), device="cpu", load_format="pt")
