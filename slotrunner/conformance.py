@@ -168,7 +168,14 @@ def compare_greedy(name: str, ours: list[int], ref: list[int], ref_logits: torch
     return CheckResult(name, ok, 0.0, f"{len(ours)} tokens equal" if ok else f"lengths {len(ours)} vs {len(ref)}")
 
 
-def check_case(llm: Any, hf_model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> CaseReport:
+def check_case(
+    llm: Any,
+    hf_model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_tokens: int,
+    atol: float = LOGITS_ATOL,
+    rtol: float = LOGITS_RTOL,
+) -> CaseReport:
     """Logits (prefill and decode, every position) and greedy tokens, one prompt at a time."""
     report = CaseReport()
     for i, prompt in enumerate(prompts):
@@ -176,8 +183,8 @@ def check_case(llm: Any, hf_model: torch.nn.Module, prompts: list[list[int]], ma
         seq = prompt + run.output_token_ids
         ref = hf_logits(hf_model, seq)[: len(seq) - 1]
         n = len(prompt)
-        report.checks.append(compare_logits(f"prompt {i}: prefill logits", run.logits[:n], ref[:n]))
-        report.checks.append(compare_logits(f"prompt {i}: decode logits", run.logits[n:], ref[n:]))
+        report.checks.append(compare_logits(f"prompt {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol))
+        report.checks.append(compare_logits(f"prompt {i}: decode logits", run.logits[n:], ref[n:], atol, rtol))
         hf_tokens = hf_greedy(hf_model, prompt, max_tokens)
-        report.checks.append(compare_greedy(f"prompt {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n))
+        report.checks.append(compare_greedy(f"prompt {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
     return report

@@ -14,3 +14,30 @@ def tiny_llama_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama")
     build_case(tiny_config("LlamaForCausalLM"), directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory):
+    """The default model (SmolLM2-135M-Instruct GGUF) extracted once into a transformers
+    directory, so oracle tests load it in a second instead of re-running transformers' slow GGUF
+    path. tests/core_runner/loader/test_gguf_loader.py proves the extraction equals
+    transformers' own GGUF loading tensor for tensor."""
+    import torch
+
+    from slotrunner.core_runner.loader.gguf_loader import default_model_path, read_gguf
+
+    try:
+        path = default_model_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    from transformers import LlamaForCausalLM
+
+    ckpt = read_gguf(path, torch.float32)
+    model = LlamaForCausalLM(ckpt.config)
+    missing, unexpected = model.load_state_dict(dict(ckpt.weights()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    directory = tmp_path_factory.mktemp("smollm2_hf")
+    model.save_pretrained(str(directory))
+    ckpt.tokenizer.save_pretrained(str(directory))
+    return directory
