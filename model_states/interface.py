@@ -5,6 +5,7 @@ state). Whatever one family needs beyond that -- recurrent state pools (Mamba hy
 outputs and cross-attention caches (encoder-decoders), media embeddings and M-RoPE deltas
 (multimodal) -- lives in a ModelState subclass, indexed by the request's stable slot.
 
+At intake, before a request is queued, the class method `process_prompt` reads its prompt.
 Hooks run in this order in a step:
 
     remove_request / add_request      (slot bookkeeping, before inputs are built)
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType, process_text_prompt
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
@@ -92,6 +95,14 @@ class ModelState(abc.ABC):
         missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
         if missing:
             raise TypeError(f"{cls.__name__} subclasses ModelState but does not implement: {', '.join(missing)}")
+
+    @classmethod
+    def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
+        """Called at intake, once per request, before it is queued (there is no slot yet): read
+        the user's prompt into token ids plus the family's inputs (`FamilyInputs`: encoder
+        features, media), raising ValueError with a clear message for anything wrong. Must not
+        touch runner or device state. Default: a text or token-id prompt, no family inputs."""
+        return process_text_prompt(prompt, ctx)
 
     def initialize_cache(self, spec: CacheSpec) -> None:
         """Called once after the KV cache is allocated. Allocate recurrent-state pools or

@@ -10,7 +10,7 @@ import torch
 
 from slotrunner.core_runner.config import EngineConfig, parse_dtype
 from slotrunner.core_runner.engine.engine import LLMEngine
-from slotrunner.core_runner.engine.intake import PromptType
+from slotrunner.core_runner.engine.intake import IntakeContext, PromptType
 from slotrunner.core_runner.loader.gguf_loader import default_model_path
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
 from slotrunner.core_runner.loader.source import open_model
@@ -85,7 +85,8 @@ class LLM:
         self.architecture = arch.architecture
         self.tokenizer = source.tokenizer
         runner = ModelRunner(self.config, nn_model, arch.model_state_cls)
-        self.engine = LLMEngine(self.config, runner, self.tokenizer, text_config.vocab_size, source.eos_token_ids)
+        intake = IntakeContext(self.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len)
+        self.engine = LLMEngine(self.config, runner, intake, source.eos_token_ids)
         self._counter = itertools.count()
         self.last_stream_output: RequestOutput | None = None
 

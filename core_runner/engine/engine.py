@@ -8,7 +8,7 @@ from typing import Any
 
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
-from slotrunner.core_runner.engine.intake import PromptType, process_prompt
+from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, check_sampling_params
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
 from slotrunner.core_runner.runner.model_runner import ModelRunner
@@ -25,11 +25,11 @@ class _Tracked:
 class LLMEngine:
     """Synchronous engine: each `step()` is one scheduler step and one model step."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Any | None, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, intake: IntakeContext, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.runner = runner
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.intake = intake
+        self.tokenizer = intake.tokenizer
         self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(config)
         self._seed_rng = random.Random(config.seed)
@@ -40,7 +40,8 @@ class LLMEngine:
         """Validate and queue one request; raises ValueError (and changes nothing) on bad input."""
         if req_id in self._tracked:
             raise ValueError(f"request id {req_id!r} is already in use")
-        processed = process_prompt(prompt, params, self.tokenizer, self.vocab_size, self.config.max_model_len)
+        check_sampling_params(params, self.intake)
+        processed = type(self.runner.model_state).process_prompt(prompt, self.intake)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             req_id=req_id,
@@ -50,6 +51,7 @@ class LLMEngine:
             arrival=self._arrivals,
             seed=seed,
             prompt=processed.prompt,
+            family_inputs=processed.family_inputs,
         )
         self._arrivals += 1
         detok = IncrementalDetokenizer(

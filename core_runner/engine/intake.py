@@ -1,7 +1,9 @@
 """Request intake: turn a user's prompt into validated token ids, or raise a clear ValueError.
 
 Everything a user can get wrong about one request is caught here, before it reaches the
-scheduler, so a bad prompt never disturbs the other requests of the same call.
+scheduler, so a bad prompt never disturbs other requests. The family's ModelState decides how
+a prompt is read (`ModelState.process_prompt`); the helpers here are the shared pieces, and
+`process_text_prompt` is what a plain decoder accepts.
 """
 
 from __future__ import annotations
@@ -12,62 +14,93 @@ from typing import Any, Union
 
 from slotrunner.sampling_params import SamplingParams
 
-# A prompt: text, or {"prompt": text} / {"prompt_token_ids": [...]}.
+# A prompt: text, or {"prompt": text} / {"prompt_token_ids": [...]}, plus family fields
+# (e.g. "multi_modal_data", "encoder_prompt") where the family accepts them.
 PromptType = Union[str, Mapping[str, Any]]
+
+TEXT_FIELDS = frozenset({"prompt", "prompt_token_ids"})
+
+
+@dataclass(frozen=True)
+class FamilyInputs:
+    """Base for what a family's requests carry beyond the prompt tokens (encoder input
+    features, media items, ...). Travels with the request to `ModelState.add_request`."""
+
+
+@dataclass(frozen=True)
+class IntakeContext:
+    """What intake may consult: never runner state (a request has no slot yet)."""
+
+    tokenizer: Any | None
+    processor: Any | None  # the HF processor / feature extractor saved with the model, if any
+    hf_config: Any
+    vocab_size: int
+    max_model_len: int
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    family_inputs: FamilyInputs | None = None
 
 
-def process_prompt(
-    prompt: PromptType,
-    params: SamplingParams,
-    tokenizer: Any | None,
-    vocab_size: int,
-    max_model_len: int,
-) -> ProcessedPrompt:
+def check_fields(prompt: PromptType, accepted: frozenset[str]) -> Mapping[str, Any]:
+    """The prompt as a mapping; unknown fields are an error naming what the model accepts."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if not isinstance(prompt, Mapping):
+        raise ValueError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
+    unknown = set(prompt) - accepted
+    if unknown:
+        raise ValueError(f"prompt has unsupported field(s) {sorted(unknown)}; this model takes {sorted(accepted)}")
+    return prompt
+
+
+def text_to_token_ids(text: Any, ctx: IntakeContext, add_special_tokens: bool = True) -> list[int]:
+    if not isinstance(text, str):
+        raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+    if ctx.tokenizer is None:
+        raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
+    if not text:
+        raise ValueError("prompt is empty")
+    return list(ctx.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def validate_token_ids(token_ids: Any, ctx: IntakeContext, what: str = "prompt") -> list[int]:
+    """Non-empty ints inside the vocabulary, leaving room for at least one output token."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(f"{what}_token_ids must be a list of ints")
+    token_ids = list(token_ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise ValueError(f"{what}_token_ids must be a list of ints")
+    if not token_ids:
+        raise ValueError(f"{what} is empty (no tokens)")
+    bad = [t for t in token_ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise ValueError(f"{what} token id(s) {bad[:5]} outside the vocabulary [0, {ctx.vocab_size})")
+    if len(token_ids) >= ctx.max_model_len:
+        raise ValueError(
+            f"{what} has {len(token_ids)} tokens; max_model_len={ctx.max_model_len} leaves no room for output "
+            f"(at most {ctx.max_model_len - 1} tokens)"
+        )
+    return token_ids
+
+
+def process_text_prompt(prompt: PromptType, ctx: IntakeContext, accepted: frozenset[str] = TEXT_FIELDS) -> ProcessedPrompt:
+    """A decoder prompt: text (tokenized with the model's tokenizer) or token ids."""
+    fields = check_fields(prompt, accepted)
+    text, token_ids = fields.get("prompt"), fields.get("prompt_token_ids")
+    if text is None and token_ids is None:
+        raise ValueError("prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    if token_ids is None:
+        token_ids = text_to_token_ids(text, ctx)
+    return ProcessedPrompt(prompt=text, prompt_token_ids=validate_token_ids(token_ids, ctx))
+
+
+def check_sampling_params(params: Any, ctx: IntakeContext) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    text: str | None
-    if isinstance(prompt, str):
-        text, token_ids = prompt, None
-    elif isinstance(prompt, Mapping):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-        if unknown:
-            raise ValueError(
-                f"prompt has unsupported field(s) {sorted(unknown)}; this model takes 'prompt' or 'prompt_token_ids'"
-            )
-        text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        if text is None and token_ids is None:
-            raise ValueError("prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-    else:
-        raise ValueError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
-
-    if token_ids is None:
-        if not isinstance(text, str):
-            raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
-        if not text:
-            raise ValueError("prompt is empty")
-        token_ids = tokenizer(text)["input_ids"]
-    else:
-        token_ids = list(token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise ValueError("prompt_token_ids must be a list of ints")
-    if not token_ids:
-        raise ValueError("prompt is empty (no tokens)")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(token_ids)} tokens; max_model_len={max_model_len} leaves no room for output "
-            f"(a prompt may have at most {max_model_len - 1} tokens)"
-        )
-    if params.stop_strings and tokenizer is None:
+    if params.stop_strings and ctx.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-    return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids)
+    return params

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from slotrunner.core_runner.engine.intake import FamilyInputs
 from slotrunner.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Request:
     arrival: int  # admission order; FCFS ties are broken by it
     seed: int  # resolved Gumbel seed (the user's seed, or one drawn at intake)
     prompt: str | None = None
+    family_inputs: FamilyInputs | None = None  # what the family's process_prompt extracted
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -146,6 +146,7 @@ class Scheduler:
                     num_computed_tokens=0,
                     sampling_params=request.sampling_params,
                     seed=request.seed,
+                    family_inputs=request.family_inputs,
                 )
             )
             out.num_scheduled_tokens[request.req_id] = num_new

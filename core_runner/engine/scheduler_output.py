@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slotrunner.core_runner.engine.intake import FamilyInputs
 from slotrunner.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     seed: int
+    family_inputs: FamilyInputs | None = None  # encoder inputs, media: see ModelState.process_prompt
 
     @property
     def prefill_len(self) -> int:

@@ -26,6 +26,7 @@ class ModelSource:
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]  # each call reads afresh
     tokenizer: Any | None  # None: token-id prompts only
     eos_token_ids: tuple[int, ...]
+    processor: Any | None = None  # HF processor / feature extractor for media or audio inputs
 
 
 def open_model(path: str | Path, dtype: torch.dtype, load_format: str = "auto") -> ModelSource:
@@ -46,6 +47,7 @@ def open_model(path: str | Path, dtype: torch.dtype, load_format: str = "auto") 
         lambda: iter_safetensors(files, dtype),
         _hf_tokenizer(p),
         _eos_ids(p, hf_config),
+        _hf_processor(p),
     )
 
 
@@ -68,6 +70,20 @@ def _hf_tokenizer(p: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(p))
+
+
+def _hf_processor(p: Path) -> Any | None:
+    """The processor saved with a model that takes media or audio (preprocessor_config.json)."""
+    if not (p / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(p))
+    except (OSError, ValueError, TypeError):
+        from transformers import AutoFeatureExtractor  # a feature extractor without a tokenizer
+
+        return AutoFeatureExtractor.from_pretrained(str(p))
 
 
 def _eos_ids(p: Path, hf_config: Any) -> tuple[int, ...]:
