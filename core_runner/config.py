@@ -43,10 +43,11 @@ class EngineConfig:
     max_num_batched_tokens: int  # token budget of one step (chunked prefill splits longer prompts)
     block_size: int  # tokens per KV-cache block
     num_kv_blocks: int  # blocks in the paged KV cache, shared by all requests
+    vocab_size: int  # rows of the logits; sizes the sampler's per-slot tables
     seed: int = 0  # engine seed: draws the Gumbel seed of requests that give none
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

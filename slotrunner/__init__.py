@@ -15,7 +15,7 @@ _root = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).resolve().parent / "core_runner").is_dir() and (_root / "core_runner").is_dir():
     __path__.append(str(_root))  # noqa: F821 - __path__ is defined for packages
 
-from slotrunner.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from slotrunner.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from slotrunner.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -28,5 +28,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

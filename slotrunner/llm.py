@@ -80,6 +80,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 2048),
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
+            vocab_size=text_config.vocab_size,
             seed=seed,
         )
         self.architecture = arch.architecture

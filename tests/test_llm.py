@@ -81,7 +81,7 @@ def test_bad_prompt_is_rejected_and_engine_stays_usable(llm, prompt, match):
         (dict(seed="x"), "seed"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
         (dict(stop=[""]), "stop"),
-        (dict(n=2), "n=2"),
+        (dict(n=2, temperature=0), "n=2"),
     ],
 )
 def test_invalid_sampling_params(kwargs, match):

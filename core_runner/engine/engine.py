@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any
 
 from slotrunner.core_runner.config import EngineConfig
-from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
 from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, check_sampling_params
+from slotrunner.core_runner.engine.output_processor import RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
 from slotrunner.core_runner.runner.model_runner import ModelRunner
-from slotrunner.outputs import CompletionOutput, RequestOutput
+from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detok: IncrementalDetokenizer
 
 
 class LLMEngine:
@@ -33,7 +26,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(config)
         self._seed_rng = random.Random(config.seed)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, RequestTracker] = {}
         self._arrivals = 0
 
     def add_request(self, req_id: str, prompt: PromptType, params: SamplingParams) -> None:
@@ -52,17 +45,11 @@ class LLMEngine:
             seed=seed,
             prompt=processed.prompt,
             family_inputs=processed.family_inputs,
+            bad_words_token_ids=self._bad_words(params),
         )
         self._arrivals += 1
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            processed.prompt_token_ids,
-            params.skip_special_tokens,
-            params.stop_strings,
-            params.include_stop_str_in_output,
-        )
         self.scheduler.add_request(request)
-        self._tracked[req_id] = _Tracked(request, detok)
+        self._tracked[req_id] = RequestTracker(request, self.tokenizer)
 
     def abort_request(self, req_id: str) -> None:
         if self._tracked.pop(req_id, None) is not None:
@@ -76,31 +63,35 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         self.runner.execute_model(sched_out)
         runner_out = self.runner.sample_tokens()
+        for req_id, lp in runner_out.prompt_logprobs.items():
+            if req_id in self._tracked:
+                self._tracked[req_id].add_prompt_logprobs(lp)
+        row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
         outputs = []
         for request in self.scheduler.update(sched_out, runner_out):
-            tracked = self._tracked.get(request.req_id)
-            if tracked is None:
+            tracker = self._tracked.get(request.req_id)
+            if tracker is None:
                 continue
-            new_tokens = request.output_token_ids[len(tracked.detok.token_ids) - len(request.prompt_token_ids):]
-            stop_str = tracked.detok.step(new_tokens)
+            stop_str = tracker.add_tokens(row_logprobs.get(request.req_id))
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            outputs.append(self._make_output(tracked))
+            outputs.append(tracker.output())
             if request.status.finished:
                 del self._tracked[request.req_id]
         return outputs
 
-    @staticmethod
-    def _make_output(tracked: _Tracked) -> RequestOutput:
-        r = tracked.request
-        finished = r.status.finished
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detok.output_text,
-            token_ids=list(r.output_token_ids),
-            finish_reason=r.status.value if finished else None,
-            stop_reason=r.stop_reason,
-        )
-        return RequestOutput(r.req_id, r.prompt, list(r.prompt_token_ids), [completion], finished)
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token sequences, with and without a leading space (vLLM's rule)."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none")
+        words: set[tuple[int, ...]] = set()
+        for word in params.bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer(variant, add_special_tokens=False)["input_ids"])
+                if ids:
+                    words.add(ids)
+        return tuple(sorted(words))

@@ -53,7 +53,9 @@ def check_fields(prompt: PromptType, accepted: frozenset[str]) -> Mapping[str, A
         raise ValueError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
     unknown = set(prompt) - accepted
     if unknown:
-        raise ValueError(f"prompt has unsupported field(s) {sorted(unknown)}; this model takes {sorted(accepted)}")
+        # Media sent to a text-only model is the likely mistake: say so plainly.
+        hint = " (it takes no media: this is not a multimodal model)" if "multi_modal_data" in unknown else ""
+        raise ValueError(f"prompt has unsupported field(s) {sorted(unknown)}; this model takes {sorted(accepted)}{hint}")
     return prompt
 
 

@@ -33,6 +33,7 @@ class Request:
     seed: int  # resolved Gumbel seed (the user's seed, or one drawn at intake)
     prompt: str | None = None
     family_inputs: FamilyInputs | None = None  # what the family's process_prompt extracted
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized at intake
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -147,6 +147,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     seed=request.seed,
                     family_inputs=request.family_inputs,
+                    eos_token_ids=request.eos_token_ids,
+                    bad_words_token_ids=request.bad_words_token_ids,
                 )
             )
             out.num_scheduled_tokens[request.req_id] = num_new

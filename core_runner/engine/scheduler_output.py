@@ -24,6 +24,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int
     family_inputs: FamilyInputs | None = None  # encoder inputs, media: see ModelState.process_prompt
+    eos_token_ids: tuple[int, ...] = ()  # suppressed until min_tokens, unless ignore_eos
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
 
     @property
     def prefill_len(self) -> int:

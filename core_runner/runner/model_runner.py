@@ -21,10 +21,11 @@ from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache
-from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
+from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState
-from slotrunner.core_runner.sample.sampler import Sampler
+from slotrunner.core_runner.sample.logprobs import LogprobsTensors, prompt_logprobs_chunked
+from slotrunner.core_runner.sample.sampler import Sampler, SamplerOutput, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates
 from slotrunner.model_states.interface import CacheSpec, ModelState
 
@@ -47,7 +48,7 @@ class ModelRunner:
         self.block_tables = BlockTables(
             config.max_num_seqs, config.max_num_blocks_per_req, config.block_size, self.device
         )
-        self.sampling_states = SamplingStates(config.max_num_seqs, self.device)
+        self.sampling_states = SamplingStates(config.max_num_seqs, config.vocab_size, self.device)
         self.sampler = Sampler()
         self.attn_backend = TorchRefBackend()
         self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
@@ -82,18 +83,70 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = step.batch
         with torch.inference_mode():
+            prompt_logprobs = self._prompt_logprobs(step)
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
-            params = self.sampling_states.gather(batch.idx_mapping_np)
-            # The sampled token takes position seq_len: that position keys its Gumbel noise.
-            sampled = self.sampler(logits, params, batch.seq_lens.to(torch.int64))
-            post_update(self.req_state, batch, sampled)
+            out = self._sample(batch, logits)
+            post_update(self.req_state, batch, out.sampled)
             num_sampled = torch.from_numpy(batch.sample_mask_np.astype(np.int32)).to(self.device)
             self.model_state.postprocess_state(batch, num_sampled, torch.zeros_like(num_sampled))
-            sampled_np = sampled.cpu().numpy()
+            sampled_np = out.sampled.cpu().numpy()
+            logprobs = to_token_logprobs(out.logprobs, batch.sample_mask_np, self.sampling_states.num_logprobs_np[batch.idx_mapping_np])
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             sampled_token_ids=[[int(t)] if m else [] for t, m in zip(sampled_np, batch.sample_mask_np)],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> SamplerOutput:
+        idx = batch.idx_mapping_np
+        rs = self.req_state
+        num_output_np = rs.num_tokens_np[idx] - rs.prompt_len_np[idx]
+        history_lists = None
+        if self.sampling_states.needs_history(idx):  # multi-token bad words: a small host copy
+            history_lists = [rs.token_ids[s, : rs.num_tokens_np[s]].tolist() for s in idx]
+        params = self.sampling_states.gather(idx, num_output_np, history_lists)
+        history = None
+        if params.penalties is not None:
+            rows_np = params.penalties.rows_np
+            history = TokenHistory(
+                rs.token_ids,
+                torch.from_numpy(rs.prompt_len_np[idx[rows_np]]).to(self.device),
+                torch.from_numpy(rs.num_tokens_np[idx[rows_np]]).to(self.device),
+            )
+        # The sampled token takes position seq_len: that position keys its Gumbel noise.
+        return self.sampler(logits, params, batch.seq_lens.to(torch.int64), history)
+
+    def _prompt_logprobs(self, step: _ExecutedStep) -> dict[str, PromptLogprobs]:
+        """Score the prompt tokens this step's chunk predicts, for rows that asked."""
+        batch = step.batch
+        wanted = self.sampling_states.num_prompt_logprobs_np[batch.idx_mapping_np]
+        if (wanted < 0).all():
+            return {}
+        rows, targets, spans = [], [], []
+        for row in np.flatnonzero(wanted >= 0):
+            slot = int(batch.idx_mapping_np[row])
+            start = int(batch.num_computed_tokens_np[row])
+            # Hidden row at position p predicts token p + 1; only prompt tokens are scored.
+            end = min(int(batch.seq_lens_np[row]), int(self.req_state.prompt_len_np[slot]) - 1)
+            if end <= start:
+                continue
+            q0 = int(batch.query_start_loc_np[row])
+            rows.append(torch.arange(q0, q0 + end - start))
+            targets.append(self.req_state.token_ids[slot, start + 1 : end + 1])
+            spans.append((batch.req_ids[row], start + 1, end - start))
+        if not rows:
+            return {}
+        k = int(wanted.max())
+        lp = prompt_logprobs_chunked(
+            step.hidden.index_select(0, torch.cat(rows).to(self.device)), torch.cat(targets), k, self.model.compute_logits
+        )
+        entries = to_token_logprobs(lp, np.ones(lp.ranks.shape[0], dtype=bool), None)
+        result, offset = {}, 0
+        for req_id, first, n in spans:
+            result[req_id] = PromptLogprobs(first, entries[offset : offset + n])
+            offset += n
+        return result
 
     # -- helpers ----------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -104,7 +157,7 @@ class ModelRunner:
         for new in sched.new_reqs:
             slot = self.req_state.add(new)
             self.block_tables.reset(slot, new.block_ids)
-            self.sampling_states.add_request(slot, new.sampling_params, new.seed)
+            self.sampling_states.add_request(slot, new)
             self.model_state.add_request(slot, new)
         for cached in sched.cached_reqs:
             slot = self.req_state.req_id_to_slot[cached.req_id]
@@ -118,3 +171,22 @@ class ModelRunner:
         idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         return prepare_inputs(req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables)
+
+
+def to_token_logprobs(
+    lp: LogprobsTensors | None, mask_np: np.ndarray, num_wanted_np: np.ndarray | None
+) -> list[TokenLogprobs | None]:
+    """Host lists per row (one copy of the small tensors); rows outside `mask_np`, or that
+    asked for no logprobs, get None. Each row keeps the chosen token plus its own top-k."""
+    if lp is None:
+        return [None] * len(mask_np)
+    ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+    out: list[TokenLogprobs | None] = []
+    for row, keep in enumerate(mask_np):
+        k = None if num_wanted_np is None else int(num_wanted_np[row])
+        if not keep or (k is not None and k < 0):
+            out.append(None)
+            continue
+        n = len(ids[row]) if k is None else 1 + k
+        out.append(TokenLogprobs(ids[row][:n], vals[row][:n], int(ranks[row])))
+    return out

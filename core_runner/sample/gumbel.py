@@ -1,13 +1,20 @@
-"""Gumbel-max sampling with counter-based noise: argmax(logits / T + g), no softmax.
+"""Gumbel-max sampling with counter-based noise: argmax(logits + g), no softmax.
 
-The noise of (seed, position, token id) is a pure function of those three numbers -- a 32-bit
-integer hash -- so a seeded request draws the same tokens alone, in any batch, in any row
-order, with any chunking, and after a preemption. Greedy rows (T == 0) take the plain argmax.
+Logits arrive temperature-scaled and filtered (-inf = excluded). The noise of (seed, position,
+token id) is a pure function of those three numbers -- a 32-bit integer hash -- so a seeded
+request draws the same tokens alone, in any batch, in any row order, with any chunking, and
+after a preemption. Greedy rows take the plain argmax.
+
+`_gumbel_sample_kernel` (Triton, one program per row, streaming the vocabulary in blocks and
+keeping a running max) -> `gumbel_sample()` (dispatch) -> `gumbel_sample_ref()` (torch
+specification; the kernel reproduces its noise bit for bit).
 """
 
 from __future__ import annotations
 
 import torch
+
+from slotrunner.core_runner.triton_utils import HAS_TRITON, triton, tl, use_triton
 
 _M32 = 0xFFFFFFFF
 _TINY = 2.0**-25  # keeps u in (0, 1): -log(-log(u)) stays finite
@@ -41,7 +48,7 @@ def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: i
 
 
 def gumbel_sample_ref(
-    logits: torch.Tensor,  # [rows, vocab] float32, temperature-scaled and filtered (-inf = excluded)
+    logits: torch.Tensor,  # [rows, vocab] temperature-scaled and filtered
     greedy: torch.Tensor,  # [rows] bool, rows that take the plain argmax
     seeds: torch.Tensor,  # [rows] int64
     positions: torch.Tensor,  # [rows] int64
@@ -49,3 +56,78 @@ def gumbel_sample_ref(
     noise = gumbel_noise_ref(seeds, positions, logits.shape[-1])
     noise = noise.masked_fill_(greedy[:, None], 0.0)
     return (logits.float() + noise).argmax(dim=-1)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fmix32_tl(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+        x = x ^ (x >> 13)
+        x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _gumbel_sample_kernel(
+        logits_ptr,  # [rows, vocab]
+        logits_stride,
+        greedy_ptr,  # [rows] int8
+        seeds_ptr,  # [rows] int64
+        positions_ptr,  # [rows] int64
+        out_ptr,  # [rows] int64
+        vocab_size,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        greedy = tl.load(greedy_ptr + row) != 0
+        seed = tl.load(seeds_ptr + row).to(tl.uint64)
+        pos = tl.load(positions_ptr + row).to(tl.uint64)
+        m32 = 0xFFFFFFFF
+        key = _fmix32_tl(((seed >> 32) & m32) ^ _fmix32_tl((seed & m32) ^ _fmix32_tl(pos & m32)))
+        best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_idx = tl.full([BLOCK], 0, tl.int64)
+        for start in range(0, vocab_size, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < vocab_size
+            x = tl.load(logits_ptr + row * logits_stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            if not greedy:
+                h = _fmix32_tl(key ^ ((offs.to(tl.uint64) * 0x9E3779B9) & m32))
+                u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
+                u = tl.minimum(tl.maximum(u, 2.9802322387695312e-08), 1.0 - 2.9802322387695312e-08)
+                x = x - tl.log(-tl.log(u))
+            take = (x > best_val) & mask
+            best_val = tl.where(take, x, best_val)
+            best_idx = tl.where(take, offs.to(tl.int64), best_idx)
+        # Reduce the per-lane maxima; among equal values prefer the lowest token id (as argmax).
+        top = tl.max(best_val, axis=0)
+        candidates = tl.where(best_val == top, best_idx, vocab_size)
+        tl.store(out_ptr + row, tl.min(candidates, axis=0))
+
+
+def gumbel_sample(
+    logits: torch.Tensor,  # [rows, vocab]
+    greedy: torch.Tensor,  # [rows] bool
+    seeds: torch.Tensor,  # [rows] int64
+    positions: torch.Tensor,  # [rows] int64
+) -> torch.Tensor:  # [rows] int64
+    """Triton on CUDA (or when forced for tests), the torch reference elsewhere."""
+    assert logits.dim() == 2 and greedy.shape == seeds.shape == positions.shape == logits.shape[:1], (
+        f"shapes: logits {tuple(logits.shape)}, greedy {tuple(greedy.shape)}, seeds {tuple(seeds.shape)}, "
+        f"positions {tuple(positions.shape)}"
+    )
+    if not use_triton(logits.device) or logits.shape[0] == 0:
+        return gumbel_sample_ref(logits, greedy, seeds, positions)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _gumbel_sample_kernel[(logits.shape[0],)](
+        logits,
+        logits.stride(0),
+        greedy.to(torch.int8),
+        seeds.to(torch.int64),
+        positions.to(torch.int64),
+        out,
+        logits.shape[1],
+        BLOCK=1024,
+    )
+    return out

@@ -1,4 +1,9 @@
-"""SamplingStates: per-slot sampling parameters, written at admission, gathered per step."""
+"""SamplingStates: per-slot sampling parameters, written at admission, gathered per step.
+
+Numeric parameters live in host arrays indexed by slot; ragged ones (logit bias, allowed ids,
+bad words) in per-slot lists. `gather` builds one step's `BatchSamplingParams` and decides on
+the host which stages run: a stage no row uses costs nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,31 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slotrunner.sampling_params import SamplingParams
+from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+
+
+@dataclass(frozen=True)
+class SparseBias:
+    """Additive logit bias for some (row, token) pairs."""
+
+    rows: torch.Tensor  # [nnz] int64
+    tokens: torch.Tensor  # [nnz] int64
+    values: torch.Tensor  # [nnz] float32
+
+
+@dataclass(frozen=True)
+class PenaltyParams:
+    rows: torch.Tensor  # [num_penalized] batch rows that use any penalty
+    rows_np: np.ndarray  # [num_penalized] the same, on the host
+    slots: torch.Tensor  # [num_penalized] their slots (to read token history)
+    repetition: torch.Tensor  # [num_penalized] float32
+    frequency: torch.Tensor  # [num_penalized] float32
+    presence: torch.Tensor  # [num_penalized] float32
 
 
 @dataclass(frozen=True)
 class BatchSamplingParams:
-    """Sampling parameters of one step's rows; a filter that no row uses is None."""
+    """Sampling parameters of one step's rows; a stage that no row uses is None."""
 
     temperature: torch.Tensor  # [rows] float32, 0 for greedy rows
     seeds: torch.Tensor  # [rows] int64
@@ -20,40 +44,134 @@ class BatchSamplingParams:
     top_p: torch.Tensor | None  # [rows] float32
     min_p: torch.Tensor | None  # [rows] float32
     all_greedy: bool
+    bias: SparseBias | None  # logit_bias, plus -inf for banned tokens (bad words, min_tokens)
+    allowed_mask: torch.Tensor | None  # [rows, vocab] bool; only built when a row restricts tokens
+    penalties: PenaltyParams | None
+    max_num_logprobs: int  # -1: no row wants logprobs
+    num_logprobs_np: np.ndarray  # [rows] requested top-k per row, -1 for none
 
 
 class SamplingStates:
-    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
+        self.vocab_size = vocab_size
         self.temperature_np = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p_np = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p_np = np.zeros(max_num_reqs, dtype=np.float32)
         self.seeds_np = np.zeros(max_num_reqs, dtype=np.int64)
+        self.repetition_np = np.ones(max_num_reqs, dtype=np.float32)
+        self.frequency_np = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_np = np.zeros(max_num_reqs, dtype=np.float32)
+        self.min_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.logit_bias: list[dict[int, float] | None] = [None] * max_num_reqs
+        self.allowed: list[list[int] | None] = [None] * max_num_reqs
+        self.bad_words: list[tuple[tuple[int, ...], ...]] = [()] * max_num_reqs
+        self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs  # suppressed until min_tokens
 
-    def add_request(self, slot: int, params: SamplingParams, seed: int) -> None:
-        self.temperature_np[slot] = 0.0 if params.greedy else params.temperature
-        self.top_k_np[slot] = max(params.top_k, 0)
-        self.top_p_np[slot] = params.top_p
-        self.min_p_np[slot] = params.min_p
-        self.seeds_np[slot] = seed & 0x7FFFFFFFFFFFFFFF
+    def add_request(self, slot: int, req: NewRequestData) -> None:
+        p = req.sampling_params
+        self.temperature_np[slot] = 0.0 if p.greedy else p.temperature
+        self.top_k_np[slot] = max(p.top_k, 0)
+        self.top_p_np[slot] = p.top_p
+        self.min_p_np[slot] = p.min_p
+        self.seeds_np[slot] = req.seed & 0x7FFFFFFFFFFFFFFF
+        self.repetition_np[slot] = p.repetition_penalty
+        self.frequency_np[slot] = p.frequency_penalty
+        self.presence_np[slot] = p.presence_penalty
+        self.min_tokens_np[slot] = p.min_tokens
+        self.num_logprobs_np[slot] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs_np[slot] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.logit_bias[slot] = p.logit_bias or None
+        self.allowed[slot] = p.allowed_token_ids
+        self.bad_words[slot] = req.bad_words_token_ids
+        self.stop_ids[slot] = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else req.eos_token_ids)
 
-    def gather(self, idx_mapping_np: np.ndarray) -> BatchSamplingParams:
-        """Per-row parameters; which filters run is decided here, on the host."""
-        t = self.temperature_np[idx_mapping_np]
+    def gather(
+        self,
+        idx_mapping_np: np.ndarray,  # [rows] slot of each logits row
+        num_output_tokens_np: np.ndarray,  # [rows] tokens generated so far
+        token_history: list[list[int]] | None = None,  # per row, only needed when a row has bad words
+    ) -> BatchSamplingParams:
+        """Per-row parameters; which stages run is decided here, on the host."""
+        idx = idx_mapping_np
+        t = self.temperature_np[idx]
         sampling = t > 0  # filters only matter for sampled rows
-        top_k = self.top_k_np[idx_mapping_np]
-        top_p = self.top_p_np[idx_mapping_np]
-        min_p = self.min_p_np[idx_mapping_np]
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
-
+        top_k, top_p, min_p = self.top_k_np[idx], self.top_p_np[idx], self.min_p_np[idx]
+        rep, freq, pres = self.repetition_np[idx], self.frequency_np[idx], self.presence_np[idx]
+        penalized = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+        num_logprobs = self.num_logprobs_np[idx]
         return BatchSamplingParams(
-            temperature=to_dev(t),
-            seeds=to_dev(self.seeds_np[idx_mapping_np]),
-            top_k=to_dev(top_k) if (sampling & (top_k > 0)).any() else None,
-            top_p=to_dev(top_p) if (sampling & (top_p < 1.0)).any() else None,
-            min_p=to_dev(min_p) if (sampling & (min_p > 0.0)).any() else None,
+            temperature=self._dev(t),
+            seeds=self._dev(self.seeds_np[idx]),
+            top_k=self._dev(top_k) if (sampling & (top_k > 0)).any() else None,
+            top_p=self._dev(top_p) if (sampling & (top_p < 1.0)).any() else None,
+            min_p=self._dev(min_p) if (sampling & (min_p > 0.0)).any() else None,
             all_greedy=not sampling.any(),
+            bias=self._bias(idx, num_output_tokens_np, token_history),
+            allowed_mask=self._allowed_mask(idx),
+            penalties=None
+            if penalized.size == 0
+            else PenaltyParams(
+                rows=self._dev(penalized),
+                rows_np=penalized,
+                slots=self._dev(idx[penalized]),
+                repetition=self._dev(rep[penalized]),
+                frequency=self._dev(freq[penalized]),
+                presence=self._dev(pres[penalized]),
+            ),
+            max_num_logprobs=int(num_logprobs.max()) if len(idx) else -1,
+            num_logprobs_np=num_logprobs,
         )
+
+    def needs_history(self, idx_mapping_np: np.ndarray) -> bool:
+        """Whether `gather` needs the rows' token history (multi-token bad words)."""
+        return any(any(len(w) > 1 for w in self.bad_words[s]) for s in idx_mapping_np)
+
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+    def _bias(
+        self, idx: np.ndarray, num_output_np: np.ndarray, history: list[list[int]] | None
+    ) -> SparseBias | None:
+        rows: list[int] = []
+        tokens: list[int] = []
+        values: list[float] = []
+        for row, slot in enumerate(idx.tolist()):
+            if self.logit_bias[slot]:
+                for tok, val in self.logit_bias[slot].items():
+                    if tok < self.vocab_size:
+                        rows.append(row)
+                        tokens.append(tok)
+                        values.append(val)
+            for word in self.bad_words[slot]:
+                # A bad word's last token is banned when the tokens before it were just generated.
+                prefix = word[:-1]
+                if not prefix or (history is not None and tuple(history[row][-len(prefix):]) == prefix):
+                    rows.append(row)
+                    tokens.append(word[-1])
+                    values.append(float("-inf"))
+            if num_output_np[row] < self.min_tokens_np[slot]:
+                for tok in self.stop_ids[slot]:
+                    rows.append(row)
+                    tokens.append(tok)
+                    values.append(float("-inf"))
+        if not rows:
+            return None
+        return SparseBias(
+            rows=self._dev(np.array(rows, dtype=np.int64)),
+            tokens=self._dev(np.array(tokens, dtype=np.int64)),
+            values=self._dev(np.array(values, dtype=np.float32)),
+        )
+
+    def _allowed_mask(self, idx: np.ndarray) -> torch.Tensor | None:
+        restricted = [(row, self.allowed[s]) for row, s in enumerate(idx.tolist()) if self.allowed[s] is not None]
+        if not restricted:
+            return None
+        mask = np.ones((len(idx), self.vocab_size), dtype=bool)
+        for row, allowed in restricted:
+            mask[row] = False
+            mask[row, [t for t in allowed if t < self.vocab_size]] = True
+        return self._dev(mask)

@@ -59,7 +59,7 @@ def test_register_rejects_non_model_state():
         registry.register_model("Bad", LlamaForCausalLM, model_state_cls=dict)
 
 
-def test_resolution_order():
+def test_resolution_order(monkeypatch):
     class Declaring(LlamaForCausalLM):
         model_state_cls = OtherState
 
@@ -70,6 +70,10 @@ def test_resolution_order():
     registry.register_model("EncDec", LlamaForCausalLM)
     cfg = config("EncDec")
     cfg.is_encoder_decoder = True
+    families = dict(registry.FAMILY_STATES, encoder_decoder=f"{__name__}:OtherState")
+    monkeypatch.setattr(registry, "FAMILY_STATES", families)
+    assert registry.resolve(cfg).model_state_cls is OtherState, "config traits pick the family"
+    families["encoder_decoder"] = "slotrunner.model_states.no_such_family:State"
     with pytest.raises(registry.UnknownArchitectureError, match="encoder_decoder family"):
         registry.resolve(cfg)
 

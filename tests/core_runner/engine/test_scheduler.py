@@ -24,7 +24,7 @@ TOKEN_BASE = 1000  # the fake model samples TOKEN_BASE + (position of the new to
 
 
 def make_config(**overrides: int) -> EngineConfig:
-    kwargs = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=64)
+    kwargs = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=64, vocab_size=2000)
     kwargs.update(overrides)
     return EngineConfig(model="fake", device=torch.device("cpu"), dtype=torch.float32, **kwargs)
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from slotrunner.core_runner.engine.scheduler_output import NewRequestData
 from slotrunner.core_runner.sample.filters import apply_top_k_top_p_min_p
 from slotrunner.core_runner.sample.gumbel import gumbel_noise_ref, uniform_noise_ref
 from slotrunner.core_runner.sample.sampler import Sampler
@@ -23,11 +24,15 @@ NUM_DRAWS = 4000
 FREQ_TOL = 0.03  # absolute tolerance on empirical frequencies with 4000 draws
 
 
+def new_req(params: SamplingParams, seed: int) -> NewRequestData:
+    return NewRequestData("r", 1, [1], [0], 0, params, seed)
+
+
 def batch_params(params: list[SamplingParams], seeds: list[int]):
-    states = SamplingStates(len(params), torch.device("cpu"))
+    states = SamplingStates(len(params), VOCAB, torch.device("cpu"))
     for slot, (p, s) in enumerate(zip(params, seeds)):
-        states.add_request(slot, p, s)
-    return states.gather(np.arange(len(params)))
+        states.add_request(slot, new_req(p, s))
+    return states.gather(np.arange(len(params)), np.zeros(len(params), dtype=np.int64))
 
 
 def test_noise_is_a_pure_function_of_seed_position_token():
@@ -46,14 +51,14 @@ def test_greedy_rows_take_argmax_next_to_sampled_rows():
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB)
     params = batch_params([SamplingParams(temperature=0), SamplingParams(temperature=1.5), SamplingParams(temperature=0)], [1, 2, 3])
-    out = Sampler()(logits, params, torch.tensor([3, 4, 5]))
+    out = Sampler()(logits, params, torch.tensor([3, 4, 5])).sampled
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
 def empirical(logits_row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Frequencies over NUM_DRAWS seeds of one row."""
     params = batch_params([sp] * NUM_DRAWS, list(range(NUM_DRAWS)))
-    out = Sampler()(logits_row.expand(NUM_DRAWS, -1), params, torch.zeros(NUM_DRAWS, dtype=torch.int64))
+    out = Sampler()(logits_row.expand(NUM_DRAWS, -1), params, torch.zeros(NUM_DRAWS, dtype=torch.int64)).sampled
     return torch.bincount(out, minlength=VOCAB).float() / NUM_DRAWS
 
 

@@ -1,0 +1,34 @@
+"""Triton availability and the one switch that decides where kernels run.
+
+Kernels run as Triton on CUDA devices; elsewhere their torch reference runs. Setting
+`SLOTRUNNER_FORCE_TRITON=1` together with `TRITON_INTERPRET=1` runs the Triton kernels on CPU
+through the interpreter -- how CI checks every kernel against its reference. Environment
+variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FORCE_TRITON = os.environ.get("SLOTRUNNER_FORCE_TRITON", "0") == "1"
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # e.g. macOS wheels of torch without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def use_triton(device: torch.device) -> bool:
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return FORCE_TRITON and TRITON_INTERPRET and device.type == "cpu"
