@@ -41,3 +41,26 @@ def smollm2_hf_dir(tmp_path_factory):
     model.save_pretrained(str(directory))
     ckpt.tokenizer.save_pretrained(str(directory))
     return directory
+
+
+@pytest.fixture
+def run_interpreted():
+    """Run a module-level check function of a test file in a subprocess where Triton kernels
+    execute through the Triton interpreter on CPU (`TRITON_INTERPRET=1`), dispatched by the
+    kernels' wrappers (`SLOTRUNNER_FORCE_TRITON=1`). The environment must be set before triton
+    is imported, hence the subprocess. Skips when triton is not installed."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+
+    def run(func) -> str:
+        path = sys.modules[func.__module__].__file__
+        code = f"import runpy; runpy.run_path({path!r})[{func.__name__!r}]()"
+        env = dict(os.environ, TRITON_INTERPRET="1", SLOTRUNNER_FORCE_TRITON="1")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{func.__name__} failed under the Triton interpreter:\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+
+    return run

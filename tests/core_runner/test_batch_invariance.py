@@ -1,5 +1,8 @@
 """Batch invariance: a request yields exactly the tokens it yields alone, whatever the batch.
 
+Covers 32 mixed requests (greedy, seeded sampling with filters, penalties, logit bias,
+min_tokens) in one batch, with an odd chunk budget, with forced preemption, and shuffled.
+
 Guards against: state leaking between slots, chunked prefill resuming at the wrong offset,
 preemption that loses or duplicates tokens on recompute, seeded noise that depends on the row
 a request lands in, and any dependence on submission order.
@@ -14,19 +17,30 @@ import pytest
 from slotrunner import LLM, SamplingParams
 
 
+NUM_REQUESTS = 32
+
+
 def make_requests():
+    """32 requests mixing lengths, greedy and seeded sampling, filters, penalties and biases."""
     rng = random.Random(0)
     prompts, params = [], []
-    for i in range(10):
+    for i in range(NUM_REQUESTS):
         length = rng.choice([1, 2, 5, 9, 17, 23, 31])
         prompts.append({"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(length)]})
-        max_tokens = rng.randrange(2, 14)
-        if i % 3 == 0:
-            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        elif i % 3 == 1:
-            sp = SamplingParams(temperature=0.9, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True)
+        common = dict(max_tokens=rng.randrange(2, 14), ignore_eos=True, seed=1000 + i)
+        kind = i % 6
+        if kind == 0:
+            sp = SamplingParams(temperature=0, **common)
+        elif kind == 1:
+            sp = SamplingParams(temperature=0.9, **common)
+        elif kind == 2:
+            sp = SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, **common)
+        elif kind == 3:
+            sp = SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, **common)
+        elif kind == 4:
+            sp = SamplingParams(temperature=1.0, logit_bias={7: 3.0, 11: -5.0}, min_tokens=2, **common)
         else:
-            sp = SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, seed=2000 + i, max_tokens=max_tokens, ignore_eos=True)
+            sp = SamplingParams(temperature=0, repetition_penalty=1.5, **common)
         params.append(sp)
     return prompts, params
 
@@ -41,9 +55,9 @@ def alone(tiny_llama_dir):
 @pytest.mark.parametrize(
     "engine_args",
     [
-        dict(max_num_seqs=16),  # everything in one batch
+        dict(max_num_seqs=32),  # everything in one batch
         dict(max_num_seqs=3, max_num_batched_tokens=7),  # odd chunk budget; requests finish and join
-        dict(max_num_seqs=5, max_num_batched_tokens=11, num_kv_blocks=16),  # scarce blocks: preemption
+        dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=18),  # scarce blocks: preemption
     ],
     ids=["one-batch", "chunked-joining", "preempting"],
 )

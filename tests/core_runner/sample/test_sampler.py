@@ -97,3 +97,32 @@ def test_filters_that_no_row_uses_are_skipped():
     params = batch_params([SamplingParams(temperature=0.5), SamplingParams(temperature=0, top_k=3)], [0, 1])
     assert params.top_k is None and params.top_p is None and params.min_p is None
     assert not params.all_greedy
+
+
+def filtered_softmax(row: torch.Tensor, t: float, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The specification: softmax(row / t), restricted to the top-p nucleus and min-p set."""
+    probs = (row / t).softmax(-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    order = probs.argsort(descending=True)
+    mass = 0.0
+    for rank, tok in enumerate(order.tolist()):
+        if rank > 0 and mass >= top_p:
+            keep[tok] = False
+        mass += float(probs[tok])
+    keep &= probs >= min_p * probs.max()
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum()
+
+
+def test_top_p_sampling_matches_nucleus_distribution():
+    torch.manual_seed(3)
+    row = torch.randn(VOCAB) * 2
+    freq = empirical(row, SamplingParams(temperature=0.8, top_p=0.6))
+    assert (freq - filtered_softmax(row, 0.8, top_p=0.6)).abs().max() < FREQ_TOL
+
+
+def test_min_p_sampling_matches_distribution():
+    torch.manual_seed(4)
+    row = torch.randn(VOCAB) * 2
+    freq = empirical(row, SamplingParams(temperature=1.3, min_p=0.1))
+    assert (freq - filtered_softmax(row, 1.3, min_p=0.1)).abs().max() < FREQ_TOL
