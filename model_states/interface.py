@@ -78,6 +78,11 @@ class ModelState(abc.ABC):
 
     # Human-readable family name, shown by `python -m slotrunner models`.
     family: ClassVar[str] = "abstract"
+    # Whether a request may be admitted with KV blocks it did not compute itself (a parallel
+    # sample forked from its parent after the prompt; later, prefix-cache hits). True when
+    # `add_request` rebuilds all other per-request state from NewRequestData alone; families
+    # with recurrent state set False, and their parallel samples recompute the prompt.
+    shares_prefix_kv: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         """Called once, after the model is built and loaded. Allocate per-slot tables sized by

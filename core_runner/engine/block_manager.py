@@ -26,6 +26,12 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         # req_id -> block ids in sequence order: block i holds tokens [i*block_size, (i+1)*block_size).
         self._req_blocks: dict[str, list[int]] = {}
+        # Holders per block in use. Parallel samples of one prompt share its full blocks
+        # (`fork`); a block returns to the free list when its last holder frees it.
+        self._ref_count: dict[int, int] = {}
+        # Blocks a forked child must still copy from: held until the runner has copied them
+        # (the parent may finish and free them meanwhile).
+        self._pins: dict[str, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,8 +63,41 @@ class BlockManager:
             f"{len(self._free)} are free; call can_grow() before grow()"
         )
         new_ids = [self._free.popleft() for _ in range(num_new)]
+        for block in new_ids:
+            self._ref_count[block] = 1
         self._req_blocks.setdefault(req_id, []).extend(new_ids)
         return new_ids
+
+    def can_fork(self, num_tokens: int) -> bool:
+        return (num_tokens % self.block_size == 0) or bool(self._free)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Give `child_id` the parent's first `num_tokens` tokens of KV cache without recompute.
+
+        Full blocks are shared (reference counted, never written again: both sides only append
+        past them). A partly filled last block is copied into a fresh block, since both will
+        append into it. Returns the child's block ids and the (src, dst) block copies the runner
+        must perform before the child's first step. Callers check `can_fork` first.
+        """
+        assert child_id not in self._req_blocks, f"request {child_id!r} already holds blocks"
+        parent = self._req_blocks[parent_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        assert len(parent) >= num_full + (partial > 0), f"{parent_id!r} holds fewer than {num_tokens} tokens"
+        shared = parent[:num_full]
+        for block in shared:
+            self._ref_count[block] += 1
+        copies: list[tuple[int, int]] = []
+        blocks = list(shared)
+        if partial:
+            assert self._free, "fork needs a free block for the partial last block; call can_fork() first"
+            src, dst = parent[num_full], self._free.popleft()
+            self._ref_count[dst] = 1
+            self._ref_count[src] += 1  # pinned until release_pins: the copy happens on admission
+            self._pins[child_id] = [src]
+            copies.append((src, dst))
+            blocks.append(dst)
+        self._req_blocks[child_id] = blocks
+        return list(blocks), copies
 
     def block_ids(self, req_id: str) -> list[int]:
         """A copy of the blocks `req_id` holds, in sequence order ([] if it holds none)."""
@@ -72,9 +111,21 @@ class BlockManager:
         none, and the scheduler frees them through the same path. Because the entry is popped,
         a double free can never put a block on the free list twice.
         """
-        blocks = self._req_blocks.pop(req_id, None)
-        if blocks:
-            self._free.extend(blocks)
+        self.release_pins(req_id)
+        for block in self._req_blocks.pop(req_id, ()):
+            self._unref(block)
+
+    def release_pins(self, req_id: str) -> None:
+        """The runner has made (or will make before any other write this step) the block copies
+        of `req_id`'s fork: its source blocks need not be held any more."""
+        for block in self._pins.pop(req_id, ()):
+            self._unref(block)
+
+    def _unref(self, block: int) -> None:
+        self._ref_count[block] -= 1
+        if self._ref_count[block] == 0:
+            del self._ref_count[block]
+            self._free.append(block)
 
     def has_blocks(self, req_id: str) -> bool:
         return req_id in self._req_blocks

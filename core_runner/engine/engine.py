@@ -7,7 +7,7 @@ from typing import Any
 
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, check_sampling_params
-from slotrunner.core_runner.engine.output_processor import RequestTracker
+from slotrunner.core_runner.engine.output_processor import RequestGroup, RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
 from slotrunner.core_runner.runner.model_runner import ModelRunner
@@ -24,14 +24,14 @@ class LLMEngine:
         self.intake = intake
         self.tokenizer = intake.tokenizer
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, share_prefix_kv=type(runner.model_state).shares_prefix_kv)
         self._seed_rng = random.Random(config.seed)
-        self._tracked: dict[str, RequestTracker] = {}
+        self._groups: dict[str, RequestGroup] = {}  # user request id -> its n samples
         self._arrivals = 0
 
     def add_request(self, req_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (and changes nothing) on bad input."""
-        if req_id in self._tracked:
+        if req_id in self._groups:
             raise ValueError(f"request id {req_id!r} is already in use")
         check_sampling_params(params, self.intake)
         processed = type(self.runner.model_state).process_prompt(prompt, self.intake)
@@ -49,11 +49,14 @@ class LLMEngine:
         )
         self._arrivals += 1
         self.scheduler.add_request(request)
-        self._tracked[req_id] = RequestTracker(request, self.tokenizer)
+        self._groups[req_id] = RequestGroup(RequestTracker(request, self.tokenizer))
 
     def abort_request(self, req_id: str) -> None:
-        if self._tracked.pop(req_id, None) is not None:
-            self.scheduler.abort_request(req_id)
+        """Abort a user request (all of its samples); unknown or finished ids are ignored."""
+        group = self._groups.pop(req_id, None)
+        if group is not None:
+            for member in group.members.values():
+                self.scheduler.abort_request(member.request.req_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -64,22 +67,34 @@ class LLMEngine:
         self.runner.execute_model(sched_out)
         runner_out = self.runner.sample_tokens()
         for req_id, lp in runner_out.prompt_logprobs.items():
-            if req_id in self._tracked:
-                self._tracked[req_id].add_prompt_logprobs(lp)
+            if req_id in self._groups:
+                self._groups[req_id].members[0].add_prompt_logprobs(lp)
         row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
-        outputs = []
+        touched: dict[str, RequestGroup] = {}
         for request in self.scheduler.update(sched_out, runner_out):
-            tracker = self._tracked.get(request.req_id)
-            if tracker is None:
-                continue
-            stop_str = tracker.add_tokens(row_logprobs.get(request.req_id))
+            group = self._groups.get(request.group_id)
+            if group is None:
+                continue  # aborted while the step ran
+            tracker = group.members.get(request.sample_index)
+            if tracker is None:  # a parallel sample forked this step: its first token came from the parent's row
+                tracker = group.members[request.sample_index] = RequestTracker(request, self.tokenizer)
+                lps = row_logprobs.get(request.parent_id)
+            else:
+                lps = row_logprobs.get(request.req_id)
+            lp = None
+            if lps:
+                lp = lps[request.sample_index] if len(lps) > 1 else lps[0]
+            stop_str = tracker.add_tokens(lp)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            outputs.append(tracker.output())
-            if request.status.finished:
-                del self._tracked[request.req_id]
+            touched[request.group_id] = group
+        outputs = []
+        for group_id, group in touched.items():
+            outputs.append(group.output())
+            if group.finished:
+                del self._groups[group_id]
         return outputs
 
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:

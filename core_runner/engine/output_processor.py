@@ -52,22 +52,38 @@ class RequestTracker:
     def _decode(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def output(self) -> RequestOutput:
+    def completion(self) -> CompletionOutput:
         r = self.request
-        finished = r.status.finished
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=r.sample_index,
             text=self.detok.output_text,
             token_ids=list(r.output_token_ids),
-            finish_reason=r.status.value if finished else None,
+            finish_reason=r.status.value if r.status.finished else None,
             stop_reason=r.stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
         )
+
+
+class RequestGroup:
+    """The n samples of one user request: sample 0 is the request itself, samples 1..n-1 are
+    forked from it after its prefill. One RequestOutput covers them all."""
+
+    def __init__(self, parent: RequestTracker) -> None:
+        self.n = parent.request.sampling_params.n
+        self.members: dict[int, RequestTracker] = {0: parent}
+
+    @property
+    def finished(self) -> bool:
+        return len(self.members) == self.n and all(m.request.status.finished for m in self.members.values())
+
+    def output(self) -> RequestOutput:
+        parent = self.members[0]
+        r = parent.request
         return RequestOutput(
             r.req_id,
             r.prompt,
             list(r.prompt_token_ids),
-            [completion],
-            finished,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            [self.members[i].completion() for i in sorted(self.members)],
+            self.finished,
+            prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs),
         )

@@ -34,11 +34,22 @@ class Request:
     prompt: str | None = None
     family_inputs: FamilyInputs | None = None  # what the family's process_prompt extracted
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized at intake
+    # Parallel sampling (n > 1): the parent (sample 0) prefills once and samples n first tokens;
+    # samples 1..n-1 become child requests sharing its KV blocks.
+    parent_id: str | None = None  # set on children
+    sample_index: int = 0
+    pending_fork: bool = False  # a parent whose first sampling step is still ahead
+    # A forked child waiting for a slot: block copies (src, dst) the runner makes on admission.
+    fork_copies: tuple[tuple[int, int], ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+
+    @property
+    def group_id(self) -> str:
+        return self.parent_id if self.parent_id is not None else self.req_id
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,7 @@ class Scheduler:
     same SchedulerOutput before the next `schedule()`.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_prefix_kv: bool = True) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -39,6 +39,9 @@ class Scheduler:
         # Requests that held a slot and finished since the last schedule(): the runner frees them.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # total since start: tests and stats read it
+        # Whether forked parallel samples may share their parent's KV blocks (the family's
+        # ModelState.shares_prefix_kv); otherwise they recompute the prompt.
+        self.share_prefix_kv = share_prefix_kv
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -52,6 +55,7 @@ class Scheduler:
             f"request {request.req_id!r} has {request.num_tokens} tokens; the engine must reject "
             f"prompts that are empty or leave no room for output (max_model_len={self.max_model_len})"
         )
+        request.pending_fork = request.sampling_params.n > 1
         self._requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -123,18 +127,22 @@ class Scheduler:
                 break  # it preempted itself, so it was the last running request
             out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
             out.num_scheduled_tokens[request.req_id] = num_new
+            self._maybe_fan_out(request, num_new, out)
             scheduled.append(request)
             budget -= num_new
             i += 1
 
         while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            assert request.num_computed_tokens == 0, f"waiting request {request.req_id!r} has computed tokens"
-            num_new = min(request.num_tokens, budget)  # chunked prefill: the rest comes in later steps
-            if not self.block_manager.can_grow(request.req_id, num_new):
-                break  # FCFS: nobody overtakes the head of the queue
+            # A forked child already holds its parent's prompt KV (num_computed_tokens > 0).
+            num_computed = request.num_computed_tokens
+            num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
+            if not self.block_manager.can_grow(request.req_id, num_computed + num_new):
+                if self.running or not self._reclaim_waiting_blocks(keep=request):
+                    break  # FCFS: nobody overtakes the head of the queue
+                continue
             self.waiting.popleft()
-            self.block_manager.grow(request.req_id, num_new)
+            self.block_manager.grow(request.req_id, num_computed + num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.new_reqs.append(
@@ -143,21 +151,80 @@ class Scheduler:
                     prompt_len=len(request.prompt_token_ids),
                     prefill_token_ids=request.all_token_ids,  # prompt + output generated before a preemption
                     block_ids=self.block_manager.block_ids(request.req_id),
-                    num_computed_tokens=0,
+                    num_computed_tokens=num_computed,
                     sampling_params=request.sampling_params,
                     seed=request.seed,
                     family_inputs=request.family_inputs,
                     eos_token_ids=request.eos_token_ids,
                     bad_words_token_ids=request.bad_words_token_ids,
+                    kv_copies=request.fork_copies,
                 )
             )
+            request.fork_copies = ()
+            # The runner copies before this step's forward, before any new owner can write.
+            self.block_manager.release_pins(request.req_id)
             out.num_scheduled_tokens[request.req_id] = num_new
+            self._maybe_fan_out(request, num_new, out)
             scheduled.append(request)
             budget -= num_new
 
         for request in scheduled:
             request.num_computed_tokens += out.num_scheduled_tokens[request.req_id]
         return out
+
+    def _reclaim_waiting_blocks(self, keep: Request | None = None) -> bool:
+        """Free the blocks of the last waiting request that holds some (a forked parallel sample
+        not yet admitted), turning it into a plain recompute. Such blocks are the cheapest to
+        take back, and without this a queue head or a running request could wait forever on
+        blocks that nothing running will free. Returns whether anything was freed."""
+        for request in reversed(self.waiting):
+            if request is not keep and request.num_computed_tokens > 0:
+                self.block_manager.free(request.req_id)
+                request.num_computed_tokens = 0
+                request.fork_copies = ()
+                return True
+        return False
+
+    @staticmethod
+    def _maybe_fan_out(request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """An n > 1 parent whose chunk completes its prefill samples n first tokens at once."""
+        if request.pending_fork and request.num_computed_tokens + num_new >= request.num_tokens:
+            out.num_samples[request.req_id] = request.sampling_params.n
+
+    def _fork_children(self, parent: Request, first_tokens: list[int]) -> list[Request]:
+        """Samples 1..n-1 of `parent`, each with its first token, sharing the prompt's KV blocks.
+
+        A child that cannot get the block for its copy (or whose family keeps state beyond the KV
+        cache) waits with nothing computed and recomputes the prompt like a preempted request.
+        """
+        children = []
+        prompt_len = len(parent.prompt_token_ids)
+        for i, token in enumerate(first_tokens, start=1):
+            child = Request(
+                req_id=f"{parent.req_id}#{i}",
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=parent.sampling_params,
+                eos_token_ids=parent.eos_token_ids,
+                arrival=parent.arrival,
+                seed=(parent.seed + i) & 0x7FFFFFFFFFFFFFFF,
+                prompt=parent.prompt,
+                family_inputs=parent.family_inputs,
+                bad_words_token_ids=parent.bad_words_token_ids,
+                parent_id=parent.req_id,
+                sample_index=i,
+            )
+            child.output_token_ids.append(token)
+            child.check_stop(self.max_model_len)
+            children.append(child)
+            if child.status.finished:
+                continue
+            if self.share_prefix_kv and self.block_manager.can_fork(prompt_len):
+                _, child.fork_copies = self.block_manager.fork(parent.req_id, child.req_id, prompt_len)
+                child.num_computed_tokens = prompt_len
+            self._requests[child.req_id] = child
+        # Ahead of everything else waiting: they hold blocks, and they are the same request.
+        self.waiting.extendleft(reversed([c for c in children if not c.status.finished]))
+        return children
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[int] | None:
         """Grow `request` to hold `num_tokens` tokens, preempting from the tail of `running`
@@ -167,6 +234,8 @@ class Scheduler:
         `schedule` walks from the head), so no scheduled request is ever preempted.
         """
         while not self.block_manager.can_grow(request.req_id, num_tokens):
+            if self._reclaim_waiting_blocks():
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_req_ids.add(victim.req_id)
@@ -200,6 +269,11 @@ class Scheduler:
                 f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
                 f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
             )
+            children: list[Request] = []
+            if request.pending_fork and len(sampled) == request.sampling_params.n:
+                request.pending_fork = False
+                children = self._fork_children(request, sampled[1:])  # before a stop can free the parent
+                sampled = sampled[:1]
             for token_id in sampled:
                 request.output_token_ids.append(token_id)
                 request.check_stop(self.max_model_len)
@@ -208,4 +282,5 @@ class Scheduler:
             if request.status.finished:
                 self._remove(request)
             touched.append(request)
+            touched.extend(children)
         return touched

@@ -20,7 +20,7 @@ from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
-from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache
+from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, copy_kv_blocks
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState
@@ -36,6 +36,7 @@ class _ExecutedStep:
 
     batch: InputBatch
     hidden: torch.Tensor  # [num_tokens, hidden]
+    num_samples_np: np.ndarray  # [num_reqs] tokens to sample from each row's logits (n > 1 fan-out)
 
 
 class ModelRunner:
@@ -73,7 +74,8 @@ class ModelRunner:
         ctx = ForwardContext(self.attn_backend, AttentionMetadata.from_batch(batch), family_attn)
         with torch.inference_mode(), forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
-        self._executed = _ExecutedStep(batch, hidden)
+        num_samples = np.array([sched.num_samples.get(r, 1) for r in batch.req_ids], dtype=np.int64)
+        self._executed = _ExecutedStep(batch, hidden, num_samples)
 
     # -- step, part 2 -----------------------------------------------------------------------
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -82,30 +84,49 @@ class ModelRunner:
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = step.batch
+        # Logits row -> batch row: one row each, n rows for a parent fanning out its samples.
+        counts = np.where(batch.sample_mask_np, step.num_samples_np, 1)
+        expanded_rows_np = np.repeat(np.arange(batch.num_reqs), counts)
+        first_np = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each batch row's first logits row
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
-            out = self._sample(batch, logits)
-            post_update(self.req_state, batch, out.sampled)
+            if len(expanded_rows_np) != batch.num_reqs:
+                logits = logits.index_select(0, torch.from_numpy(expanded_rows_np).to(self.device))
+            out = self._sample(batch, logits, expanded_rows_np, first_np)
+            first = out.sampled if len(expanded_rows_np) == batch.num_reqs else out.sampled[torch.from_numpy(first_np).to(self.device)]
+            post_update(self.req_state, batch, first)
             num_sampled = torch.from_numpy(batch.sample_mask_np.astype(np.int32)).to(self.device)
             self.model_state.postprocess_state(batch, num_sampled, torch.zeros_like(num_sampled))
             sampled_np = out.sampled.cpu().numpy()
-            logprobs = to_token_logprobs(out.logprobs, batch.sample_mask_np, self.sampling_states.num_logprobs_np[batch.idx_mapping_np])
+            wanted = self.sampling_states.num_logprobs_np[batch.idx_mapping_np[expanded_rows_np]]
+            expanded_mask = batch.sample_mask_np[expanded_rows_np]
+            logprobs = to_token_logprobs(out.logprobs, expanded_mask, wanted)
+        sampled_ids, row_logprobs = [], []
+        for row in range(batch.num_reqs):
+            span = slice(first_np[row], first_np[row] + counts[row])
+            keep = batch.sample_mask_np[row]
+            sampled_ids.append([int(t) for t in sampled_np[span]] if keep else [])
+            row_logprobs.append(logprobs[span] if keep and logprobs[span.start] is not None else None)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
-            sampled_token_ids=[[int(t)] if m else [] for t, m in zip(sampled_np, batch.sample_mask_np)],
-            logprobs=logprobs,
+            sampled_token_ids=sampled_ids,
+            logprobs=row_logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> SamplerOutput:
-        idx = batch.idx_mapping_np
+    def _sample(
+        self, batch: InputBatch, logits: torch.Tensor, expanded_rows_np: np.ndarray, first_np: np.ndarray
+    ) -> SamplerOutput:
+        # expanded_idx_mapping: logits row -> slot; sample i of a row draws with seed + i.
+        idx = batch.idx_mapping_np[expanded_rows_np]
+        sample_index_np = np.arange(len(expanded_rows_np)) - first_np[expanded_rows_np]
         rs = self.req_state
         num_output_np = rs.num_tokens_np[idx] - rs.prompt_len_np[idx]
         history_lists = None
         if self.sampling_states.needs_history(idx):  # multi-token bad words: a small host copy
             history_lists = [rs.token_ids[s, : rs.num_tokens_np[s]].tolist() for s in idx]
-        params = self.sampling_states.gather(idx, num_output_np, history_lists)
+        params = self.sampling_states.gather(idx, num_output_np, history_lists, sample_index_np)
         history = None
         if params.penalties is not None:
             rows_np = params.penalties.rows_np
@@ -115,7 +136,10 @@ class ModelRunner:
                 torch.from_numpy(rs.num_tokens_np[idx[rows_np]]).to(self.device),
             )
         # The sampled token takes position seq_len: that position keys its Gumbel noise.
-        return self.sampler(logits, params, batch.seq_lens.to(torch.int64), history)
+        positions = batch.seq_lens.to(torch.int64)
+        if len(expanded_rows_np) != batch.num_reqs:
+            positions = positions[torch.from_numpy(expanded_rows_np).to(self.device)]
+        return self.sampler(logits, params, positions, history)
 
     def _prompt_logprobs(self, step: _ExecutedStep) -> dict[str, PromptLogprobs]:
         """Score the prompt tokens this step's chunk predicts, for rows that asked."""
@@ -156,6 +180,8 @@ class ModelRunner:
                 self.model_state.remove_request(slot)
         for new in sched.new_reqs:
             slot = self.req_state.add(new)
+            if new.kv_copies:  # a forked parallel sample: copy its partly filled last block
+                copy_kv_blocks(self.kv_caches, new.kv_copies)
             self.block_tables.reset(slot, new.block_ids)
             self.sampling_states.add_request(slot, new)
             self.model_state.add_request(slot, new)
@@ -176,8 +202,8 @@ class ModelRunner:
 def to_token_logprobs(
     lp: LogprobsTensors | None, mask_np: np.ndarray, num_wanted_np: np.ndarray | None
 ) -> list[TokenLogprobs | None]:
-    """Host lists per row (one copy of the small tensors); rows outside `mask_np`, or that
-    asked for no logprobs, get None. Each row keeps the chosen token plus its own top-k."""
+    """Host lists per logits row (one copy of the small tensors); rows outside `mask_np`, or
+    that asked for no logprobs, get None. Each row keeps the chosen token plus its own top-k."""
     if lp is None:
         return [None] * len(mask_np)
     ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()

@@ -28,6 +28,7 @@ class ModelRunnerOutput:
     # One list per batch row: the sampled token(s), empty for a prefill chunk that did not
     # reach the end of its prefill (nothing is sampled for it).
     sampled_token_ids: list[list[int]]
-    # Per batch row, for rows that sampled and asked for logprobs; else None.
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Per batch row, one entry per sampled token, for rows that sampled and asked for
+    # logprobs; else None.
+    logprobs: list[list[TokenLogprobs | None] | None] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

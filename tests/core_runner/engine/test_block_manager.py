@@ -98,3 +98,31 @@ def test_random_grow_free_never_leaks(ops: list[tuple[str, int, int]]) -> None:
     for r in req_ids:
         bm.free(r)
     assert bm.num_free_blocks == NUM_BLOCKS
+
+
+def test_fork_shares_full_blocks_copies_the_partial_one_and_pins_its_source():
+    """Guards against: a shared block returned to the free list while a sibling still uses it,
+    and the copy source reused by another request before the child's copy is made."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = bm.grow("p", 10)  # blocks for tokens 0..9: two full, one partial
+    child_blocks, copies = bm.fork("p", "c", 10)
+    assert child_blocks[:2] == parent[:2] and child_blocks[2] not in parent
+    assert copies == [(parent[2], child_blocks[2])]
+    bm.free("p")  # the parent finishes before the child is admitted
+    assert parent[2] not in list(bm._free), "the copy source is pinned until release_pins"
+    assert set(parent[:2]).isdisjoint(bm._free), "full blocks are still the child's"
+    bm.release_pins("c")
+    assert parent[2] in bm._free
+    bm.free("c")
+    assert bm.num_free_blocks == 8
+
+
+def test_fork_on_a_block_boundary_shares_everything():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    parent = bm.grow("p", 8)
+    blocks, copies = bm.fork("p", "c", 8)
+    assert blocks == parent and copies == []
+    assert bm.num_free_blocks == 2
+    bm.free("c")
+    bm.free("p")
+    assert bm.num_free_blocks == 4
