@@ -11,7 +11,6 @@ import torch
 from slotrunner.core_runner.config import EngineConfig, parse_dtype
 from slotrunner.core_runner.engine.engine import LLMEngine
 from slotrunner.core_runner.engine.intake import IntakeContext, PromptType
-from slotrunner.core_runner.loader.gguf_loader import default_model_path
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
 from slotrunner.core_runner.loader.source import open_model
 from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
@@ -59,11 +58,19 @@ class LLM:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
         if model is None:
+            # Imported here: the gguf package is only needed for GGUF files.
+            from slotrunner.core_runner.loader.gguf_loader import default_model_path
+
             model = default_model_path()
         source = open_model(model, torch_dtype, load_format)
         hf_config = source.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        model_max = getattr(text_config, "max_position_embeddings", None) or 2048
+        # Decoder length limit: max_position_embeddings, or max_target_positions (Whisper).
+        model_max = (
+            getattr(text_config, "max_position_embeddings", None)
+            or getattr(text_config, "max_target_positions", None)
+            or 2048
+        )
         if max_model_len is None:
             max_model_len = model_max
         elif max_model_len > model_max:
