@@ -1,0 +1,92 @@
+"""MambaMetadata: what Mamba mixer layers read from the forward context in one step.
+
+Built once per step by `MambaHybridModelState.prepare_attn` from the InputBatch (host-side numpy
+plus non-blocking copies: no host<->device sync), shared by every mixer layer of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slotrunner.model_states.interface import FamilyAttnMetadata
+
+
+@dataclass(frozen=True)
+class MambaMetadata(FamilyAttnMetadata):
+    """Batch rows split into decode rows and prefill rows; rows keep the batch order.
+
+    A *decode row* has exactly one query token: conv update + single-step recurrence advance its
+    slot's state. That includes a new request whose whole prompt is one token, whose slot state
+    was zeroed at admission. Every other row is a *prefill row*: varlen conv + chunked scan over
+    its tokens, starting from its slot's state when it has one (`num_computed_tokens > 0`: a later
+    chunk of a chunked prefill), else from zero. Tokens are gathered by index, never moved; the
+    per-slot pools are addressed through the state indices (= batch.idx_mapping).
+    """
+
+    num_reqs: int
+    num_tokens: int
+    state_indices: torch.Tensor  # [num_reqs] int64, slot of each batch row
+    has_initial_state: torch.Tensor  # [num_reqs] bool, num_computed_tokens > 0
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    # decode rows
+    num_decodes: int
+    decode_token_idx: torch.Tensor | None  # [num_decodes] int64 token of each decode row; None: every row
+    decode_state_indices: torch.Tensor  # [num_decodes] int64
+    # prefill rows, their tokens gathered back to back
+    num_prefills: int
+    num_prefill_tokens: int
+    prefill_token_idx: torch.Tensor | None  # [num_prefill_tokens] int64; None: every token, in order
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, over the gathered tokens
+    prefill_state_indices: torch.Tensor  # [num_prefills] int64
+    prefill_has_initial_state: torch.Tensor  # [num_prefills] bool
+
+    @classmethod
+    def build(
+        cls,
+        idx_mapping: torch.Tensor,  # [num_reqs] slot of each batch row, on the device
+        idx_mapping_np: np.ndarray,  # [num_reqs] the same, on the host
+        num_computed_tokens_np: np.ndarray,  # [num_reqs]
+        num_scheduled_tokens_np: np.ndarray,  # [num_reqs]
+        query_start_loc: torch.Tensor,  # [num_reqs + 1] on the device
+    ) -> MambaMetadata:
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(idx_mapping.device, non_blocking=True)
+
+        num_reqs = len(idx_mapping_np)
+        q_lens = num_scheduled_tokens_np.astype(np.int64)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        slots = idx_mapping_np.astype(np.int64)
+        has_init = num_computed_tokens_np > 0
+
+        is_decode = q_lens == 1
+        decode_rows = np.flatnonzero(is_decode)
+        prefill_rows = np.flatnonzero(~is_decode)
+        prefill_lens = q_lens[prefill_rows]
+        prefill_qsl = np.zeros(len(prefill_rows) + 1, dtype=np.int32)
+        np.cumsum(prefill_lens, out=prefill_qsl[1:])
+        # Gathers only when the two kinds of rows share the batch; else each path takes all tokens.
+        mixed = len(decode_rows) > 0 and len(prefill_rows) > 0
+        prefill_token_idx = None
+        if mixed:  # gathered token j of prefill row r is batch token qsl[r] + (j - prefill_qsl[r])
+            offsets = np.repeat(qsl[prefill_rows] - prefill_qsl[:-1], prefill_lens)
+            prefill_token_idx = dev(offsets + np.arange(int(prefill_qsl[-1]), dtype=np.int64))
+        return cls(
+            num_reqs=num_reqs,
+            num_tokens=int(qsl[-1]),
+            state_indices=idx_mapping,
+            has_initial_state=dev(has_init),
+            query_start_loc=query_start_loc,
+            num_decodes=len(decode_rows),
+            decode_token_idx=dev(qsl[decode_rows]) if mixed else None,
+            decode_state_indices=dev(slots[decode_rows]),
+            num_prefills=len(prefill_rows),
+            num_prefill_tokens=int(prefill_qsl[-1]),
+            prefill_token_idx=prefill_token_idx,
+            prefill_query_start_loc=dev(prefill_qsl),
+            prefill_state_indices=dev(slots[prefill_rows]),
+            prefill_has_initial_state=dev(has_init[prefill_rows]),
+        )
