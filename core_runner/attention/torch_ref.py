@@ -18,6 +18,7 @@ def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
+    position_bias: torch.Tensor | None = None,  # [num_heads, num_distances], see AttentionBackend
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     block_size = kv_cache.shape[2]
     out = torch.empty_like(q)
@@ -40,11 +41,18 @@ def paged_attention_ref(
         qh = q[q_start:q_end].transpose(0, 1).to(k.dtype)  # [heads, num_q, dim]
         kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq_len, dim]
         vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        bias = None
+        if position_bias is not None:
+            distance = (q_pos - k_pos).clamp(0, position_bias.shape[1] - 1)  # [num_q, seq_len]
+            bias = position_bias[:, distance].to(qh.dtype)  # [heads, num_q, seq_len]
         if spec.logits_soft_cap is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=spec.scale)
+            mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=spec.scale)
         else:
             scores = (qh @ kh.transpose(1, 2)).float() * spec.scale
             scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+            if bias is not None:
+                scores = scores + bias.float()
             scores = scores.masked_fill(~allowed, float("-inf"))
             o = (scores.softmax(-1).to(vh.dtype)) @ vh
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
@@ -62,6 +70,7 @@ class TorchRefBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention_ref(spec, q, kv_cache, meta)
+        return paged_attention_ref(spec, q, kv_cache, meta, position_bias)

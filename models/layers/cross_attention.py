@@ -1,0 +1,92 @@
+"""Cross-attention: decoder queries attend to their request's encoder keys/values.
+
+The keys/values are computed once per request, when its encoder runs, and stay in a per-slot
+cache (`cross_kv`, bound by the family's ModelState like the paged KV cache is bound to
+`Attention`). Each step, `CrossAttnMetadata` says which slot and how many encoder positions
+every batch row uses; the layer reads it from the forward context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from slotrunner.core_runner.runner.forward_context import get_forward_context
+from slotrunner.model_states.interface import FamilyAttnMetadata
+from slotrunner.models.layers.dense_attention import dense_attention
+
+
+@dataclass(frozen=True)
+class CrossAttnMetadata(FamilyAttnMetadata):
+    """Per batch row: the slot whose encoder K/V it reads, and the encoder length there."""
+
+    slots: torch.Tensor  # [num_reqs] int64, = batch.idx_mapping
+    slots_np: np.ndarray  # [num_reqs]
+    encoder_lens: torch.Tensor  # [num_reqs] int32
+    encoder_lens_np: np.ndarray  # [num_reqs]
+
+
+def cross_kv_shape(max_num_seqs: int, max_encoder_len: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's cross K/V cache: K and V, each [slots, max_encoder_len, heads, dim]."""
+    return (2, max_num_seqs, max_encoder_len, num_kv_heads, head_dim)
+
+
+def cross_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cross_kv: torch.Tensor,  # cross_kv_shape(...)
+    meta: CrossAttnMetadata,
+    query_start_loc_np: np.ndarray,  # [num_reqs + 1]
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """Reference: row by row, every query token attends to all of its slot's encoder positions."""
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for row in range(len(meta.slots_np)):
+        start, end = int(query_start_loc_np[row]), int(query_start_loc_np[row + 1])
+        if end == start:
+            continue
+        slot, n = int(meta.slots_np[row]), int(meta.encoder_lens_np[row])
+        assert n > 0, f"batch row {row} (slot {slot}) has no encoder output: its encoder never ran"
+        out[start:end] = dense_attention(q[start:end], cross_kv[0, slot, :n], cross_kv[1, slot, :n], scale)
+    return out
+
+
+class CrossAttention(nn.Module):
+    """The model-side handle of one decoder layer's per-slot cross K/V cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.cross_kv: torch.Tensor | None = None  # cross_kv_shape(...), bound by the ModelState
+
+    def store(
+        self,
+        slot: int,
+        k: torch.Tensor,  # [encoder_len, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [encoder_len, num_kv_heads * head_dim]
+    ) -> None:
+        """Write one request's encoder K/V into its slot (called once per admission)."""
+        assert self.cross_kv is not None, "cross-attention cache not bound: the ModelState's initialize_cache must run first"
+        n = k.shape[0]
+        assert n <= self.cross_kv.shape[2], f"encoder length {n} exceeds the cache's {self.cross_kv.shape[2]} positions"
+        self.cross_kv[0, slot, :n] = k.view(n, self.num_kv_heads, self.head_dim).to(self.cross_kv.dtype)
+        self.cross_kv[1, slot, :n] = v.view(n, self.num_kv_heads, self.head_dim).to(self.cross_kv.dtype)
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads * dim] -> same
+        assert self.cross_kv is not None, "cross-attention cache not bound before the forward"
+        ctx = get_forward_context()
+        meta = ctx.family_attn
+        assert isinstance(meta, CrossAttnMetadata), f"cross-attention needs CrossAttnMetadata, got {type(meta).__name__}"
+        q = q.view(-1, self.num_heads, self.head_dim)
+        return cross_attention_ref(q, self.cross_kv, meta, ctx.attn.query_start_loc_np, self.scale)
+
+
+def cross_attention_layers(model: nn.Module) -> list[CrossAttention]:
+    return [m for m in model.modules() if isinstance(m, CrossAttention)]
