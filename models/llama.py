@@ -16,6 +16,7 @@ from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.models.layers.attention import Attention
 from slotrunner.models.layers.linear import MergedLinear
+from slotrunner.models.layers.mrope import MRotaryEmbedding
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
 from slotrunner.models.weights import WeightLoader
@@ -40,6 +41,8 @@ class LlamaArgs:
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_windows: tuple[int | None, ...]  # per layer
     tie_word_embeddings: bool
+    # M-RoPE channel groups (Qwen2-VL's language model): positions may then be [3, num_tokens].
+    mrope_section: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf(cls, c: object, qkv_bias: bool | None = None, qk_norm: bool = False) -> LlamaArgs:
@@ -54,6 +57,8 @@ class LlamaArgs:
         else:
             windows = (window,) * c.num_hidden_layers
         attention_bias = bool(getattr(c, "attention_bias", False))
+        rope_params = {**(getattr(c, "rope_scaling", None) or {}), **(getattr(c, "rope_parameters", None) or {})}
+        mrope_section = rope_params.get("mrope_section")
         return cls(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
@@ -72,6 +77,7 @@ class LlamaArgs:
             qk_norm=qk_norm,
             sliding_windows=windows,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            mrope_section=tuple(mrope_section) if mrope_section else None,
         )
 
 
@@ -89,7 +95,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        if args.mrope_section is None:
+            self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+        else:
+            self.rotary_emb = MRotaryEmbedding(args.head_dim, args.max_position, args.rope, args.mrope_section)
         spec = AttentionSpec(
             num_heads=args.num_heads,
             num_kv_heads=args.num_kv_heads,

@@ -23,6 +23,26 @@ IN_TREE: dict[str, ArchEntry] = {
     "MistralForCausalLM": ArchEntry(f"{_M}.llama:MistralForCausalLM", tiny_config=f"{_T}:mistral"),
     "Qwen2ForCausalLM": ArchEntry(f"{_M}.llama:Qwen2ForCausalLM", tiny_config=f"{_T}:qwen2"),
     "Qwen3ForCausalLM": ArchEntry(f"{_M}.llama:Qwen3ForCausalLM", tiny_config=f"{_T}:qwen3"),
+    # Mamba hybrids: the ModelState is resolved from the config (recurrent layers -> mamba_hybrid).
+    "Mamba2ForCausalLM": ArchEntry(f"{_M}.mamba2:Mamba2ForCausalLM", tiny_config=f"{_T}:mamba2"),
+    "BambaForCausalLM": ArchEntry(f"{_M}.bamba:BambaForCausalLM", tiny_config=f"{_T}:bamba"),
+    # Encoder-decoders: BART and T5 resolve from the config (is_encoder_decoder); Whisper names
+    # the audio variant of the family's ModelState.
+    "BartForConditionalGeneration": ArchEntry(f"{_M}.bart:BartForConditionalGeneration", tiny_config=f"{_T}:bart"),
+    "T5ForConditionalGeneration": ArchEntry(f"{_M}.t5:T5ForConditionalGeneration", tiny_config=f"{_T}:t5"),
+    "WhisperForConditionalGeneration": ArchEntry(
+        f"{_M}.whisper:WhisperForConditionalGeneration",
+        model_state="slotrunner.model_states.encoder_decoder:AudioEncoderDecoderModelState",
+        tiny_config=f"{_T}:whisper",
+    ),
+    # Multimodal: MultimodalModelState, resolved from the vision/audio config.
+    "LlavaForConditionalGeneration": ArchEntry(f"{_M}.llava:LlavaForConditionalGeneration", tiny_config=f"{_T}:llava"),
+    "Qwen2VLForConditionalGeneration": ArchEntry(
+        f"{_M}.qwen2_vl:Qwen2VLForConditionalGeneration", tiny_config=f"{_T}:qwen2_vl"
+    ),
+    "Qwen2AudioForConditionalGeneration": ArchEntry(
+        f"{_M}.qwen2_audio:Qwen2AudioForConditionalGeneration", tiny_config=f"{_T}:qwen2_audio"
+    ),
 }
 
 # The families, by the ModelState that serves them.

@@ -43,3 +43,189 @@ def qwen2(**overrides: Any) -> Any:
 
 def qwen3(**overrides: Any) -> Any:
     return _build("Qwen3Config", num_hidden_layers=2, head_dim=16, **overrides)
+
+
+# Mamba2 has no attention or MLP: the text defaults' attention/MLP fields do not apply.
+_MAMBA2 = {k: v for k, v in _TEXT.items() if k not in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
+
+
+def mamba2(**overrides: Any) -> Any:
+    import transformers
+
+    fields = dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, expand=2, conv_kernel=4, num_hidden_layers=2, chunk_size=4)
+    return transformers.Mamba2Config(**{**_MAMBA2, **fields, **overrides})
+
+
+def bamba(**overrides: Any) -> Any:
+    return _build(
+        "BambaConfig",
+        num_hidden_layers=4,
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=4,
+        **overrides,
+    )
+
+
+# Encoder-decoders (CONFORMANCE.md's table). Built field by field: the decoder-only text
+# defaults above name fields these configs do not have.
+def whisper(**overrides: Any) -> Any:
+    import transformers
+
+    fields = dict(
+        vocab_size=1000, num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_source_positions=32, max_target_positions=64, pad_token_id=3, bos_token_id=4, eos_token_id=5,
+        decoder_start_token_id=6, begin_suppress_tokens=None, suppress_tokens=None, tie_word_embeddings=False,
+    )
+    return transformers.WhisperConfig(**{**fields, **overrides})
+
+
+def bart(**overrides: Any) -> Any:
+    import transformers
+
+    fields = dict(
+        vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return transformers.BartConfig(**{**fields, **overrides})
+
+
+def t5(**overrides: Any) -> Any:
+    import transformers
+
+    tie = overrides.pop("tie_word_embeddings", False)
+    fields = dict(
+        vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    config = transformers.T5Config(**{**fields, **overrides}, tie_word_embeddings=tie)
+    # T5Config forces tie_word_embeddings=True in its constructor (the kwarg only decides
+    # scale_decoder_outputs); an untied case must set it afterwards.
+    config.tie_word_embeddings = tie
+    return config
+
+
+def whisper_feature_extractor(hf_config: Any) -> Any:
+    """The feature extractor saved beside a tiny Whisper: one-second chunks whose hop gives
+    exactly the 2 * max_source_positions frames the encoder takes (real Whisper: 30 s, 3000)."""
+    import transformers
+
+    sampling_rate, frames = 16000, 2 * hf_config.max_source_positions
+    assert sampling_rate % frames == 0, f"{frames} frames do not divide one second at {sampling_rate} Hz"
+    return transformers.WhisperFeatureExtractor(
+        feature_size=hf_config.num_mel_bins, sampling_rate=sampling_rate, hop_length=sampling_rate // frames, chunk_length=1, n_fft=400
+    )
+
+
+# -- multimodal: a tiny tower + a 2-layer language model; placeholder ids sit below the text ids.
+
+
+def _text(model_type: str, **fields: Any) -> dict[str, Any]:
+    return {"model_type": model_type, **_TEXT, "num_hidden_layers": 2, **fields}
+
+
+def llava(**overrides: Any) -> Any:
+    import transformers
+
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    fields = dict(vision_config=vision, text_config=_text("llama"), image_token_id=3, image_seq_length=16,
+                  vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False,
+                  architectures=["LlavaForConditionalGeneration"])
+    return transformers.LlavaConfig(**{**fields, **overrides})
+
+
+def qwen2_vl(**overrides: Any) -> Any:
+    import transformers
+
+    vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, hidden_size=64, in_channels=3)
+    text = _text("qwen2_vl_text", rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+    fields = dict(vision_config=vision, text_config=text, image_token_id=3, video_token_id=4, vision_start_token_id=5,
+                  vision_end_token_id=6, tie_word_embeddings=False, architectures=["Qwen2VLForConditionalGeneration"])
+    return transformers.Qwen2VLConfig(**{**fields, **overrides})
+
+
+def qwen2_audio(**overrides: Any) -> Any:
+    import transformers
+
+    audio = dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128, d_model=64,
+                 max_source_positions=32)
+    fields = dict(audio_config=audio, text_config=_text("qwen2"), audio_token_id=3, tie_word_embeddings=False,
+                  architectures=["Qwen2AudioForConditionalGeneration"])
+    return transformers.Qwen2AudioConfig(**{**fields, **overrides})
+
+
+# Processors saved beside the tiny multimodal models, built offline: a word-level tokenizer
+# ("w<id>" is token <id>) whose special tokens sit at the config's placeholder ids.
+
+
+def tiny_tokenizer(special_tokens: list[str], vocab_size: int = 1000) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({tok: 3 + i for i, tok in enumerate(special_tokens)})
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size - 1)})
+    vocab["<unk>"] = vocab_size - 1
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=special_tokens,
+    )
+
+
+def llava_processor(hf_config: Any) -> Any:
+    """LlavaProcessor: CLIP preprocessing to the tower's image size, `<image>` at id 3."""
+    from transformers import LlavaProcessor
+
+    try:
+        from transformers import CLIPImageProcessorPil as ImageProcessor  # no torchvision needed
+    except ImportError:
+        from transformers import CLIPImageProcessor as ImageProcessor
+    size = hf_config.vision_config.image_size
+    images = ImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    return LlavaProcessor(
+        images, tiny_tokenizer(["<image>"]), patch_size=hf_config.vision_config.patch_size,
+        vision_feature_select_strategy=hf_config.vision_feature_select_strategy, num_additional_image_tokens=1,
+    )
+
+
+def qwen2_vl_image_processor(hf_config: Any) -> Any:
+    """The image processor alone: Qwen2VLProcessor needs a video processor, which needs
+    torchvision; without one, slotrunner expands `<|image_pad|>` itself."""
+    try:
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+    vc = hf_config.vision_config
+    unit = vc.patch_size * vc.spatial_merge_size
+    return ImageProcessor(
+        patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+        min_pixels=unit * unit, max_pixels=(8 * unit) ** 2,
+    )
+
+
+def qwen2_vl_tokenizer() -> Any:
+    return tiny_tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+
+
+def qwen2_audio_processor(hf_config: Any) -> Any:
+    """Qwen2AudioProcessor: one-second chunks giving the encoder's 2 * max_source_positions frames."""
+    import transformers
+
+    frames = 2 * hf_config.audio_config.max_source_positions
+    features = transformers.WhisperFeatureExtractor(
+        feature_size=hf_config.audio_config.num_mel_bins, sampling_rate=16000, hop_length=16000 // frames,
+        chunk_length=1, n_fft=400,
+    )
+    return transformers.Qwen2AudioProcessor(features, tiny_tokenizer(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]))

@@ -188,3 +188,90 @@ def check_case(
         hf_tokens = hf_greedy(hf_model, prompt, max_tokens)
         report.checks.append(compare_greedy(f"prompt {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
     return report
+
+
+# -- encoder-decoders -------------------------------------------------------------------------
+# The decoder-only helpers above feed transformers `input_ids` alone; an encoder-decoder takes
+# the encoder input (`input_ids` or `input_features`) plus `decoder_input_ids`.
+
+
+def build_seq2seq_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
+    """`build_case` for encoder-decoders (text or speech). Constant *buffers* that checkpoints
+    store (BART's zero `final_logits_bias`) are perturbed too, so a model that drops them fails."""
+    import transformers
+
+    torch.manual_seed(seed)
+    auto = transformers.AutoModelForSeq2SeqLM
+    if type(hf_config) in transformers.AutoModelForSpeechSeq2Seq._model_mapping:
+        auto = transformers.AutoModelForSpeechSeq2Seq
+    model = auto.from_config(hf_config, dtype=torch.float32)
+    perturb_constants(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    saved = set(model.state_dict())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            flat = buf.detach().flatten()
+            if buf.is_floating_point() and name in saved and flat.numel() and bool((flat == flat[0]).all()):
+                buf.add_(0.5 * torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    model.eval()
+    model.save_pretrained(str(directory))
+    return model
+
+
+def run_recorded_prompt(llm: Any, prompt: Any, max_tokens: int) -> RecordedRun:
+    """`run_recorded` for any prompt form (e.g. {"encoder_prompt": ..., "decoder_prompt": ...}):
+    greedy-generate it alone; `prompt_token_ids` of the result are the request's own (decoder)
+    prompt tokens."""
+    from slotrunner.sampling_params import SamplingParams
+
+    recorder = LogitsRecorder(llm.engine.runner.model)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0]
+        logits = recorder.logits()
+    finally:
+        recorder.close()
+    prompt_ids, tokens = list(out.prompt_token_ids), out.outputs[0].token_ids
+    expected_rows = len(prompt_ids) + len(tokens) - 1
+    assert logits.shape[0] == expected_rows, f"recorded {logits.shape[0]} positions, expected {expected_rows}"
+    return RecordedRun(prompt_ids, tokens, logits)
+
+
+def hf_seq2seq_logits(hf_model: torch.nn.Module, encoder_kwargs: dict[str, torch.Tensor], decoder_ids: list[int]) -> torch.Tensor:
+    """transformers' logits over one decoder sequence given one encoder input: [len, vocab]."""
+    with torch.no_grad():
+        out = hf_model(**encoder_kwargs, decoder_input_ids=torch.tensor([decoder_ids]))
+    return out.logits[0].float()
+
+
+def hf_seq2seq_greedy(
+    hf_model: torch.nn.Module, encoder_kwargs: dict[str, torch.Tensor], decoder_prompt: list[int], max_tokens: int
+) -> list[int]:
+    """Greedy continuation by transformers' forward, one full pass per token (generate() adds
+    model-specific logits processors -- Whisper's especially -- that are not the model)."""
+    seq = list(decoder_prompt)
+    for _ in range(max_tokens):
+        seq.append(int(hf_seq2seq_logits(hf_model, encoder_kwargs, seq)[-1].argmax()))
+    return seq[len(decoder_prompt) :]
+
+
+def check_seq2seq_case(
+    llm: Any,
+    hf_model: torch.nn.Module,
+    cases: list[tuple[Any, dict[str, torch.Tensor]]],  # (slotrunner prompt, transformers encoder kwargs)
+    max_tokens: int,
+    atol: float = LOGITS_ATOL,
+    rtol: float = LOGITS_RTOL,
+) -> CaseReport:
+    """`check_case` for encoder-decoders: decoder logits at every position and greedy tokens,
+    one request at a time."""
+    report = CaseReport()
+    for i, (prompt, encoder_kwargs) in enumerate(cases):
+        run = run_recorded_prompt(llm, prompt, max_tokens)
+        seq = run.prompt_token_ids + run.output_token_ids
+        ref = hf_seq2seq_logits(hf_model, encoder_kwargs, seq)[: len(seq) - 1]
+        n = len(run.prompt_token_ids)
+        report.checks.append(compare_logits(f"prompt {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol))
+        report.checks.append(compare_logits(f"prompt {i}: decode logits", run.logits[n:], ref[n:], atol, rtol))
+        hf_tokens = hf_seq2seq_greedy(hf_model, encoder_kwargs, run.prompt_token_ids, max_tokens)
+        report.checks.append(compare_greedy(f"prompt {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
+    return report

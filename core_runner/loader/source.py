@@ -7,6 +7,7 @@ the engine) sees the same record whichever it was.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from slotrunner.core_runner.loader.checkpoint import CheckpointError, iter_safetensors, load_hf_config, safetensors_files
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -73,17 +76,25 @@ def _hf_tokenizer(p: Path) -> Any | None:
 
 
 def _hf_processor(p: Path) -> Any | None:
-    """The processor saved with a model that takes media or audio (preprocessor_config.json)."""
-    if not (p / "preprocessor_config.json").is_file():
+    """The processor saved with a model that takes media or audio: a full processor
+    (processor_config.json, or one AutoProcessor builds from preprocessor_config.json), else the
+    image processor or feature extractor alone -- e.g. when the full processor needs a package
+    that is not installed."""
+    if not any((p / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
         return None
-    from transformers import AutoProcessor
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, PreTrainedTokenizerBase
 
-    try:
-        return AutoProcessor.from_pretrained(str(p))
-    except (OSError, ValueError, TypeError):
-        from transformers import AutoFeatureExtractor  # a feature extractor without a tokenizer
-
-        return AutoFeatureExtractor.from_pretrained(str(p))
+    errors = []
+    for auto in (AutoProcessor, AutoImageProcessor, AutoFeatureExtractor):
+        try:
+            processor = auto.from_pretrained(str(p))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError) as e:
+            errors.append(f"{auto.__name__}: {e}")
+            continue
+        if not isinstance(processor, PreTrainedTokenizerBase):  # AutoProcessor's fallback is the tokenizer
+            return processor
+    logger.warning("cannot load the processor saved in %s; media must be given pre-computed (%s)", p, "; ".join(errors))
+    return None
 
 
 def _eos_ids(p: Path, hf_config: Any) -> tuple[int, ...]:

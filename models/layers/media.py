@@ -1,0 +1,210 @@
+"""Media items at intake: reading a user's images and audio, and the per-architecture
+MediaHandler that turns them into the tensors the model's tower takes.
+
+A multimodal model class names its handler (`media_handler_cls`); the multimodal ModelState
+uses it at intake, where every mistake must become a clear ValueError. What a user may give as
+one item of `multi_modal_data`:
+
+- "image": a PIL image, a path, encoded bytes, or an HxWxC uint8 array -- preprocessed by the
+  processor saved with the model; or pre-computed processor outputs for one image, as a dict
+  (e.g. {"pixel_values": ..., "image_grid_thw": ...}) -- LLaVA also takes a bare pixel tensor
+  [3, H, W] -- used as given, for models whose processor cannot be built or loaded.
+- "audio": a 1-D waveform (numpy or torch), or (waveform, sampling_rate); or a dict of
+  pre-computed features ({"input_features": ..., "feature_attention_mask": ...}).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One preprocessed media item of a request."""
+
+    modality: str  # "image" | "audio"
+    data: Mapping[str, torch.Tensor]  # the processor's tensors for this item alone, batch dim first
+    num_tokens: int  # placeholder tokens it fills = rows of its embedding
+    content_hash: str  # of `data`: identical media share one encoder run
+
+
+def content_hash(modality: str, data: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(modality.encode(), digest_size=16)
+    for key in sorted(data):
+        t = data[key].detach().cpu().contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class MediaHandler(abc.ABC):
+    """How one architecture reads its media at intake. Built from the HF config alone."""
+
+    modality: ClassVar[str]  # the key of multi_modal_data: "image" | "audio"
+    processor_kwarg: ClassVar[str]  # the HF processor's keyword for it: "images" | "audio"
+    data_keys: ClassVar[tuple[str, ...]]  # the tensors of one item, as the processor names them
+
+    def __init__(self, hf_config: Any) -> None:
+        self.hf_config = hf_config
+        self.placeholder_id = self.placeholder_token_id(hf_config)
+
+    @staticmethod
+    @abc.abstractmethod
+    def placeholder_token_id(hf_config: Any) -> int:
+        """The token id whose positions the item's embedding fills."""
+
+    @abc.abstractmethod
+    def num_tokens(self, data: Mapping[str, torch.Tensor]) -> int:
+        """Placeholder tokens (= embedding rows) of one item."""
+
+    @abc.abstractmethod
+    def read(self, item: Any, index: int) -> Any:
+        """A raw item the processor takes, or a dict of pre-computed tensors; ValueError if the
+        item cannot be read."""
+
+    @abc.abstractmethod
+    def sub_processor(self, processor: Any) -> Any:
+        """The part of the saved processor that preprocesses this modality alone."""
+
+    @abc.abstractmethod
+    def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
+        """Processor outputs (batched over items) for raw items, without text."""
+
+    def check(self, data: Mapping[str, torch.Tensor], index: int) -> None:
+        """Raise ValueError if one item's tensors cannot be what the tower takes. Override to
+        check shapes; the default checks the keys."""
+        missing = [k for k in self.data_keys if k not in data]
+        if missing:
+            raise ValueError(f"{self.modality} {index}: missing {missing} (an item needs {list(self.data_keys)})")
+
+    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
+        """Extra keywords for the full processor's call (e.g. the audio sampling rate)."""
+        return {}
+
+    def processor_inputs(self, raw: Sequence[Any], processor: Any) -> list[Any]:
+        """What `read` returned for raw items, as the processor takes them."""
+        return list(raw)
+
+    def split(self, outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
+        """Processor outputs batched over items -> one dict per item (batch of one). Default:
+        every tensor has one row per item."""
+        return [{k: outputs[k][i : i + 1] for k in self.data_keys} for i in range(num_items)]
+
+    def precomputed(self, item: Any, index: int) -> dict[str, torch.Tensor]:
+        """A user's pre-computed item (a dict of tensors) as batch-of-one tensors."""
+        if not isinstance(item, Mapping):
+            raise ValueError(
+                f"{self.modality} {index}: give pre-computed inputs as a dict with {list(self.data_keys)}, "
+                f"got {type(item).__name__}"
+            )
+        unknown = set(item) - set(self.data_keys)
+        if unknown:
+            raise ValueError(f"{self.modality} {index}: unknown key(s) {sorted(unknown)}; an item takes {list(self.data_keys)}")
+        data = {}
+        for key, value in item.items():
+            t = torch.as_tensor(np.asarray(value)) if not isinstance(value, torch.Tensor) else value
+            data[key] = t.detach().cpu()
+        self.check(data, index)
+        return data
+
+
+class ImageHandler(MediaHandler):
+    modality = "image"
+    processor_kwarg = "images"
+
+    def read(self, item: Any, index: int) -> Any:
+        from PIL import Image, UnidentifiedImageError
+
+        if isinstance(item, Mapping):
+            return self.precomputed(item, index)
+        if isinstance(item, torch.Tensor):
+            return self.from_tensor(item, index)
+        try:
+            if isinstance(item, (str, Path)):
+                item = Image.open(item)
+            elif isinstance(item, (bytes, bytearray)):
+                item = Image.open(io.BytesIO(item))
+            elif isinstance(item, np.ndarray):
+                if item.ndim not in (2, 3) or item.dtype != np.uint8:
+                    raise ValueError(f"an image array must be HxW or HxWxC uint8, got {item.dtype} {item.shape}")
+                item = Image.fromarray(item)
+            if not isinstance(item, Image.Image):
+                raise ValueError(
+                    f"expected a PIL image, a path, bytes, a uint8 array or pre-computed tensors, got {type(item).__name__}"
+                )
+            item.load()  # decode now: a truncated or corrupt file fails here, not in the processor
+            return item.convert("RGB")
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as e:
+            raise ValueError(f"image {index} cannot be read: {e}") from None
+
+    def from_tensor(self, t: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
+        """A bare tensor as pre-computed input; models whose items need more than one tensor
+        refuse it."""
+        raise ValueError(f"image {index}: give pre-computed inputs as a dict with {list(self.data_keys)}, not a bare tensor")
+
+    def sub_processor(self, processor: Any) -> Any:
+        return getattr(processor, "image_processor", None) or processor
+
+    def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
+        return self.sub_processor(processor)(images=raw, return_tensors="pt")
+
+
+class AudioHandler(MediaHandler):
+    modality = "audio"
+    processor_kwarg = "audio"
+
+    def read(self, item: Any, index: int) -> Any:
+        if isinstance(item, Mapping):
+            return self.precomputed(item, index)
+        rate = None
+        if isinstance(item, tuple) and len(item) == 2:
+            item, rate = item
+        if isinstance(item, torch.Tensor):
+            item = item.detach().cpu().numpy()
+        if not isinstance(item, np.ndarray) or item.ndim != 1 or item.size == 0 or not np.issubdtype(item.dtype, np.number):
+            shape = getattr(item, "shape", None)
+            raise ValueError(
+                f"audio {index} cannot be read: expected a non-empty 1-D waveform (or (waveform, sampling_rate), "
+                f"or pre-computed features), got {type(item).__name__}{'' if shape is None else f' of shape {shape}'}"
+            )
+        if not np.isfinite(item).all():
+            raise ValueError(f"audio {index} cannot be read: the waveform holds NaN or infinite samples")
+        return item.astype(np.float32), rate
+
+    def sub_processor(self, processor: Any) -> Any:
+        return getattr(processor, "feature_extractor", None) or processor
+
+    def sampling_rate(self, processor: Any) -> int:
+        return int(self.sub_processor(processor).sampling_rate)
+
+    def processor_inputs(self, raw: Sequence[Any], processor: Any) -> list[Any]:
+        """The waveforms, after checking any given sampling rate against the processor's."""
+        expected = self.sampling_rate(processor)
+        waves = []
+        for i, (wave, rate) in enumerate(raw):
+            if rate is not None and int(rate) != expected:
+                raise ValueError(f"audio {i} is sampled at {rate} Hz; this model takes {expected} Hz (resample it first)")
+            waves.append(wave)
+        return waves
+
+    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
+        return {"sampling_rate": self.sampling_rate(processor)}
+
+    def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
+        out = self.sub_processor(processor)(
+            raw,
+            sampling_rate=self.sampling_rate(processor),
+            return_attention_mask=True,
+            padding="max_length",
+            return_tensors="pt",
+        )
+        return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"]}
