@@ -26,6 +26,11 @@ IN_TREE: dict[str, ArchEntry] = {
     # Mamba hybrids: the ModelState is resolved from the config (recurrent layers -> mamba_hybrid).
     "Mamba2ForCausalLM": ArchEntry(f"{_M}.mamba2:Mamba2ForCausalLM", tiny_config=f"{_T}:mamba2"),
     "BambaForCausalLM": ArchEntry(f"{_M}.bamba:BambaForCausalLM", tiny_config=f"{_T}:bamba"),
+    "GraniteMoeHybridForCausalLM": ArchEntry(
+        f"{_M}.granite_moe_hybrid:GraniteMoeHybridForCausalLM", tiny_config=f"{_T}:granite_moe_hybrid"
+    ),
+    "NemotronHForCausalLM": ArchEntry(f"{_M}.nemotron_h:NemotronHForCausalLM", tiny_config=f"{_T}:nemotron_h"),
+    "FalconH1ForCausalLM": ArchEntry(f"{_M}.falcon_h1:FalconH1ForCausalLM", tiny_config=f"{_T}:falcon_h1"),
     # Encoder-decoders: BART and T5 resolve from the config (is_encoder_decoder); Whisper names
     # the audio variant of the family's ModelState.
     "BartForConditionalGeneration": ArchEntry(f"{_M}.bart:BartForConditionalGeneration", tiny_config=f"{_T}:bart"),

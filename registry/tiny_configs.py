@@ -71,6 +71,79 @@ def bamba(**overrides: Any) -> Any:
     )
 
 
+
+def granite_moe_hybrid(**overrides: Any) -> Any:
+    # Rotary on (Granite 4.0 ships without) and non-unit multipliers, so that each is exercised.
+    return _build(
+        "GraniteMoeHybridConfig",
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        intermediate_size=32,  # per expert
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        position_embedding_type="rope",
+        embedding_multiplier=2.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.5,
+        logits_scaling=1.5,
+        mamba_n_heads=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=4,
+        **overrides,
+    )
+
+
+def nemotron_h(**overrides: Any) -> Any:
+    fields = {k: v for k, v in _TEXT.items() if k != "intermediate_size"}
+    import transformers
+
+    return transformers.NemotronHConfig(**{
+        **fields,
+        "intermediate_size": 128,
+        "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe"],
+        "head_dim": 16,
+        "ssm_state_size": 16,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        **overrides,
+    })
+
+
+def falcon_h1(**overrides: Any) -> Any:
+    # Non-unit muP multipliers (one per z/x/B/C/dt section too), so that each is exercised.
+    return _build(
+        "FalconH1Config",
+        num_hidden_layers=2,
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=4,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.7,
+        key_multiplier=0.8,
+        attention_in_multiplier=1.2,
+        attention_out_multiplier=0.9,
+        ssm_in_multiplier=1.1,
+        ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
+        mlp_multipliers=[1.25, 0.75],
+        **overrides,
+    )
+
 # Encoder-decoders (CONFORMANCE.md's table). Built field by field: the decoder-only text
 # defaults above name fields these configs do not have.
 def whisper(**overrides: Any) -> Any:

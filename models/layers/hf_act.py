@@ -12,6 +12,7 @@ _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # NemotronH
     "silu": F.silu,
     "swish": F.silu,
 }

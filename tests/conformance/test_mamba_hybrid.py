@@ -1,4 +1,5 @@
-"""Mamba hybrid conformance: Mamba2 and Bamba equal transformers, alone and in any batch.
+"""Mamba hybrid conformance: Mamba2, Bamba, GraniteMoeHybrid, NemotronH and FalconH1 equal
+transformers, alone and in any batch.
 
 Guards against: the conv window or SSM state not carried from prefill to decode or from one
 prefill chunk to the next (a chunk boundary anywhere in the prompt must not change a logit),
@@ -6,7 +7,10 @@ dt_bias / softplus / D / A_log / grouped gated norm applied wrong (constants are
 B and C groups mapped to the wrong heads (n_groups 2), Bamba's partial rotary or its attention
 layers on the paged cache, a slot's state leaking into the next request that gets the slot,
 preempted requests resuming from stale state instead of recomputing, and the tied-embedding
-loader path (`lm_head.weight` absent from the file).
+loader path (`lm_head.weight` absent from the file). GraniteMoeHybrid, NemotronH and FalconH1
+add top-k MoE routing (softmax over the top k; sigmoid + correction bias, renormalised), their
+muP multipliers (all set away from 1 in the tiny configs), NemotronH's per-expert checkpoint
+tensors under `backbone.*`, and FalconH1's parallel mixer + attention and its output gates.
 """
 
 from __future__ import annotations
@@ -40,8 +44,26 @@ CASES = {
     # Tied: only the logits say anything (a tied random model repeats one token), but the
     # loader path without lm_head in the file is what this case covers.
     "mamba2-tied": ("Mamba2ForCausalLM", {"tie_word_embeddings": True, **_mamba2_oracle_overrides()}),
+    "granite_moe_hybrid": ("GraniteMoeHybridForCausalLM", {}),
+    "nemotron_h": ("NemotronHForCausalLM", {}),
+    "falcon_h1": ("FalconH1ForCausalLM", {}),
+    # Logits only: FalconH1's optional grouped RMSNorm in the mixer (before the gate, the default).
+    "falcon_h1-rmsnorm": ("FalconH1ForCausalLM", {"mamba_rms_norm": True, "mamba_n_groups": 2}),
 }
-UNTIED = ["mamba2", "bamba"]
+UNTIED = ["mamba2", "bamba", "granite_moe_hybrid", "nemotron_h", "falcon_h1"]
+
+
+def _perturb_router_bias(hf_model: torch.nn.Module) -> bool:
+    """NemotronH's `e_score_correction_bias` is a zero buffer, which perturb_constants leaves
+    alone: give it values so that expert choice depends on it. True if anything changed."""
+    gen = torch.Generator().manual_seed(1)
+    found = False
+    with torch.no_grad():
+        for name, buf in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.5 * torch.randn(buf.shape, generator=gen))
+                found = True
+    return found
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +82,10 @@ def checkpoints(tmp_path_factory):
     saved = {}
     for name, (arch, overrides) in CASES.items():
         directory = tmp_path_factory.mktemp(name)
-        saved[name] = (directory, build_case(tiny_config(arch, **overrides), directory))
+        hf_model = build_case(tiny_config(arch, **overrides), directory)
+        if _perturb_router_bias(hf_model):
+            hf_model.save_pretrained(str(directory))
+        saved[name] = (directory, hf_model)
     return saved
 
 

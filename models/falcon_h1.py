@@ -1,0 +1,210 @@
+"""FalconH1ForCausalLM: every layer runs a Mamba2 mixer and attention in parallel on the same
+normed input, sums them into the residual, then a SwiGLU MLP.
+
+Falcon-H1's muP scalars, all from the config: embeddings times `embedding_multiplier`; the mixer
+input times `ssm_in_multiplier`, its in_proj output times a per-channel `mup_vector` built from
+`ssm_multipliers` (z, x, B, C, dt sections), its output times `ssm_out_multiplier`; attention input
+times `attention_in_multiplier`, keys times `key_multiplier` (before rotary), output times
+`attention_out_multiplier`; MLP gate times `mlp_multipliers[0]`, output times `mlp_multipliers[1]`;
+logits times `lm_head_multiplier`. The mixer's output gate differs from Mamba2's: without
+`mamba_rms_norm` it is y * silu(z) (no norm); with it, a grouped RMSNorm before
+(`mamba_norm_before_gate`, the default) or after the gate. The mixer's in_proj bias follows
+`mamba_proj_bias`, its out_proj bias `projectors_bias`.
+
+Checkpoint names: `model.layers.{i}.mamba.*`, `.self_attn.*`, `.feed_forward.*`,
+`.input_layernorm`, `.pre_ff_layernorm`, `model.final_layernorm`, `model.embed_tokens`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.linear import MergedLinear
+from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2, parse_time_step_limit
+from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.llama import LlamaArgs, LlamaAttention
+from slotrunner.models.weights import WeightLoader
+
+
+def _intermediate(c: object) -> int:
+    return c.mamba_d_ssm if c.mamba_d_ssm is not None else int(c.mamba_expand * c.hidden_size)
+
+
+def mixer_args(c: object) -> Mamba2MixerArgs:
+    return Mamba2MixerArgs(
+        hidden_size=c.hidden_size,
+        intermediate_size=_intermediate(c),
+        num_heads=c.mamba_n_heads,
+        head_dim=c.mamba_d_head,
+        state_size=c.mamba_d_state,
+        n_groups=c.mamba_n_groups,
+        conv_kernel=c.mamba_d_conv,
+        chunk_size=c.mamba_chunk_size,
+        use_conv_bias=bool(c.mamba_conv_bias),
+        use_bias=bool(c.mamba_proj_bias),
+        norm_eps=c.rms_norm_eps,
+        activation=getattr(c, "hidden_act", "silu"),
+        time_step_limit=parse_time_step_limit(getattr(c, "time_step_limit", None)),
+    )
+
+
+def mup_vector(c: object) -> torch.Tensor:  # [in_proj out features]
+    inter, group = _intermediate(c), c.mamba_n_groups * c.mamba_d_state
+    sizes = [inter, inter, group, group, c.mamba_n_heads]  # z, x, B, C, dt
+    return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, c.ssm_multipliers)])
+
+
+class ScaledLinear(nn.Linear):
+    """nn.Linear whose output is multiplied per feature by a fixed (non-checkpoint) vector."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scale: torch.Tensor) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale.to(x.dtype)
+
+
+class FalconOutputGate(nn.Module):
+    """Replaces the mixer's gated norm: y * silu(z), or RMSNorm per group before/after the gate."""
+
+    def __init__(self, size: int, n_groups: int, eps: float, rms_norm: bool, norm_before_gate: bool) -> None:
+        super().__init__()
+        self.rms_norm = rms_norm
+        self.norm_before_gate = norm_before_gate
+        self.group_size = size // n_groups
+        self.eps = eps
+        if rms_norm:
+            self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [tokens, size] each
+        dtype = y.dtype
+        h, gate = y.float(), F.silu(z.float())
+        if not self.rms_norm:
+            return (h * gate).to(dtype)
+        if not self.norm_before_gate:
+            h = h * gate
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape) * self.weight.float()
+        if self.norm_before_gate:
+            h = h * gate
+        return h.to(dtype)
+
+
+class FalconH1Mixer(MambaMixer2):
+    def __init__(self, c: object, layer_idx: int) -> None:
+        args = mixer_args(c)
+        super().__init__(args, layer_idx)
+        a = args
+        proj_size = a.intermediate_size + a.conv_dim + a.num_heads
+        self.in_proj = ScaledLinear(a.hidden_size, proj_size, a.use_bias, mup_vector(c))  # [z | xBC | dt]
+        self.norm = FalconOutputGate(
+            a.intermediate_size, a.n_groups, a.norm_eps, bool(c.mamba_rms_norm), bool(c.mamba_norm_before_gate)
+        )
+        self.out_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=bool(c.projectors_bias))
+
+
+class FalconH1Attention(LlamaAttention):
+    def __init__(self, args: LlamaArgs, layer_idx: int, key_multiplier: float) -> None:
+        super().__init__(args, layer_idx)
+        self.key_multiplier = key_multiplier
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(q.shape[0], -1, self.head_dim)
+        k = k.view(k.shape[0], -1, self.head_dim) * self.key_multiplier
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+
+class FalconH1MLP(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        bias = bool(getattr(c, "mlp_bias", False))
+        sizes = {"gate": c.intermediate_size, "up": c.intermediate_size}
+        self.gate_up_proj = MergedLinear(c.hidden_size, sizes, bias=bias)
+        self.act = hf_activation(c.hidden_act)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=bias)
+        self.gate_multiplier, self.down_multiplier = (float(m) for m in c.mlp_multipliers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        y = self.act(gate * self.gate_multiplier) * up
+        return self.down_proj(y) * self.down_multiplier
+
+
+class FalconH1DecoderLayer(nn.Module):
+    def __init__(self, c: object, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mamba = FalconH1Mixer(c, layer_idx)
+        self.self_attn = FalconH1Attention(args, layer_idx, float(c.key_multiplier))
+        self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.feed_forward = FalconH1MLP(c)
+        self.ssm_in = float(c.ssm_in_multiplier)
+        self.ssm_out = float(c.ssm_out_multiplier)
+        self.attn_in = float(c.attention_in_multiplier)
+        self.attn_out = float(c.attention_out_multiplier)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        ssm = self.mamba(x * self.ssm_in) * self.ssm_out
+        attn = self.self_attn(positions, x * self.attn_in) * self.attn_out
+        h = h + (ssm + attn)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class FalconH1Model(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        args = LlamaArgs.from_hf(c)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(FalconH1DecoderLayer(c, args, i) for i in range(c.num_hidden_layers))
+        self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embedding_multiplier = float(c.embedding_multiplier)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) * self.embedding_multiplier if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.final_layernorm(h)
+
+
+class FalconH1ForCausalLM(nn.Module):
+    def __init__(self, hf_config: object) -> None:
+        super().__init__()
+        self.model = FalconH1Model(hf_config)
+        if bool(getattr(hf_config, "tie_word_embeddings", False)):
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head_multiplier = float(hf_config.lm_head_multiplier)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]; embedding_multiplier not applied
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden.to(weight.dtype), weight) * self.lm_head_multiplier
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = WeightLoader(self, merged={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".feed_forward.gate_proj.": (".feed_forward.gate_up_proj.", "gate"),
+            ".feed_forward.up_proj.": (".feed_forward.gate_up_proj.", "up"),
+        })  # fmt: skip
+        return loader.load(weights)

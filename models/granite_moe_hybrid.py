@@ -1,0 +1,171 @@
+"""GraniteMoeHybridForCausalLM (Granite 4.0): Mamba2 mixer and attention layers, each followed by
+a top-k MoE plus a shared SwiGLU MLP.
+
+Granite's scalars: embeddings times `embedding_multiplier`, every sublayer output times
+`residual_multiplier` before it joins the residual, attention scaled by `attention_multiplier`
+(not head_dim**-0.5), logits divided by `logits_scaling`. Rotary only when
+`position_embedding_type == "rope"` (Granite 4.0 itself uses none). `layer_types` ("linear_attention"
+/ "full_attention") picks each layer's mixer. Checkpoint names: `model.layers.{i}.mamba.*` or
+`.self_attn.*`, `.block_sparse_moe.input_linear.weight` [experts, 2 * inter, hidden] (gate rows
+first), `.block_sparse_moe.output_linear.weight`, `.block_sparse_moe.router.layer.weight`,
+`.shared_mlp.input_linear` / `.output_linear`, `model.norm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from slotrunner.models.bamba import mixer_args
+from slotrunner.models.layers.activation import GatedAct
+from slotrunner.models.layers.attention import Attention
+from slotrunner.models.layers.mamba.mixer import MambaMixer2
+from slotrunner.models.layers.moe import StackedExperts, softmax_topk
+from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.llama import LlamaArgs, LlamaAttention
+from slotrunner.models.weights import WeightLoader
+
+
+class GraniteAttention(LlamaAttention):
+    """Llama GQA on the paged cache, scaled by `attention_multiplier`, rotary optional."""
+
+    def __init__(self, args: LlamaArgs, layer_idx: int, scale: float, use_rope: bool) -> None:
+        super().__init__(args, layer_idx)
+        self.attn = Attention(replace(self.attn.spec, scale=scale), layer_idx)
+        self.use_rope = use_rope
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.use_rope:
+            q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
+            k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+            q, k = self.rotary_emb(positions, q, k)
+            q, k = q.flatten(1), k.flatten(1)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(hidden_size, num_experts, bias=False)
+
+
+class GraniteMoE(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.router = Router(c.hidden_size, c.num_local_experts)
+        self.experts = StackedExperts(c.num_local_experts, c.hidden_size, c.intermediate_size, c.hidden_act, gated=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.router.layer(x), self.top_k)
+        return self.experts(x, weights, ids)
+
+
+class SharedMLP(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(c.hidden_size, 2 * c.shared_intermediate_size, bias=False)
+        self.act = GatedAct(c.hidden_act)
+        self.output_linear = nn.Linear(c.shared_intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(self.act(self.input_linear(x)))
+
+
+class GraniteMoeHybridDecoderLayer(nn.Module):
+    def __init__(self, c: object, args: LlamaArgs, layer_idx: int, is_attention: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.is_attention = is_attention
+        if is_attention:
+            use_rope = getattr(c, "position_embedding_type", None) == "rope"
+            self.self_attn = GraniteAttention(args, layer_idx, float(c.attention_multiplier), use_rope)
+        else:
+            self.mamba = MambaMixer2(mixer_args(c), layer_idx)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.block_sparse_moe = GraniteMoE(c) if (c.num_local_experts or 0) > 0 else None
+        self.shared_mlp = SharedMLP(c)
+        self.residual_multiplier = float(c.residual_multiplier)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        x = self.self_attn(positions, x) if self.is_attention else self.mamba(x)
+        h = h + x * self.residual_multiplier
+        x = self.post_attention_layernorm(h)
+        out = self.shared_mlp(x)
+        if self.block_sparse_moe is not None:
+            out = self.block_sparse_moe(x) + out
+        return h + out * self.residual_multiplier
+
+
+class GraniteMoeHybridModel(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        args = LlamaArgs.from_hf(c)
+        kinds = list(c.layer_types)
+        unknown = set(kinds) - {"linear_attention", "full_attention", "mamba", "attention"}
+        if unknown:
+            raise ValueError(f"GraniteMoeHybrid: layer types {sorted(unknown)} are not supported")
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            GraniteMoeHybridDecoderLayer(c, args, i, kinds[i] in ("full_attention", "attention"))
+            for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embedding_multiplier = float(c.embedding_multiplier)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = h * self.embedding_multiplier
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class GraniteMoeHybridForCausalLM(nn.Module):
+    def __init__(self, hf_config: object) -> None:
+        super().__init__()
+        self.model = GraniteMoeHybridModel(hf_config)
+        if bool(getattr(hf_config, "tie_word_embeddings", False)):
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.logits_scaling = float(hf_config.logits_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden.to(weight.dtype), weight) / self.logits_scaling
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        renames = {
+            ".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.w_in",
+            ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.w_out",
+        }
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in renames.items():
+                    if name.endswith(old):
+                        name = name[: -len(old)] + new
+                yield name, tensor
+
+        loader = WeightLoader(self, merged={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        })  # fmt: skip
+        return loader.load(renamed())

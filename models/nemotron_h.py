@@ -1,0 +1,208 @@
+"""NemotronHForCausalLM: one mixer per layer -- Mamba2, attention, relu2 MLP or MoE -- named by
+`layers_block_type` ("linear_attention", "full_attention", "mlp", "moe"; older configs spell
+the pattern "M", "*", "-", "E", which transformers converts).
+
+Each block is pre-norm with a plain residual: h + mixer(norm(h)). Attention is GQA without any
+position embedding (NemotronH has no rotary). The MoE routes with sigmoid scores plus
+`e_score_correction_bias` (DeepSeek-V3 style, optionally grouped), renormalises, scales by
+`routed_scaling_factor`, and adds a shared relu2 expert; experts are non-gated relu2 MLPs.
+transformers clamps dt to (time_step_min, inf) in the Mamba mixer, and so does this model.
+
+Checkpoint names: `backbone.embeddings`, `backbone.layers.{i}.norm`, `.mixer.*` (Mamba2 names;
+`q_proj/k_proj/v_proj/o_proj`; `up_proj/down_proj`; `gate.weight`, `gate.e_score_correction_bias`,
+`experts.{e}.up_proj/down_proj`, `shared_experts.*`), `backbone.norm_f`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slotrunner.models.granite_moe_hybrid import GraniteAttention
+from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
+from slotrunner.models.layers.moe import StackedExperts, sigmoid_topk, stack_per_expert
+from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.rotary import RopeConfig
+from slotrunner.models.llama import LlamaArgs
+from slotrunner.models.weights import WeightLoader
+
+_KINDS = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+def mixer_args(c: object) -> Mamba2MixerArgs:
+    return Mamba2MixerArgs(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.mamba_num_heads * c.mamba_head_dim,
+        num_heads=c.mamba_num_heads,
+        head_dim=c.mamba_head_dim,
+        state_size=c.ssm_state_size,
+        n_groups=c.n_groups,
+        conv_kernel=c.conv_kernel,
+        chunk_size=c.chunk_size,
+        use_conv_bias=bool(c.use_conv_bias),
+        use_bias=bool(c.use_bias),
+        norm_eps=c.layer_norm_epsilon,
+        activation=c.mamba_hidden_act,
+        time_step_limit=(float(c.time_step_min), math.inf),
+    )
+
+
+def attention_args(c: object) -> LlamaArgs:
+    num_layers = len(c.layers_block_type)
+    return LlamaArgs(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=num_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=c.head_dim or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.layer_norm_epsilon,
+        max_position=c.max_position_embeddings,
+        rope=RopeConfig(theta=10000.0),  # built by LlamaAttention, never applied
+        hidden_act="silu",
+        attention_bias=bool(c.attention_bias),
+        o_bias=bool(c.attention_bias),
+        mlp_bias=False,
+        qk_norm=False,
+        sliding_windows=(None,) * num_layers,  # transformers' NemotronH ignores `sliding_window`
+        tie_word_embeddings=bool(c.tie_word_embeddings),
+    )
+
+
+class NemotronHMLP(nn.Module):
+    def __init__(self, c: object, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(c.hidden_size, intermediate_size, bias=bool(c.mlp_bias))
+        self.down_proj = nn.Linear(intermediate_size, c.hidden_size, bias=bool(c.mlp_bias))
+        self.act = hf_activation(c.mlp_hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronHRouter(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts), requires_grad=False)
+        self.top_k = c.num_experts_per_tok
+        self.n_group = c.n_group
+        self.topk_group = c.topk_group
+        self.norm_topk_prob = bool(c.norm_topk_prob)
+        self.routed_scaling_factor = float(c.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        return sigmoid_topk(
+            logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
+            self.norm_topk_prob, self.routed_scaling_factor,
+        )  # fmt: skip
+
+
+class NemotronHMoE(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        if getattr(c, "moe_latent_size", None) is not None:
+            raise ValueError("NemotronH: moe_latent_size (latent MoE projections) is not supported")
+        self.gate = NemotronHRouter(c)
+        self.experts = StackedExperts(
+            c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.mlp_hidden_act, gated=False
+        )
+        self.shared_experts = NemotronHMLP(c, c.moe_shared_expert_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, c: object, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
+        self.kind = _KINDS[c.layers_block_type[layer_idx]]
+        if self.kind == "mamba":
+            self.mixer = MambaMixer2(mixer_args(c), layer_idx)
+        elif self.kind == "attention":
+            self.mixer = GraniteAttention(args, layer_idx, args.head_dim**-0.5, use_rope=False)
+        elif self.kind == "mlp":
+            self.mixer = NemotronHMLP(c, c.intermediate_size)
+        else:
+            self.mixer = NemotronHMoE(c)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        x = self.mixer(positions, x) if self.kind == "attention" else self.mixer(x)
+        return h + x
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, c: object) -> None:
+        super().__init__()
+        unknown = set(c.layers_block_type) - set(_KINDS)
+        if unknown:
+            raise ValueError(
+                f"NemotronH: block types {sorted(unknown)} are not supported (supported: {sorted(_KINDS)})"
+            )
+        args = attention_args(c)
+        self.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(c, args, i) for i in range(len(c.layers_block_type)))
+        self.norm_f = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm_f(h)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, hf_config: object) -> None:
+        super().__init__()
+        self.backbone = NemotronHModel(hf_config)
+        self.num_experts = getattr(hf_config, "n_routed_experts", 0)
+        if bool(getattr(hf_config, "tie_word_embeddings", False)):
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.backbone(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        weight = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden.to(weight.dtype), weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            # Experts stored stacked (3-D) rather than one by one: the same tensors, other names.
+            for name, tensor in weights:
+                name = name.replace(".mixer.experts.up_proj", ".mixer.experts.w_in")
+                yield name.replace(".mixer.experts.down_proj", ".mixer.experts.w_out"), tensor
+
+        per_expert = {"up_proj.weight": ("w_in", 0), "down_proj.weight": ("w_out", 0)}
+        loader = WeightLoader(self, merged={
+            ".mixer.q_proj.": (".mixer.qkv_proj.", "q"),
+            ".mixer.k_proj.": (".mixer.qkv_proj.", "k"),
+            ".mixer.v_proj.": (".mixer.qkv_proj.", "v"),
+        })  # fmt: skip
+        return loader.load(stack_per_expert(renamed(), ".mixer.experts.", per_expert, self.num_experts))
