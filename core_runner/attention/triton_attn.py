@@ -1,0 +1,387 @@
+"""TritonBackend: paged attention over the KV cache as Triton kernels (GPU; CPU via the interpreter).
+
+Two kernels, each above its wrapper; their torch specifications are `write_kv` (backend.py) and
+`paged_attention_ref` (torch_ref.py):
+
+- `_write_kv_kernel` -> `write_kv_triton()`: one program per token stores its K/V at its flat
+  cache slot. Slot -1 marks a padding token of a CUDA-graph batch: nothing is written, and its
+  output row is zeroed so that stale memory never flows on as NaN.
+- `_paged_attention_kernel` -> `paged_attention()`: FlashAttention-style online softmax over key
+  tiles gathered through the block table, fp32 accumulation. The query heads sharing one KV head
+  are packed into the M dimension (M row = query token x head of the group), so every K/V tile
+  is loaded once per KV head. Two launches of the same kernel:
+    * decode launch, grid (num_reqs, num_kv_heads): one program per (row, KV head) handles every
+      row with exactly one query token -- all of a decode-only batch.
+    * prefill launch (only when max_query_len > 1), grid (num_tokens // BLOCK_Q + num_reqs,
+      num_kv_heads): one program per (block of BLOCK_Q query tokens of one row, KV head), for
+      rows with >= 2 query tokens. Row r owns programs [qsl[r] // BLOCK_Q + r, ...), an
+      increasing sequence, so a program finds its row by binary search over query_start_loc.
+
+Batch invariance: a row with one query token always takes the decode launch, a longer row always
+the prefill launch, whatever else is in the batch; a program reads only its own row's keys, in
+key tiles aligned to multiples of TILE_N counted from position 0. A row's output is therefore a
+function of that row alone. CUDA graphs: no host reads of device tensors; the grids depend on
+num_reqs, max_query_len and the query tensor's shape only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of the two launches. Tests shrink them to cross many tiles on tiny inputs;
+    the defaults are for a GPU (tl.dot needs every dimension >= 16)."""
+
+    decode_tile_n: int = 64  # keys per tile, decode launch
+    prefill_block_m: int = 64  # M rows (query tokens x group heads) per prefill program
+    prefill_tile_n: int = 64  # keys per tile, prefill launch
+    num_warps: int = 4
+    decode_num_stages: int = 2
+    prefill_num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+        stride_kt,
+        stride_kh,
+        v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+        stride_vt,
+        stride_vh,
+        k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+        v_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+        slot_mapping_ptr,  # [num_tokens] int64, -1 = padding token
+        out_ptr,  # [num_tokens, out_row] contiguous, zeroed at padding tokens (when ZERO_OUT)
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        OUT_ROW: tl.constexpr,
+        BLOCK_OUT: tl.constexpr,
+        ZERO_OUT: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot < 0:
+            if ZERO_OUT:
+                offs = tl.arange(0, BLOCK_OUT)
+                zeros = tl.zeros([BLOCK_OUT], out_ptr.dtype.element_ty)
+                tl.store(out_ptr + t * OUT_ROW + offs, zeros, mask=offs < OUT_ROW)
+            return
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr,  # [num_tokens, num_heads, head_dim]
+        stride_qt,
+        stride_qh,
+        k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+        v_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+        out_ptr,  # [num_tokens, num_heads, head_dim]
+        stride_ot,
+        stride_oh,
+        block_tables_ptr,  # [num_reqs, max_num_blocks_per_req] int32
+        stride_bt,
+        seq_lens_ptr,  # [num_reqs] int32
+        query_start_loc_ptr,  # [num_reqs + 1] int32
+        bias_ptr,  # [num_heads, num_distances] (unused unless HAS_BIAS)
+        stride_bh,
+        stride_bd,
+        num_distances,
+        num_reqs,
+        scale,
+        soft_cap,
+        sliding_window,
+        NUM_KV_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,  # query heads per KV head
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P2: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        BLOCK_Q: tl.constexpr,  # query tokens per program
+        BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two >= 16
+        TILE_N: tl.constexpr,  # keys per tile
+        DECODE: tl.constexpr,  # program id 0 = batch row (rows with one query token only)
+        USE_WINDOW: tl.constexpr,
+        USE_SOFT_CAP: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        kv_head = tl.program_id(1)
+        if DECODE:
+            row = tl.program_id(0)
+            q_block = 0
+        else:
+            # Largest row r with qsl[r] // BLOCK_Q + r <= pid: row r's programs start there.
+            pid = tl.program_id(0)
+            lo: tl.int32 = 0
+            hi = num_reqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            row = lo - 1
+            q_block = pid - (tl.load(query_start_loc_ptr + row) // BLOCK_Q + row)
+        q_start = tl.load(query_start_loc_ptr + row)
+        num_q = tl.load(query_start_loc_ptr + row + 1) - q_start
+        if DECODE:
+            if num_q != 1:  # padding row (0) or a row of the prefill launch (>= 2)
+                return
+        else:
+            if (num_q < 2) | (q_block * BLOCK_Q >= num_q):
+                return
+        seq_len = tl.load(seq_lens_ptr + row)
+        context = seq_len - num_q  # keys cached before this step
+
+        m = tl.arange(0, BLOCK_M)
+        q_local = q_block * BLOCK_Q + m // GROUP  # [BLOCK_M] query token within the row
+        head = kv_head * GROUP + m % GROUP  # [BLOCK_M]
+        row_ok = (m < BLOCK_Q * GROUP) & (q_local < num_q)
+        q_pos = context + q_local  # [BLOCK_M] absolute position
+        d = tl.arange(0, HEAD_DIM_P2)
+        d_ok = d < HEAD_DIM
+        q_tok = (q_start + q_local).to(tl.int64)
+        q = tl.load(
+            q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, HEAD_DIM_P2]
+
+        first_pos = context + q_block * BLOCK_Q
+        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys past the last query are masked
+        kv_start = 0
+        if USE_WINDOW:
+            # Tiles stay aligned to multiples of TILE_N, so the tiling of a row's keys does not
+            # depend on how its queries are blocked.
+            kv_start = (tl.maximum(first_pos - sliding_window + 1, 0) // TILE_N) * TILE_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        n = tl.arange(0, TILE_N)
+        block_row = block_tables_ptr + row.to(tl.int64) * stride_bt
+        kv_col = kv_head * HEAD_DIM
+        for tile_start in range(kv_start, kv_end, TILE_N):
+            k_pos = tile_start + n  # [TILE_N]
+            k_ok = k_pos < kv_end
+            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [TILE_N]
+            k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
+            k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+            s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] fp32
+            if USE_SOFT_CAP:
+                s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
+            dist = q_pos[:, None] - k_pos[None, :]
+            allowed = row_ok[:, None] & k_ok[None, :] & (dist >= 0)
+            if USE_WINDOW:
+                allowed = allowed & (dist < sliding_window)
+            if HAS_BIAS:
+                bias = tl.load(
+                    bias_ptr + head[:, None] * stride_bh + tl.minimum(dist, num_distances - 1) * stride_bd,
+                    mask=allowed,
+                    other=0.0,
+                )
+                s += bias.to(tl.float32)
+            s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # log2(e): exp2 below
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no allowed key yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[None, :]  # [TILE_N, HEAD_DIM_P2]
+            v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+def write_kv_triton(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding token (not written)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] contiguous, zeroed at padding tokens
+) -> None:
+    """`write_kv` as one Triton program per token (specification: backend.write_kv)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_tokens = k.shape[0]
+    assert kv_cache.is_contiguous(), "the paged KV cache must be contiguous"
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous in head_dim"
+    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} tokens"
+    if out is not None:
+        assert out.is_contiguous() and out.shape[0] == num_tokens, f"out {tuple(out.shape)}"
+    if num_tokens == 0:
+        return
+    out_row = out[0].numel() if out is not None else 1
+    _write_kv_kernel[(num_tokens,)](
+        k,
+        k.stride(0),
+        k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        out if out is not None else k,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        OUT_ROW=out_row,
+        BLOCK_OUT=triton.next_power_of_2(out_row),
+        ZERO_OUT=out is not None,
+    )
+
+
+def paged_attention(
+    spec: AttentionSpec,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; tokens past query_start_loc[num_reqs] are padding
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    meta: AttentionMetadata,
+    position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] contiguous
+    tiles: TileConfig = TileConfig(),
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding tokens left as given
+    """Causal paged attention of every real query token (specification: paged_attention_ref)."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_tokens, num_heads = q.shape[0], spec.num_heads
+    assert (num_heads, num_kv_heads, head_dim) == (spec.num_heads, spec.num_kv_heads, spec.head_dim), (
+        f"spec {spec} does not match the KV cache {tuple(kv_cache.shape)}"
+    )
+    assert q.shape == (num_tokens, num_heads, head_dim) and q.stride(-1) == 1, f"q {tuple(q.shape)} {q.stride()}"
+    assert kv_cache.is_contiguous(), "the paged KV cache must be contiguous"
+    assert q.dtype in _DTYPES and kv_cache.dtype in _DTYPES, f"dtypes q {q.dtype}, cache {kv_cache.dtype}"
+    assert meta.block_tables.stride(-1) == 1, "block table rows must be contiguous"
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if meta.num_reqs == 0 or num_tokens == 0:
+        return out
+    if position_bias is not None:
+        assert position_bias.dim() == 2 and position_bias.shape[0] == num_heads, (
+            f"position_bias {tuple(position_bias.shape)} for {num_heads} heads"
+        )
+    group = num_heads // num_kv_heads
+    args = (
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv_cache[0],
+        kv_cache[1],
+        out,
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables,
+        meta.block_tables.stride(0),
+        meta.seq_lens,
+        meta.query_start_loc,
+        position_bias if position_bias is not None else q,
+        position_bias.stride(0) if position_bias is not None else 0,
+        position_bias.stride(1) if position_bias is not None else 0,
+        position_bias.shape[1] if position_bias is not None else 1,
+        meta.num_reqs,
+        spec.scale,
+        spec.logits_soft_cap or 1.0,
+        spec.sliding_window or 0,
+    )
+    common = dict(
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=spec.sliding_window is not None,
+        USE_SOFT_CAP=spec.logits_soft_cap is not None,
+        HAS_BIAS=position_bias is not None,
+        # fp32 models want fp32 products, not TF32 (ignored for 16-bit inputs).
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+    )
+    # Rows with one query token: always this launch, so a decode row's result never depends on
+    # whether prefill rows share its batch.
+    _paged_attention_kernel[(meta.num_reqs, num_kv_heads)](
+        *args,
+        BLOCK_Q=1,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        TILE_N=tiles.decode_tile_n,
+        DECODE=True,
+        num_stages=tiles.decode_num_stages,
+        **common,
+    )
+    if meta.max_query_len > 1:
+        block_q = max(1, tiles.prefill_block_m // group)
+        # sum over rows of cdiv(num_q, block_q) <= num_tokens // block_q + num_reqs
+        grid = (num_tokens // block_q + meta.num_reqs, num_kv_heads)
+        _paged_attention_kernel[grid](
+            *args,
+            BLOCK_Q=block_q,
+            BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),
+            TILE_N=tiles.prefill_tile_n,
+            DECODE=False,
+            num_stages=tiles.prefill_num_stages,
+            **common,
+        )
+    return out
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention as Triton kernels: CUDA-graph safe, batch invariant (see the module doc)."""
+
+    name = "triton"
+
+    def __init__(self, tiles: TileConfig = TileConfig()) -> None:
+        self.tiles = tiles
+
+    def forward(
+        self,
+        spec: AttentionSpec,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        assert use_triton(q.device), f"TritonBackend cannot run on {q.device}: pick one with default_backend()"
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        write_kv_triton(kv_cache, k, v, meta.slot_mapping, out)
+        return paged_attention(spec, q, kv_cache, meta, position_bias, out, self.tiles)
+
+
+def default_backend(device: torch.device) -> AttentionBackend:
+    """The Triton backend where Triton kernels run (CUDA, or the interpreter when forced), the
+    torch reference elsewhere."""
+    return TritonBackend() if use_triton(device) else TorchRefBackend()

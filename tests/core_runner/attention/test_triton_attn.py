@@ -1,0 +1,317 @@
+"""TritonBackend equals TorchRefBackend (outputs and the written cache), and is batch invariant.
+
+Guards against: query heads of a GQA group packed onto the wrong KV head (group 1, 2, 3, 8),
+decode rows at block edges (seq_len = block_size - 1, block_size, block_size + 1) reading the
+wrong slot, the binary search over query_start_loc landing on the wrong row when padding rows
+(no queries) sit between real ones, an online-softmax rescale bug that shows only across several
+key tiles, the sliding window off by one or a window start that skips needed tiles, soft cap or
+bias applied in the wrong order, the bias distance unclamped, padded head dims (40) leaking into
+the dot products, padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
+last V element of the K half) or left with non-finite outputs, and a row's output changing with
+the other rows of its batch.
+
+Kernels run on CPU through the Triton interpreter in one subprocess per test (slow: shapes are
+tiny, tile sizes shrunk to 16 so that short rows still cross several key tiles). The GPU tests at
+the bottom run at real sizes where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
+from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
+from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend, default_backend
+from slotrunner.core_runner.triton_utils import use_triton
+
+SMALL_TILES = TileConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16)
+FP32_TOL = 1e-5
+HALF_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+UNUSED_BLOCK = 10**6  # block-table entries past a row's length: a kernel that reads one faults
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rows: tuple[tuple[int, int], ...]  # (tokens cached before the step, query tokens this step)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    block_size: int = 4
+    dtype: torch.dtype = torch.float32
+    window: int | None = None
+    soft_cap: float | None = None
+    num_distances: int | None = None  # position_bias table width
+    pad_tokens: int = 0  # CUDA-graph padding tokens after the last row (slot -1)
+    tiles: TileConfig = SMALL_TILES
+
+
+MIXED = ((0, 9), (12, 1), (0, 0), (5, 6), (3, 0), (7, 1), (0, 2), (0, 0))
+
+CASES = [
+    Case("decode at block edges", ((2, 1), (3, 1), (4, 1), (35, 1), (0, 1))),
+    Case("decode, one row", ((20, 1),), num_heads=2, num_kv_heads=2),
+    Case("prefill only, group 1, dim 64", ((0, 2), (0, 19), (0, 5)), num_heads=2, num_kv_heads=2, head_dim=64),
+    Case("prefill, one row, chunked", ((10, 13),)),
+    Case("mixed, padding rows/tokens, group 3, dim 40", MIXED, num_heads=6, num_kv_heads=2, head_dim=40, pad_tokens=3),
+    Case("mixed, block size 16 edges", ((14, 1), (16, 0), (0, 17), (15, 2), (16, 1)), block_size=16),
+    Case("sliding window 5", MIXED, window=5),
+    Case("sliding window 1", ((0, 6), (9, 1)), window=1),
+    Case("sliding window 17, long decode", ((44, 1), (30, 12)), window=17),
+    Case("soft cap", MIXED, soft_cap=5.0),
+    Case("bias, 7 distances, soft cap", MIXED, soft_cap=5.0, num_distances=7),
+    Case("bias, 40 distances", MIXED, num_distances=40),
+    Case("bias, 1 distance", ((0, 5), (6, 1)), num_distances=1),
+    Case("default tiles, group 8", ((0, 70), (80, 1), (30, 3)), num_heads=8, num_kv_heads=1, tiles=TileConfig()),
+    Case("fp16, dim 64", MIXED, head_dim=64, dtype=torch.float16, pad_tokens=2),
+    # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
+    # (triton 3.9, numpy has no bfloat16); the GPU tests below cover bf16.
+]
+
+
+def build(case: Case, device: str = "cpu", seed: int = 0):
+    """Inputs of one step: a cache filled with random values (the rows' earlier K/V, and stale
+    data elsewhere), q/k/v as strided views of one qkv tensor (as the model passes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, Hk, D, bs = case.num_heads, case.num_kv_heads, case.head_dim, case.block_size
+    seq_lens = np.array([c + n for c, n in case.rows], dtype=np.int32)
+    num_q = np.array([n for _, n in case.rows], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(num_q)]).astype(np.int32)
+    num_real = int(qsl[-1])
+    num_tokens = num_real + case.pad_tokens
+    max_blocks = -(-int(seq_lens.max()) // bs) + 1
+    num_blocks = int(sum(-(-int(s) // bs) for s in seq_lens)) + 3
+    cache = torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), generator=gen).to(case.dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
+    tables = torch.full((len(case.rows), max_blocks), UNUSED_BLOCK, dtype=torch.int32)
+    slots = []
+    for r, (cached, new) in enumerate(case.rows):
+        blocks = [perm.pop() for _ in range(-(-(cached + new) // bs))]
+        tables[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(cached, cached + new)]
+    slots += [-1] * case.pad_tokens
+    qkv = torch.randn(num_tokens, (H + 2 * Hk) * D, generator=gen).to(case.dtype)
+    q = qkv[:, : H * D].view(num_tokens, H, D)
+    k = qkv[:, H * D : (H + Hk) * D].view(num_tokens, Hk, D)
+    v = qkv[:, (H + Hk) * D :].view(num_tokens, Hk, D)
+    bias = None
+    if case.num_distances is not None:
+        bias = (torch.randn(H, case.num_distances, generator=gen) * 3).to(device)
+    spec = AttentionSpec(H, Hk, D, D**-0.5, case.window, case.soft_cap)
+    meta = AttentionMetadata(
+        num_reqs=len(case.rows),
+        num_tokens=num_tokens,
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        query_start_loc_np=qsl,
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        seq_lens_np=seq_lens,
+        max_query_len=int(num_q.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+    )
+    return spec, q.to(device), k.to(device), v.to(device), cache.to(device), meta, bias, num_real
+
+
+def compare(case: Case, device: str = "cpu") -> None:
+    """Triton vs reference on one case: outputs of real tokens close, padding outputs zero,
+    caches bitwise equal (so padding tokens wrote nothing)."""
+    spec, q, k, v, cache, meta, bias, num_real = build(case, device)
+    ref_meta = dataclasses.replace(meta, num_tokens=num_real, slot_mapping=meta.slot_mapping[:num_real])
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias)
+    out = TritonBackend(case.tiles).forward(spec, q, k, v, tri_cache, meta, bias)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.equal(tri_cache, ref_cache), "the written KV cache differs from write_kv's"
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding tokens' outputs are not zero"
+    real_rows = [r for r, (_, n) in enumerate(case.rows) if n]
+    tol = FP32_TOL if case.dtype == torch.float32 else HALF_TOL[case.dtype]
+    for r in real_rows:
+        lo, hi = int(meta.query_start_loc_np[r]), int(meta.query_start_loc_np[r + 1])
+        torch.testing.assert_close(out[lo:hi], expected[lo:hi], atol=tol, rtol=tol, msg=lambda m: f"row {r}: {m}")
+
+
+def check_against_reference() -> None:
+    """Run in the interpreter subprocess: every case, failures collected with their names."""
+    assert use_triton(torch.device("cpu")) and isinstance(default_backend(torch.device("cpu")), TritonBackend)
+    failures = []
+    for case in CASES:
+        start = time.perf_counter()
+        try:
+            compare(case)
+        except AssertionError as e:
+            failures.append(f"[{case.name}] {e}")
+        print(f"{case.name}: {time.perf_counter() - start:.2f}s")
+    assert not failures, "\n".join(failures)
+
+
+def run_rows(spec, q, k, v, cache, meta, bias, tiles, keep: list[int]) -> list[torch.Tensor]:
+    """Run a batch made of `keep` (batch rows of `meta`, in that order) only; returns each kept
+    row's output."""
+    qsl = meta.query_start_loc_np
+    tok = [list(range(int(qsl[r]), int(qsl[r + 1]))) for r in keep]
+    flat = [t for ts in tok for t in ts]
+    num_q = np.array([len(ts) for ts in tok], dtype=np.int32)
+    new_qsl = np.concatenate([[0], np.cumsum(num_q)]).astype(np.int32)
+    seq_lens = meta.seq_lens_np[keep].astype(np.int32)
+    sub = AttentionMetadata(
+        num_reqs=len(keep),
+        num_tokens=len(flat),
+        query_start_loc=torch.from_numpy(new_qsl).to(q.device),
+        query_start_loc_np=new_qsl,
+        seq_lens=torch.from_numpy(seq_lens).to(q.device),
+        seq_lens_np=seq_lens,
+        max_query_len=int(num_q.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_tables=meta.block_tables[keep],
+        slot_mapping=meta.slot_mapping[flat],
+    )
+    out = TritonBackend(tiles).forward(spec, q[flat], k[flat], v[flat], cache.clone(), sub, bias)
+    return [out[int(new_qsl[i]) : int(new_qsl[i + 1])] for i in range(len(keep))]
+
+
+def check_batch_invariance() -> None:
+    """Run in the interpreter subprocess: a prefill row and a decode row give bitwise the same
+    output alone as inside a mixed batch (and the decode row inside a decode-only batch)."""
+    # Decode and prefill tiles differ, so a decode row routed by batch composition would show.
+    tiles = TileConfig(decode_tile_n=32, prefill_block_m=16, prefill_tile_n=16)
+    for case in (
+        Case("mixed", MIXED, soft_cap=5.0, num_distances=9, tiles=tiles),
+        Case("window", MIXED, window=6, tiles=tiles),
+    ):
+        spec, q, k, v, cache, meta, bias, _ = build(case)
+        everything = list(range(len(case.rows)))
+        full = run_rows(spec, q, k, v, cache, meta, bias, case.tiles, everything)
+        prefill_row, decode_row = 0, 1  # (0, 9) and (12, 1)
+        for keep in ([prefill_row], [decode_row], [decode_row, 5], [3, prefill_row, decode_row]):
+            outs = run_rows(spec, q, k, v, cache, meta, bias, case.tiles, keep)
+            for r, o in zip(keep, outs):
+                assert torch.equal(o, full[r]), f"[{case.name}] row {r} in rows {keep} differs from the full batch"
+
+
+def test_triton_matches_reference(run_interpreted):
+    run_interpreted(check_against_reference)
+
+
+def test_triton_batch_invariant(run_interpreted):
+    run_interpreted(check_batch_invariance)
+
+
+def test_default_backend_on_cpu():
+    cpu = torch.device("cpu")
+    expected = TritonBackend if use_triton(cpu) else TorchRefBackend
+    assert isinstance(default_backend(cpu), expected)
+
+
+def test_tile_config_rejects_small_tiles():
+    with pytest.raises(ValueError, match="decode_tile_n"):
+        TileConfig(decode_tile_n=8)
+    with pytest.raises(ValueError, match="prefill_block_m"):
+        TileConfig(prefill_block_m=48)
+
+
+# -- GPU, real sizes (the lead runs these on the device machine) ---------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU_BF16_TOL = 2e-2
+
+
+def qwen3_case(name: str, rows, **kw) -> Case:
+    """Qwen3-0.6B attention shape: 16 query heads, 8 KV heads, head_dim 128, block 16, bf16."""
+    return Case(name, tuple(rows), num_heads=16, num_kv_heads=8, head_dim=128, block_size=16,
+                dtype=torch.bfloat16, tiles=TileConfig(), **kw)
+
+
+def gpu_rows(batch: int, decode_frac: float, seed: int) -> list[tuple[int, int]]:
+    """(cached, new) rows with KV lengths up to ~1000: decode rows, or prefill chunks up to 300."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        length = int(rng.integers(1, 1000))  # KV length after the step
+        decode = rng.random() < decode_frac or length < 2
+        new = 1 if decode else int(rng.integers(2, min(length, 300) + 1))
+        rows.append((length - new, new))
+    return rows
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        qwen3_case("decode, batch 64", gpu_rows(64, 1.0, 0)),
+        qwen3_case("mixed, batch 64", gpu_rows(64, 0.7, 1) + [(0, 0)] * 3, pad_tokens=5),
+        qwen3_case("prefill, batch 8", [(0, 1000), (0, 513), (200, 300), (0, 17)] * 2),
+        qwen3_case("mixed, window 256, soft cap 30", gpu_rows(64, 0.7, 2), window=256, soft_cap=30.0),
+        qwen3_case("mixed, T5 bias", gpu_rows(32, 0.5, 3), num_distances=129),
+        dataclasses.replace(qwen3_case("fp16, dim 80, group 4", gpu_rows(32, 0.5, 4)),
+                            num_heads=8, num_kv_heads=2, head_dim=80, dtype=torch.float16),
+        dataclasses.replace(qwen3_case("fp32, dim 96", gpu_rows(16, 0.5, 5)), head_dim=96, dtype=torch.float32),
+    ],
+    ids=lambda c: c.name,
+)
+def test_gpu_matches_reference(case):
+    spec, q, k, v, cache, meta, bias, num_real = build(case, "cuda")
+    ref_meta = dataclasses.replace(meta, num_tokens=num_real, slot_mapping=meta.slot_mapping[:num_real])
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias)
+    out = TritonBackend().forward(spec, q, k, v, tri_cache, meta, bias)
+    torch.cuda.synchronize()
+    assert torch.equal(tri_cache, ref_cache)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
+    # fp32 on the GPU: the reference's SDPA may use TF32-free kernels; allow for summation order.
+    tol = {torch.bfloat16: GPU_BF16_TOL, torch.float16: 5e-3, torch.float32: 1e-4}[case.dtype]
+    torch.testing.assert_close(out[:num_real], expected, atol=tol, rtol=tol)
+
+
+@needs_cuda
+def test_gpu_batch_invariant():
+    """Each row of a mixed batch alone, and inside the decode-only sub-batch: bitwise equal."""
+    case = qwen3_case("mixed", gpu_rows(24, 0.6, 7))
+    spec, q, k, v, cache, meta, bias, _ = build(case, "cuda")
+    everything = list(range(len(case.rows)))
+    full = run_rows(spec, q, k, v, cache, meta, bias, case.tiles, everything)
+    decode_rows = [r for r, (_, n) in enumerate(case.rows) if n == 1]
+    for keep in [[r] for r in everything] + [decode_rows, everything[::-1]]:
+        for r, o in zip(keep, run_rows(spec, q, k, v, cache, meta, bias, case.tiles, keep)):
+            assert torch.equal(o, full[r]), f"row {r} in rows {keep} differs from the full batch"
+
+
+@needs_cuda
+def test_gpu_decode_cuda_graph_replay():
+    """A decode forward captured in a CUDA graph (capture fails on any host sync) while its
+    buffers hold one step, replayed after the next step's lengths, slots and q/k/v are copied
+    into the same buffers, equals the reference on the next step; padding rows and tokens
+    (slot -1) of the captured size stay skipped."""
+    batch, pad = 48, 16
+    case = qwen3_case("replay", gpu_rows(batch, 1.0, 11) + [(0, 0)] * pad, pad_tokens=pad)
+    spec, q, k, v, cache, meta, bias, num_real = build(case, "cuda")
+    # Capture-time contents: every real row holds one key (its first slot).
+    real = meta.seq_lens > 0
+    first_slot = meta.block_tables[:, 0].long() * case.block_size
+    bufs = dict(
+        q=torch.randn_like(q), k=torch.randn_like(k), v=torch.randn_like(v), cache=cache.clone(),
+        seq_lens=real.int(), slot_mapping=torch.cat([first_slot[:num_real], meta.slot_mapping[num_real:]]),
+    )
+    graph_meta = dataclasses.replace(meta, seq_lens=bufs["seq_lens"], slot_mapping=bufs["slot_mapping"], max_seq_len=1)
+    backend = TritonBackend()
+    backend.forward(spec, bufs["q"], bufs["k"], bufs["v"], cache.clone(), graph_meta, bias)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(spec, bufs["q"], bufs["k"], bufs["v"], bufs["cache"], graph_meta, bias)
+    for name, src in (("q", q), ("k", k), ("v", v), ("seq_lens", meta.seq_lens), ("slot_mapping", meta.slot_mapping)):
+        bufs[name].copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_meta = dataclasses.replace(meta, num_tokens=num_real, slot_mapping=meta.slot_mapping[:num_real])
+    ref_cache = cache.clone()
+    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias)
+    assert torch.equal(bufs["cache"], ref_cache)
+    torch.testing.assert_close(out[:num_real], expected, atol=GPU_BF16_TOL, rtol=GPU_BF16_TOL)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
