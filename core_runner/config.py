@@ -31,6 +31,11 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# Decode batch sizes captured as CUDA graphs by default (sizes above max_num_seqs are dropped):
+# dense where batches are small, every 32 or 64 rows above.
+DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacities and choices of one engine. `max_*` are capacities, `num_*` counts."""
@@ -45,6 +50,8 @@ class EngineConfig:
     num_kv_blocks: int  # blocks in the paged KV cache, shared by all requests
     vocab_size: int  # rows of the logits; sizes the sampler's per-slot tables
     seed: int = 0  # engine seed: draws the Gumbel seed of requests that give none
+    enforce_eager: bool = False  # never replay CUDA graphs
+    cuda_graph_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_SIZES  # decode batch sizes captured on CUDA
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
@@ -56,6 +63,8 @@ class EngineConfig:
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
                 f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
             )
+        if not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
 
     @property
     def max_num_blocks_per_req(self) -> int:

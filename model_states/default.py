@@ -16,6 +16,7 @@ class DefaultModelState(ModelState):
     decoder completely, so every hook is empty: the model sees only input_ids and positions."""
 
     family = "default decoder"
+    supports_cuda_graphs = True  # no family inputs at all
 
     def add_request(self, slot: int, new_request: NewRequestData) -> None:
         pass

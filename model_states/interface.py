@@ -83,6 +83,11 @@ class ModelState(abc.ABC):
     # `add_request` rebuilds all other per-request state from NewRequestData alone; families
     # with recurrent state set False, and their parallel samples recompute the prompt.
     shares_prefix_kv: ClassVar[bool] = True
+    # Whether decode steps may replay CUDA graphs. True only when, for a decode-only batch,
+    # `prepare_attn` and `prepare_inputs_embeds` return None and `prepare_inputs` returns inputs
+    # that live at the addresses `prepare_dummy_inputs` gave at capture (persistent buffers the
+    # hooks rewrite in place) -- a graph replays the capture's tensors, not the step's.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         """Called once, after the model is built and loaded. Allocate per-slot tables sized by

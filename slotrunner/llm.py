@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from slotrunner.core_runner.config import EngineConfig, parse_dtype
+from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, parse_dtype
 from slotrunner.core_runner.engine.engine import LLMEngine
 from slotrunner.core_runner.engine.intake import IntakeContext, PromptType
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
@@ -37,6 +37,9 @@ class LLM:
         num_kv_blocks: KV-cache blocks; default sized from free memory.
         load_format: "auto" (checkpoint weights) or "dummy" (random weights, for benchmarks).
         seed: draws the sampling seed of requests that set none.
+        enforce_eager: on CUDA, run every step eagerly (no CUDA graphs).
+        cuda_graph_sizes: decode batch sizes captured as CUDA graphs on CUDA; a decode batch is
+            padded up to the next size, larger batches and prefill steps run eagerly.
     """
 
     def __init__(
@@ -52,6 +55,8 @@ class LLM:
         num_kv_blocks: int | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: Sequence[int] = DEFAULT_CUDA_GRAPH_SIZES,
     ) -> None:
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = parse_dtype(dtype, dev)
@@ -89,6 +94,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             vocab_size=text_config.vocab_size,
             seed=seed,
+            enforce_eager=enforce_eager,
+            cuda_graph_sizes=tuple(cuda_graph_sizes),
         )
         self.architecture = arch.architecture
         self.tokenizer = source.tokenizer

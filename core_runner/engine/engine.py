@@ -65,7 +65,7 @@ class LLMEngine:
         """One step; returns an output for every request that got tokens or finished."""
         sched_out = self.scheduler.schedule()
         self.runner.execute_model(sched_out)
-        runner_out = self.runner.sample_tokens()
+        runner_out = self.runner.sample_tokens().get()
         for req_id, lp in runner_out.prompt_logprobs.items():
             if req_id in self._groups:
                 self._groups[req_id].members[0].add_prompt_logprobs(lp)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slotrunner.core_runner.runner.input_buffers import InputBuffers
+
 
 @dataclass(frozen=True)
 class InputBatch:
@@ -32,8 +34,14 @@ class InputBatch:
     positions: torch.Tensor  # [num_tokens] int64
     logits_indices: torch.Tensor  # [num_reqs] int64, row of each request's last query token
     sample_mask_np: np.ndarray  # [num_reqs] bool, the row's prefill is complete: it samples a token
+    num_sampled: torch.Tensor  # [num_reqs] int32, sample_mask_np on the device
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV-cache slot of each query token
+    # CUDA-graph padding: the tensors above are the first num_reqs / num_tokens entries of
+    # `buffers`, whose entries up to the padded sizes are valid empty rows / skipped tokens.
+    num_reqs_padded: int
+    num_tokens_padded: int
+    buffers: InputBuffers
 
     @property
     def max_query_len(self) -> int:

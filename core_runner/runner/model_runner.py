@@ -14,12 +14,15 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata
-from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
+from slotrunner.core_runner.attention.triton_attn import default_backend
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.async_output import AsyncOutput, done
 from slotrunner.core_runner.runner.block_table import BlockTables
+from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
 from slotrunner.core_runner.runner.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
+from slotrunner.core_runner.runner.input_buffers import InputBuffers
 from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, copy_kv_blocks
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
@@ -51,11 +54,21 @@ class ModelRunner:
         )
         self.sampling_states = SamplingStates(config.max_num_seqs, config.vocab_size, self.device)
         self.sampler = Sampler()
-        self.attn_backend = TorchRefBackend()
+        self.attn_backend = default_backend(self.device)
+        self.input_buffers = InputBuffers(
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_blocks_per_req, self.device
+        )
         self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
         )
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.cuda_graphs: CudaGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and model_state_cls.supports_cuda_graphs:
+            self.cuda_graphs = CudaGraphs(
+                model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len
+            )
+            self.cuda_graphs.capture()
         self._executed: _ExecutedStep | None = None
 
     # -- step, part 1 -----------------------------------------------------------------------
@@ -71,49 +84,63 @@ class ModelRunner:
         family_attn = ms.prepare_attn(batch)
         inputs_embeds = ms.prepare_inputs_embeds(batch)
         extra = ms.prepare_inputs(batch)
-        ctx = ForwardContext(self.attn_backend, AttentionMetadata.from_batch(batch), family_attn)
-        with torch.inference_mode(), forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
+        if self.cuda_graphs is not None and batch.num_reqs_padded in self.cuda_graphs.sizes and batch.max_query_len == 1:
+            hidden = self.cuda_graphs.run(batch)
+        else:
+            ctx = ForwardContext(self.attn_backend, AttentionMetadata.from_batch(batch), family_attn)
+            with torch.inference_mode(), forward_context(ctx):
+                hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
         num_samples = np.array([sched.num_samples.get(r, 1) for r in batch.req_ids], dtype=np.int64)
         self._executed = _ExecutedStep(batch, hidden, num_samples)
 
     # -- step, part 2 -----------------------------------------------------------------------
-    def sample_tokens(self) -> ModelRunnerOutput:
-        """Sample one token per batch row whose prefill is complete; write state back."""
+    def sample_tokens(self) -> AsyncOutput:
+        """Sample one token per batch row whose prefill is complete and write state back, on the
+        device; the sampled tokens reach the host through the returned AsyncOutput."""
         step, self._executed = self._executed, None
         if step is None:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = step.batch
         # Logits row -> batch row: one row each, n rows for a parent fanning out its samples.
         counts = np.where(batch.sample_mask_np, step.num_samples_np, 1)
         expanded_rows_np = np.repeat(np.arange(batch.num_reqs), counts)
         first_np = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each batch row's first logits row
+        fan_out = len(expanded_rows_np) != batch.num_reqs
         with torch.inference_mode():
-            prompt_logprobs = self._prompt_logprobs(step)
+            prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
-            if len(expanded_rows_np) != batch.num_reqs:
+            if fan_out:
                 logits = logits.index_select(0, torch.from_numpy(expanded_rows_np).to(self.device))
             out = self._sample(batch, logits, expanded_rows_np, first_np)
-            first = out.sampled if len(expanded_rows_np) == batch.num_reqs else out.sampled[torch.from_numpy(first_np).to(self.device)]
+            first = out.sampled[torch.from_numpy(first_np).to(self.device)] if fan_out else out.sampled
             post_update(self.req_state, batch, first)
-            num_sampled = torch.from_numpy(batch.sample_mask_np.astype(np.int32)).to(self.device)
-            self.model_state.postprocess_state(batch, num_sampled, torch.zeros_like(num_sampled))
-            sampled_np = out.sampled.cpu().numpy()
-            wanted = self.sampling_states.num_logprobs_np[batch.idx_mapping_np[expanded_rows_np]]
-            expanded_mask = batch.sample_mask_np[expanded_rows_np]
-            logprobs = to_token_logprobs(out.logprobs, expanded_mask, wanted)
-        sampled_ids, row_logprobs = [], []
-        for row in range(batch.num_reqs):
-            span = slice(first_np[row], first_np[row] + counts[row])
-            keep = batch.sample_mask_np[row]
-            sampled_ids.append([int(t) for t in sampled_np[span]] if keep else [])
-            row_logprobs.append(logprobs[span] if keep and logprobs[span.start] is not None else None)
-        return ModelRunnerOutput(
-            req_ids=batch.req_ids,
-            sampled_token_ids=sampled_ids,
-            logprobs=row_logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+            self.model_state.postprocess_state(batch, batch.num_sampled, torch.zeros_like(batch.num_sampled))
+        tensors = {"sampled": out.sampled}
+        if out.logprobs is not None:
+            tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
+        wanted = self.sampling_states.num_logprobs_np[batch.idx_mapping_np[expanded_rows_np]]
+        expanded_mask = batch.sample_mask_np[expanded_rows_np]
+
+        def finish(host: dict[str, torch.Tensor]) -> ModelRunnerOutput:
+            sampled_np = host["sampled"].numpy()
+            lp = None
+            if "lp_ids" in host:
+                lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
+            logprobs = to_token_logprobs(lp, expanded_mask, wanted)
+            sampled_ids, row_logprobs = [], []
+            for row in range(batch.num_reqs):
+                span = slice(first_np[row], first_np[row] + counts[row])
+                keep = batch.sample_mask_np[row]
+                sampled_ids.append([int(t) for t in sampled_np[span]] if keep else [])
+                row_logprobs.append(logprobs[span] if keep and logprobs[span.start] is not None else None)
+            return ModelRunnerOutput(
+                req_ids=batch.req_ids,
+                sampled_token_ids=sampled_ids,
+                logprobs=row_logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+
+        return AsyncOutput(tensors, finish, self._copy_stream)
 
     def _sample(
         self, batch: InputBatch, logits: torch.Tensor, expanded_rows_np: np.ndarray, first_np: np.ndarray
@@ -196,7 +223,12 @@ class ModelRunner:
         slots = self.req_state.req_id_to_slot
         idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        return prepare_inputs(req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables)
+        padded = None
+        if self.cuda_graphs is not None and (num_scheduled_np == 1).all():
+            padded = self.cuda_graphs.padded_size(len(req_ids))  # decode-only: replay a graph
+        return prepare_inputs(
+            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers, padded, padded
+        )
 
 
 def to_token_logprobs(

@@ -1,6 +1,8 @@
 """Input preparation: one step's InputBatch as a pure function of (slot tables, idx_mapping).
 
-Plain torch here, on any device; nothing persistent is moved, only gathered.
+The host stages the step's small description (InputBuffers.stage); the input-preparation ops
+(Triton on the GPU, their torch references elsewhere) build token ids, positions, lengths, block
+tables and slot mapping on the device, in persistent buffers. Nothing reads the device back.
 """
 
 from __future__ import annotations
@@ -8,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slotrunner.core_runner.runner.block_table import BlockTables, compute_slot_mapping
+from slotrunner.core_runner.runner import input_kernels as ik
+from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.input_batch import InputBatch
+from slotrunner.core_runner.runner.input_buffers import InputBuffers
 from slotrunner.core_runner.runner.request_state import RequestState
 
 
@@ -19,30 +23,37 @@ def prepare_inputs(
     num_scheduled_tokens_np: np.ndarray,  # [num_reqs]
     state: RequestState,
     block_tables: BlockTables,
+    buffers: InputBuffers | None = None,
+    num_reqs_padded: int | None = None,  # >= num_reqs: CUDA-graph batch size (padding rows are empty)
+    num_tokens_padded: int | None = None,  # >= num_tokens: padding tokens are never written to the cache
 ) -> InputBatch:
-    device = state.device
     num_reqs = len(req_ids)
     num_computed_np = state.num_computed_tokens_np[idx_mapping_np]
     seq_lens_np = num_computed_np + num_scheduled_tokens_np
     query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_scheduled_tokens_np, out=query_start_loc_np[1:])
     num_tokens = int(query_start_loc_np[-1])
+    num_reqs_padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+    num_tokens_padded = num_tokens if num_tokens_padded is None else num_tokens_padded
+    if buffers is None:  # a one-off batch (tests): buffers of exactly this size
+        buffers = InputBuffers(num_reqs_padded, num_tokens_padded, block_tables.max_num_blocks_per_req, state.device)
     # A row samples when this step brings its KV cache up to every token it has: the next
     # token is then unknown. A prefill chunk that stops short samples nothing.
     sample_mask_np = seq_lens_np >= state.num_tokens_np[idx_mapping_np]
 
-    idx_mapping = torch.from_numpy(idx_mapping_np.astype(np.int64)).to(device, non_blocking=True)
-    num_computed = torch.from_numpy(num_computed_np).to(device, non_blocking=True)
-    query_start_loc = torch.from_numpy(query_start_loc_np).to(device, non_blocking=True)
-    num_scheduled = torch.from_numpy(num_scheduled_tokens_np.astype(np.int64)).to(device, non_blocking=True)
-
-    token_rows = torch.repeat_interleave(torch.arange(num_reqs, device=device), num_scheduled, output_size=num_tokens)
-    offsets = torch.arange(num_tokens, device=device) - query_start_loc[token_rows]
-    positions = num_computed[token_rows] + offsets  # [num_tokens]
-    input_ids = state.token_ids[idx_mapping[token_rows], positions]  # [num_tokens]
-
-    tables = block_tables.gather(idx_mapping)
-    slot_mapping = compute_slot_mapping(tables, token_rows, positions, block_tables.block_size)
+    b = buffers
+    b.stage(idx_mapping_np, num_computed_np, query_start_loc_np, sample_mask_np, num_reqs_padded)
+    idx_mapping, num_computed = b.idx_mapping[:num_reqs], b.num_computed[:num_reqs]
+    ik.prepare_input_ids_positions(
+        idx_mapping, b.query_start_loc, num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
+    )
+    ik.prepare_seq_lens(b.query_start_loc, num_computed, b.seq_lens, num_reqs_padded)
+    ik.compute_slot_mapping(
+        idx_mapping, b.query_start_loc, b.positions, block_tables.table, block_tables.block_size, b.slot_mapping, num_tokens_padded
+    )
+    max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
+    ik.gather_block_tables(idx_mapping, block_tables.table, b.block_tables, num_reqs_padded, max_blocks)
+    torch.sub(b.query_start_loc[1 : num_reqs + 1], 1, out=b.logits_indices[:num_reqs])
     return InputBatch(
         req_ids=req_ids,
         num_reqs=num_reqs,
@@ -51,16 +62,20 @@ def prepare_inputs(
         idx_mapping_np=idx_mapping_np,
         num_scheduled_tokens_np=num_scheduled_tokens_np,
         num_computed_tokens_np=num_computed_np,
-        query_start_loc=query_start_loc.to(torch.int32),
+        query_start_loc=b.query_start_loc[: num_reqs + 1],
         query_start_loc_np=query_start_loc_np,
-        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)).to(device, non_blocking=True),
+        seq_lens=b.seq_lens[:num_reqs],
         seq_lens_np=seq_lens_np,
-        input_ids=input_ids,
-        positions=positions,
-        logits_indices=query_start_loc[1:] - 1,
+        input_ids=b.input_ids[:num_tokens],
+        positions=b.positions[:num_tokens],
+        logits_indices=b.logits_indices[:num_reqs],
         sample_mask_np=sample_mask_np,
-        block_tables=tables,
-        slot_mapping=slot_mapping,
+        num_sampled=b.num_sampled[:num_reqs],
+        block_tables=b.block_tables[:num_reqs],
+        slot_mapping=b.slot_mapping[:num_tokens],
+        num_reqs_padded=num_reqs_padded,
+        num_tokens_padded=num_tokens_padded,
+        buffers=b,
     )
 
 
@@ -70,14 +85,15 @@ def post_update(
     sampled: torch.Tensor,  # [num_reqs] int64, one sampled token per batch row
 ) -> None:
     """Append each sampling row's token to its slot's history, on device; advance lengths."""
-    rows_np = np.flatnonzero(batch.sample_mask_np)
-    if rows_np.size == 0:
+    if batch.num_reqs == 0:
         return
-    slots_np = batch.idx_mapping_np[rows_np]
-    rows = torch.from_numpy(rows_np).to(state.device, non_blocking=True)
-    slots = torch.from_numpy(slots_np.astype(np.int64)).to(state.device, non_blocking=True)
-    cols = torch.from_numpy(batch.seq_lens_np[rows_np].astype(np.int64)).to(state.device, non_blocking=True)
-    tokens = sampled.index_select(0, rows)
-    state.token_ids[slots, cols] = tokens
-    state.last_sampled[slots] = tokens
-    state.num_tokens_np[slots_np] += 1
+    ik.post_update(
+        batch.idx_mapping,
+        batch.seq_lens,
+        sampled.view(-1, 1),
+        batch.num_sampled,
+        torch.zeros_like(batch.num_sampled),
+        state.token_ids,
+        state.last_sampled,
+    )
+    state.num_tokens_np[batch.idx_mapping_np[batch.sample_mask_np]] += 1
