@@ -79,6 +79,7 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _St
 
 # Rows with at most this many (query token x query head) pairs per KV head take the grouped
 # matmul path: for decode it is ~2x faster than SDPA on CPU (whose GQA path copies K/V per head).
+# Soft caps and position biases always take it: they are applied to fp32 scores.
 _SMALL_QUERY = 64
 
 
@@ -132,16 +133,12 @@ def paged_attention_ref(
         if position_bias is not None:
             distance = (r.q_pos - r.k_pos).clamp(0, position_bias.shape[1] - 1)  # [num_q, seq_len]
             bias = position_bias[:, distance]  # [heads, num_q, seq_len]
-        if num_q * group <= _SMALL_QUERY or spec.logits_soft_cap is not None:
+        if num_q * group <= _SMALL_QUERY or spec.logits_soft_cap is not None or bias is not None:
             o = _attend_grouped(spec, q[r.q_start : r.q_end], kh, vh, allowed, bias)
         else:  # long prefill chunks: SDPA's fused kernels, no [heads, num_q, seq_len] scores in fp32
             qh = q[r.q_start : r.q_end].transpose(0, 1).to(kh.dtype)  # [heads, num_q, dim]
             kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
-            mask = allowed
-            if bias is not None:
-                bias = bias.to(qh.dtype)
-                mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=spec.scale)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=spec.scale)
             o = o.transpose(0, 1)  # [num_q, heads, dim]
         out[r.q_start : r.q_end] = o.to(out.dtype)
     return out

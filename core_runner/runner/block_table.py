@@ -39,9 +39,9 @@ class BlockTables:
         self._dirty.clear()
         if self.table.device.type == "cpu":
             self.table.numpy()[rows] = self.table_np[rows]
-        else:
-            rows_t = torch.from_numpy(rows)
-            self.table[rows_t.to(self.device)] = torch.from_numpy(self.table_np[rows]).to(self.device, non_blocking=True)
+        else:  # index_copy_: unlike indexed assignment it never waits for the device
+            rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            self.table.index_copy_(0, rows_t, torch.from_numpy(self.table_np[rows]).to(self.device, non_blocking=True))
 
     def gather(self, idx_mapping: torch.Tensor) -> torch.Tensor:  # [num_reqs] -> [num_reqs, max_blocks]
         return self.table.index_select(0, idx_mapping)

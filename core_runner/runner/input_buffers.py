@@ -49,7 +49,7 @@ class InputBuffers:
         num_reqs_padded) are padding: slot 0, nothing cached, an empty query, no sample."""
         n, R = len(idx_mapping_np), self.max_num_reqs
         assert n <= num_reqs_padded <= R, f"{n} rows padded to {num_reqs_padded} exceed max_num_reqs={R}"
-        if self._copied is not None:
+        if self._copied is not None and not self._copied.query():  # normally long done: no wait
             self._copied.synchronize()
         s64, s32 = self._stage64_np, self._stage32_np
         s64[:num_reqs_padded] = 0

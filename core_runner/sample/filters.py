@@ -12,12 +12,15 @@ def apply_top_k_top_p_min_p(
     top_k: torch.Tensor | None,  # [rows] int64, <= 0 means off
     top_p: torch.Tensor | None,  # [rows] float32, 1 means off
     min_p: torch.Tensor | None,  # [rows] float32, 0 means off
+    max_top_k: int | None = None,  # the host's max of top_k (<= 0 counting as the vocabulary)
 ) -> torch.Tensor:
     vocab = logits.shape[-1]
     if top_k is not None:
         k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
-        # The k-th largest logit of each row; ties at the threshold stay in.
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        # The k-th largest logit of each row; ties at the threshold stay in. The host knows the
+        # largest k: reading it from the device would stall the step.
+        max_k = min(max_top_k, vocab) if max_top_k is not None else int(k.max())
+        kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)

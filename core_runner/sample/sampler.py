@@ -55,7 +55,7 @@ class Sampler:
             t = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
             scaled = logits.float() / t[:, None]
             if params.top_k is not None or params.top_p is not None or params.min_p is not None:
-                scaled = apply_top_k_top_p_min_p(scaled, params.top_k, params.top_p, params.min_p)
+                scaled = apply_top_k_top_p_min_p(scaled, params.top_k, params.top_p, params.min_p, params.max_top_k)
             # Greedy rows keep the processed, unscaled logits: their argmax ignores the filters.
             scaled = torch.where(greedy[:, None], logits.float(), scaled)
             sampled = gumbel_sample(scaled, greedy, params.seeds, positions)

@@ -41,6 +41,7 @@ class BatchSamplingParams:
     temperature: torch.Tensor  # [rows] float32, 0 for greedy rows
     seeds: torch.Tensor  # [rows] int64
     top_k: torch.Tensor | None  # [rows] int64
+    max_top_k: int  # the largest top_k of the rows (host copy: sizes the top-k without a sync)
     top_p: torch.Tensor | None  # [rows] float32
     min_p: torch.Tensor | None  # [rows] float32
     all_greedy: bool
@@ -108,6 +109,7 @@ class SamplingStates:
             temperature=self._dev(t),
             seeds=self._dev(self._seeds(idx, sample_index_np)),
             top_k=self._dev(top_k) if (sampling & (top_k > 0)).any() else None,
+            max_top_k=int(np.where(top_k > 0, top_k, self.vocab_size).max()) if idx.size else 0,
             top_p=self._dev(top_p) if (sampling & (top_p < 1.0)).any() else None,
             min_p=self._dev(min_p) if (sampling & (min_p > 0.0)).any() else None,
             all_greedy=not sampling.any(),

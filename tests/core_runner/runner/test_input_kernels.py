@@ -13,6 +13,7 @@ device path drifting from the host path it replaces.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from slotrunner.core_runner.engine.scheduler_output import NewRequestData
@@ -135,14 +136,19 @@ def _tables(gen):
     return token_ids, block_table
 
 
+# Where the wrapper runs: the CPU under the interpreter, or a GPU (compiled kernels).
+KERNEL_DEVICE = torch.device("cpu")
+
+
 def _both(op, ref, outs, args):
-    """Run the wrapper (Triton) and the reference on copies of `outs`; `args(outs)` builds the
-    call's arguments around one set of copies. Returns (kernel's outs, reference's outs)."""
-    got = [o.clone() for o in outs]
+    """Run the wrapper (Triton, on KERNEL_DEVICE) and the reference (CPU) on copies of `outs`;
+    `args(outs)` builds the call's arguments around one set of copies. Returns (kernel's outs,
+    reference's outs), both on the CPU."""
+    got = [o.clone().to(KERNEL_DEVICE) for o in outs]
     want = [o.clone() for o in outs]
-    op(*args(got))
+    op(*[a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args(got)])
     ref(*args(want))
-    return got, want
+    return [g.cpu() for g in got], want
 
 
 def _assert_same(name, got, want):
@@ -153,7 +159,7 @@ def _assert_same(name, got, want):
 def _check_kernels_match_references():
     from slotrunner.core_runner.triton_utils import use_triton
 
-    assert use_triton(torch.device("cpu")), "the interpreter switch did not take"
+    assert use_triton(KERNEL_DEVICE), "the interpreter switch did not take"
     gen = torch.Generator().manual_seed(0)
     token_ids, block_table = _tables(gen)
     for slots, qlens, computed, pad_tokens, pad_rows, idx_dtype in _cases():
@@ -238,6 +244,15 @@ def _check_kernels_match_references():
 
 def test_kernels_match_references(run_interpreted):
     run_interpreted(_check_kernels_match_references)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_kernels_match_references_on_gpu():
+    globals()["KERNEL_DEVICE"] = torch.device("cuda")
+    try:
+        _check_kernels_match_references()
+    finally:
+        globals()["KERNEL_DEVICE"] = torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,14 +8,15 @@ differently from argmax.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
-def _check_kernel_matches_reference():
+def _check_kernel_matches_reference(device: str = "cpu"):
     from slotrunner.core_runner.sample import gumbel
     from slotrunner.core_runner.triton_utils import use_triton
 
-    assert use_triton(torch.device("cpu")), "the interpreter switch did not take"
+    assert use_triton(torch.device(device)), "the interpreter switch did not take"
     torch.manual_seed(0)
     # vocab sizes: 1, < block, = block, block + 1, several blocks with a tail
     for rows, vocab in [(1, 1), (3, 7), (2, 1024), (4, 1025), (5, 2500)]:
@@ -28,7 +29,7 @@ def _check_kernel_matches_reference():
         greedy[-1] = True
         seeds = torch.tensor([(2**40 + 977 * i) for i in range(rows)])
         positions = torch.arange(rows) * 13 + 1
-        got = gumbel.gumbel_sample(logits, greedy, seeds, positions)
+        got = gumbel.gumbel_sample(*(x.to(device) for x in (logits, greedy, seeds, positions))).cpu()
         want = gumbel.gumbel_sample_ref(logits, greedy, seeds, positions)
         assert got.tolist() == want.tolist(), (rows, vocab, got.tolist(), want.tolist())
         assert torch.isfinite(logits.gather(1, got[:, None])).all()
@@ -38,3 +39,8 @@ def _check_kernel_matches_reference():
 
 def test_gumbel_kernel_matches_reference(run_interpreted):
     run_interpreted(_check_kernel_matches_reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_gumbel_kernel_matches_reference():
+    _check_kernel_matches_reference("cuda")

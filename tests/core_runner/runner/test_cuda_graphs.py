@@ -1,0 +1,66 @@
+"""CUDA graphs and the sync-free decode step, on a GPU (skipped elsewhere).
+
+Guards against: a replayed graph reading stale inputs (buffers reallocated instead of rewritten),
+padding rows of a padded batch writing into the KV cache or leaking into real rows, a graph
+captured at one size replayed for another, a host-device sync slipping into the decode step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotrunner import LLM, SamplingParams
+from slotrunner.registry import tiny_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Prompt lengths chosen so the decode batch shrinks through sizes that are and are not captured.
+PROMPT_LENS = (3, 17, 40, 5, 33, 64, 9, 1, 23, 50, 12)
+OUTPUT_LENS = (30, 12, 25, 7, 30, 3, 18, 30, 9, 21, 15)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from slotrunner.conformance import build_case
+
+    d = tmp_path_factory.mktemp("qwen3")
+    build_case(tiny_config("Qwen3ForCausalLM"), d)
+    return d
+
+
+def _run(model_dir, dtype: str, enforce_eager: bool) -> list[list[int]]:
+    llm = LLM(str(model_dir), device="cuda", dtype=dtype, enforce_eager=enforce_eager, max_model_len=128, max_num_seqs=16)
+    assert (llm.engine.runner.cuda_graphs is None) == enforce_eager
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 200, (n,), generator=gen).tolist()} for n in PROMPT_LENS]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in OUTPUT_LENS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_equal_eager(qwen3_dir, dtype):
+    assert _run(qwen3_dir, dtype, enforce_eager=False) == _run(qwen3_dir, dtype, enforce_eager=True)
+
+
+def test_decode_step_does_not_sync(qwen3_dir):
+    llm = LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=16)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)
+    for i, n in enumerate(PROMPT_LENS[:6]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(1, n + 1))}, sp)
+    for _ in range(3):  # prefill steps may sync (prompt tables); decode steps must not
+        engine.step()
+    checked = 0
+    for _ in range(10):
+        sched = engine.scheduler.schedule()
+        assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.runner.execute_model(sched)
+            pending = engine.runner.sample_tokens()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        engine.scheduler.update(sched, pending.get())
+        checked += 1
+    assert checked == 10
