@@ -52,6 +52,9 @@ class EngineConfig:
     seed: int = 0  # engine seed: draws the Gumbel seed of requests that give none
     enforce_eager: bool = False  # never replay CUDA graphs
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_SIZES  # decode batch sizes captured on CUDA
+    # Schedule step N+1 while step N runs (the host work of a step hides behind the GPU's).
+    # None: on for CUDA, off elsewhere (a CPU does both and gains nothing).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
@@ -63,6 +66,8 @@ class EngineConfig:
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
                 f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
             )
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", self.device.type == "cuda")
         if not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
 

@@ -40,6 +40,8 @@ class LLM:
         enforce_eager: on CUDA, run every step eagerly (no CUDA graphs).
         cuda_graph_sizes: decode batch sizes captured as CUDA graphs on CUDA; a decode batch is
             padded up to the next size, larger batches and prefill steps run eagerly.
+        async_scheduling: schedule each step while the previous one runs on the device
+            (default: on for CUDA, off on CPU).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] = DEFAULT_CUDA_GRAPH_SIZES,
+        async_scheduling: bool | None = None,
     ) -> None:
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = parse_dtype(dtype, dev)
@@ -96,6 +99,7 @@ class LLM:
             seed=seed,
             enforce_eager=enforce_eager,
             cuda_graph_sizes=tuple(cuda_graph_sizes),
+            async_scheduling=async_scheduling,
         )
         self.architecture = arch.architecture
         self.tokenizer = source.tokenizer

@@ -10,7 +10,10 @@ from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, chec
 from slotrunner.core_runner.engine.output_processor import RequestGroup, RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
+from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.async_output import AsyncOutput
 from slotrunner.core_runner.runner.model_runner import ModelRunner
+from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
 
@@ -24,7 +27,11 @@ class LLMEngine:
         self.intake = intake
         self.tokenizer = intake.tokenizer
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(config, share_prefix_kv=type(runner.model_state).shares_prefix_kv)
+        self.scheduler = Scheduler(
+            config, share_prefix_kv=type(runner.model_state).shares_prefix_kv, async_scheduling=config.async_scheduling
+        )
+        # Async scheduling: the step whose output is still on its way (scheduled, launched).
+        self._in_flight: tuple[SchedulerOutput, AsyncOutput] | None = None
         self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its n samples
         self._arrivals = 0
@@ -59,13 +66,27 @@ class LLMEngine:
                 self.scheduler.abort_request(member.request.req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One step; returns an output for every request that got tokens or finished."""
+        """One step; returns an output for every request that got tokens or finished.
+
+        With async scheduling, the step schedules and launches step N+1 first, then waits for
+        step N's tokens and returns their outputs: the GPU runs N+1 while the host processes N.
+        """
         sched_out = self.scheduler.schedule()
         self.runner.execute_model(sched_out)
-        runner_out = self.runner.sample_tokens().get()
+        pending = self.runner.sample_tokens()
+        if self.config.async_scheduling:
+            previous = self._in_flight
+            self._in_flight = None if sched_out.is_empty else (sched_out, pending)
+            if previous is None:
+                return []
+            sched_out, pending = previous
+        return self._process(sched_out, pending.get())
+
+    def _process(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply one step's tokens to the scheduler and the detokenizers; build the outputs."""
         for req_id, lp in runner_out.prompt_logprobs.items():
             if req_id in self._groups:
                 self._groups[req_id].members[0].add_prompt_logprobs(lp)

@@ -44,6 +44,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Async scheduling: tokens that steps still in flight will sample, not known yet. The
+    # scheduler schedules them (the runner reads them from its device-side history).
+    num_pending: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 
@@ -62,6 +65,13 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
+
+    def done_when_pending_arrive(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight already bring the request to max_tokens or to
+        max_model_len: it finishes when they arrive, so no further step is scheduled for it."""
+        max_tokens = self.sampling_params.max_tokens
+        num_output = len(self.output_token_ids) + self.num_pending
+        return (max_tokens is not None and num_output >= max_tokens) or self.num_tokens + self.num_pending >= max_model_len
 
     def check_stop(self, max_model_len: int) -> None:
         """Set a finished status after a token was appended (EOS, stop ids, max_tokens, length)."""

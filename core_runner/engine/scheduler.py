@@ -25,10 +25,13 @@ class Scheduler:
     its prompt plus the tokens it had generated.
 
     The engine calls `schedule()`, runs the model on the output, then calls `update()` with the
-    same SchedulerOutput before the next `schedule()`.
+    same SchedulerOutput -- before the next `schedule()`, or, with `async_scheduling`, after it:
+    then step N+1 is scheduled while step N runs, counting the token each sampling row of step N
+    will produce (`Request.num_pending`) as if it were known. A request that turns out to have
+    stopped at step N wastes its row of step N+1; no step is scheduled past max_tokens.
     """
 
-    def __init__(self, config: EngineConfig, share_prefix_kv: bool = True) -> None:
+    def __init__(self, config: EngineConfig, share_prefix_kv: bool = True, async_scheduling: bool = False) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -42,6 +45,7 @@ class Scheduler:
         # Whether forked parallel samples may share their parent's KV blocks (the family's
         # ModelState.shares_prefix_kv); otherwise they recompute the prompt.
         self.share_prefix_kv = share_prefix_kv
+        self.async_scheduling = async_scheduling
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -118,7 +122,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending and request.done_when_pending_arrive(self.max_model_len):
+                i += 1
+                continue
+            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
                 i += 1
                 continue
@@ -134,6 +141,8 @@ class Scheduler:
 
         while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:
+                break  # preempted while a step sampled for it: its tokens must be known first
             # A forked child already holds its parent's prompt KV (num_computed_tokens > 0).
             num_computed = request.num_computed_tokens
             num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
@@ -170,6 +179,8 @@ class Scheduler:
 
         for request in scheduled:
             request.num_computed_tokens += out.num_scheduled_tokens[request.req_id]
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_pending:
+                request.num_pending += 1  # this step samples its next token
         return out
 
     def _reclaim_waiting_blocks(self, keep: Request | None = None) -> bool:
@@ -265,7 +276,7 @@ class Scheduler:
             request = self._requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
-            assert request.num_computed_tokens == request.num_tokens, (
+            assert self.async_scheduling or request.num_computed_tokens == request.num_tokens, (
                 f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
                 f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
             )
@@ -275,6 +286,8 @@ class Scheduler:
                 children = self._fork_children(request, sampled[1:])  # before a stop can free the parent
                 sampled = sampled[:1]
             for token_id in sampled:
+                if request.num_pending:
+                    request.num_pending -= 1
                 request.output_token_ids.append(token_id)
                 request.check_stop(self.max_model_len)
                 if request.status.finished:

@@ -58,8 +58,11 @@ def alone(tiny_llama_dir):
         dict(max_num_seqs=32),  # everything in one batch
         dict(max_num_seqs=3, max_num_batched_tokens=7),  # odd chunk budget; requests finish and join
         dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=18),  # scarce blocks: preemption
+        # Async scheduling: step N+1 is scheduled before step N's tokens are known.
+        dict(max_num_seqs=3, max_num_batched_tokens=7, async_scheduling=True),
+        dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=18, async_scheduling=True),
     ],
-    ids=["one-batch", "chunked-joining", "preempting"],
+    ids=["one-batch", "chunked-joining", "preempting", "async-chunked-joining", "async-preempting"],
 )
 @pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
 def test_batched_equals_alone(tiny_llama_dir, alone, engine_args, shuffle):
@@ -74,3 +77,22 @@ def test_batched_equals_alone(tiny_llama_dir, alone, engine_args, shuffle):
         assert got[i] == alone[i], f"request {i} differs in a batch ({engine_args}, shuffle={shuffle})"
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
+
+
+def test_async_scheduling_stops_where_sync_stops(tiny_llama_dir, alone):
+    """Guards against: a request that hits a stop token (known only one step late under async
+    scheduling) emitting the extra token its wasted row sampled, or a finish reason that differs."""
+    prompts, params = make_requests()
+    stop_params = [
+        SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=sp.max_tokens,
+                       stop_token_ids=[tokens[len(tokens) // 2]] if tokens else None)
+        for sp, tokens in zip(params, alone)
+    ]
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4, max_num_seqs=5,
+                  max_num_batched_tokens=9, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, stop_params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+    assert runs[0] == runs[1]
+    assert sum(reason == "stop" for _, reason in runs[0]) >= NUM_REQUESTS // 2
