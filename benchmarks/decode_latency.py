@@ -1,0 +1,76 @@
+"""Batch-1 decode time per token on the Qwen3-0.6B shape (random bf16 weights), graphs vs eager.
+
+One request, `--input-len` prompt tokens, `--output-len` new tokens, greedy, EOS ignored. The
+decode time per token excludes the first token (prefill): (wall - time to first token) /
+(output_len - 1). The weights-only floor is the time to read the weights once at 4.8 TB/s.
+
+    python benchmarks/decode_latency.py --input-len 128 --output-len 512
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from throughput import HBM_BYTES_PER_S, qwen3_06b_config
+
+
+def measure(model_dir: str, args: argparse.Namespace, enforce_eager: bool) -> tuple[float, float]:
+    from slotrunner import LLM, SamplingParams
+
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=4096,
+              max_num_seqs=8, enforce_eager=enforce_eager)
+    prompt = {"prompt_token_ids": list(range(1000, 1000 + args.input_len))}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    best_ttft, best_tpot = float("inf"), float("inf")
+    engine = llm.engine
+    for rep in range(args.repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first = None
+        engine.add_request(f"r{rep}", prompt, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and outs:
+                first = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        best_ttft = min(best_ttft, first)
+        best_tpot = min(best_tpot, (wall - first) / (args.output_len - 1))
+    del llm
+    torch.cuda.empty_cache()
+    return best_ttft, best_tpot
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    cfg = qwen3_06b_config()
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    qkvo = h * (16 + 2 * 8) * 128 + 16 * 128 * h
+    floor_ms = 1e3 * 2 * (L * (qkvo + 3 * h * i) + v * h) / HBM_BYTES_PER_S
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        for eager in (False, True):
+            ttft, tpot = measure(d, args, eager)
+            rows.append(("eager" if eager else "CUDA graphs", ttft, tpot))
+    print(f"batch-1 decode, Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}, {args.input_len} in / "
+          f"{args.output_len} out, best of {args.repeats}; weights-only floor {floor_ms:.3f} ms/token")
+    print(f"{'mode':<12} {'TTFT ms':>9} {'ms/token':>9}")
+    for name, ttft, tpot in rows:
+        print(f"{name:<12} {1e3 * ttft:>9.2f} {1e3 * tpot:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""GPU throughput on the bench workload: slotrunner vs transformers, in the same process run.
+
+The bench workload (TARGETS.md): 256 requests, input and output lengths each uniform in
+[100, 1024] (seeded), random token ids, EOS ignored, the Qwen3-0.6B shape (28 layers, hidden
+1024, 16 heads / 8 KV heads, head_dim 128, vocab 151936, tied embeddings, QK-norm) with random
+bf16 weights; metric: output tokens / wall seconds, prefill included.
+
+Peers, on the same requests:
+- transformers `generate`, static batches of `--hf-batch` requests, left-padded, each batch
+  generating its longest requested output; only the requested tokens are counted.
+- transformers `generate_batch` (continuous batching), each request with its own max_new_tokens.
+
+It also prints the fraction of the memory-bandwidth roofline slotrunner reaches: the time one
+H200 (4.8 TB/s) needs just to read the weights once per decode step and every token's KV
+context once per generated token, over the measured wall time.
+
+    python benchmarks/throughput.py                      # all systems
+    python benchmarks/throughput.py --peers none         # slotrunner alone
+    python benchmarks/throughput.py --num-requests 64 --peers generate
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HBM_BYTES_PER_S = 4.8e12  # one H200
+
+
+def qwen3_06b_config() -> dict:
+    return dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+        bos_token_id=151643, eos_token_id=151645,
+    )
+
+
+def workload(n: int, seed: int, lo: int, hi: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(lo, hi + 1, n)
+    out_lens = rng.integers(lo, hi + 1, n)
+    prompts = [rng.integers(0, 151000, k).tolist() for k in in_lens]
+    return prompts, [int(x) for x in out_lens]
+
+
+def roofline_seconds(cfg: dict, prompts: list[list[int]], out_lens: list[int], num_steps: int) -> float:
+    """Bytes that must cross HBM at least once: weights per decode step, each generated token's
+    KV context (bf16), over the bandwidth."""
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    qkvo = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"] + cfg["num_attention_heads"] * cfg["head_dim"] * h
+    weight_bytes = 2 * (cfg["num_hidden_layers"] * (qkvo + 3 * h * i) + v * h)
+    context = sum(len(p) * m + m * (m - 1) / 2 for p, m in zip(prompts, out_lens))
+    return (weight_bytes * num_steps + kv_per_token * context) / HBM_BYTES_PER_S
+
+
+def run_slotrunner(model_dir: str, prompts, out_lens, args) -> dict:
+    from slotrunner import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2100,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager)
+    startup = time.perf_counter() - t0
+    warm = [{"prompt_token_ids": p} for p in prompts[:4]]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    steps = {"n": 0}
+    step = llm.engine.step
+
+    def counted_step():
+        steps["n"] += 1
+        return step()
+
+    llm.engine.step = counted_step
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(reqs, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(out_lens), f"generated {n_out} tokens, requested {sum(out_lens)}"
+    del llm
+    torch.cuda.empty_cache()
+    return dict(system="slotrunner", wall_s=wall, out_tokens=n_out, steps=steps["n"], startup_s=startup)
+
+
+def hf_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in qwen3_06b_config().items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def run_hf_generate(model, prompts, out_lens, batch: int) -> dict:
+    order = np.argsort([len(p) for p in prompts])  # similar lengths together: less padding
+    t = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        idx = order[s : s + batch]
+        group = [prompts[i] for i in idx]
+        width = max(len(p) for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(group):  # left padding
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        n_new = max(out_lens[i] for i in idx)
+        with torch.no_grad():
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n_new, min_new_tokens=n_new,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    return dict(system=f"transformers generate (batch {batch})", wall_s=time.perf_counter() - t, out_tokens=sum(out_lens))
+
+
+def run_hf_generate_batch(model, prompts, out_lens) -> dict:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max(out_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gc)
+    manager.start()
+    t = time.perf_counter()
+    for i, (p, m) in enumerate(zip(prompts, out_lens)):
+        manager.add_request(p, request_id=f"r{i}", max_new_tokens=m)
+    got = 0
+    for _ in prompts:
+        result = manager.get_result(timeout=600)
+        got += len(result.generated_tokens)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    manager.stop(block=True)
+    return dict(system="transformers generate_batch", wall_s=wall, out_tokens=got)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--peers", default="generate,generate_batch", help="comma list of generate, generate_batch; or none")
+    p.add_argument("--hf-batch", type=int, default=256)
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    args = p.parse_args()
+
+    prompts, out_lens = workload(args.num_requests, args.seed, args.min_len, args.max_len)
+    cfg = qwen3_06b_config()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        rows.append(run_slotrunner(d, prompts, out_lens, args))
+    peers = [] if args.peers == "none" else args.peers.split(",")
+    if peers:
+        model = hf_model()
+        for peer in peers:
+            try:
+                if peer == "generate":
+                    rows.append(run_hf_generate(model, prompts, out_lens, args.hf_batch))
+                elif peer == "generate_batch":
+                    rows.append(run_hf_generate_batch(model, prompts, out_lens))
+                else:
+                    raise ValueError(f"unknown peer {peer!r}")
+            except Exception as e:  # a peer's API change must not hide our figure
+                print(f"{peer}: failed: {type(e).__name__}: {e}")
+    ours = rows[0]
+    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"])
+    print(f"bench workload: {args.num_requests} requests, in/out uniform in [{args.min_len}, {args.max_len}], "
+          f"{sum(out_lens)} output tokens; Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}; "
+          f"torch {torch.__version__}")
+    print(f"{'system':<36} {'seconds':>9} {'out tok/s':>10} {'slotrunner x':>13}")
+    for r in rows:
+        r["tok_s"] = r["out_tokens"] / r["wall_s"]
+        print(f"{r['system']:<36} {r['wall_s']:>9.2f} {r['tok_s']:>10.0f} {ours['tok_s'] / r['tok_s']:>13.2f}")
+    print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
+          f"(weights per step + KV per token at 4.8 TB/s) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
+          f"engine start-up incl. graph capture {ours['startup_s']:.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
