@@ -168,6 +168,9 @@ class EncoderDecoderModelState(ModelState):
     # encoder input -- but decoder prompts are a few tokens and the encoder runs per slot
     # anyway, so recomputing costs little.)
     shares_prefix_kv = False
+    # Decode steps replay CUDA graphs: the cross-attention metadata lives in persistent buffers
+    # that prepare_attn rewrites in place (prepare_dummy_attn hands them to the capture).
+    supports_cuda_graphs = True
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
@@ -191,6 +194,9 @@ class EncoderDecoderModelState(ModelState):
         self.cross_layers = cross_attention_layers(model)
         assert self.cross_layers, f"{type(model).__name__} has no CrossAttention layers: not an encoder-decoder"
         self.encoder_lens_np = np.zeros(config.max_num_seqs, dtype=np.int32)  # [slots], 0: no encoder output
+        # Per batch row, rewritten every step at fixed addresses (CUDA graphs read them).
+        self._row_encoder_lens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=device)  # [max_num_reqs]
+        self._row_tables = torch.zeros(config.max_num_seqs, 1, dtype=torch.int32, device=device)  # [max_num_reqs, 1]
         # Slots admitted since the last step whose encoder has not run yet.
         self._pending: dict[int, EncoderInputs] = {}
         self.cross_kv_bytes = 0
@@ -229,12 +235,25 @@ class EncoderDecoderModelState(ModelState):
                 self.encoder_lens_np[slot] = hidden.shape[0]
 
     def prepare_attn(self, batch: InputBatch) -> CrossAttnMetadata:
+        n = batch.num_reqs
         lens_np = self.encoder_lens_np[batch.idx_mapping_np]
+        self._row_encoder_lens[:n].copy_(torch.from_numpy(lens_np), non_blocking=True)
+        self._row_tables[:n, 0].copy_(batch.idx_mapping)
         return CrossAttnMetadata(
             slots=batch.idx_mapping,
             slots_np=batch.idx_mapping_np,
-            encoder_lens=torch.from_numpy(lens_np).to(self.device, non_blocking=True),
+            encoder_lens=self._row_encoder_lens[:n],
             encoder_lens_np=lens_np,
+            block_tables=self._row_tables[:n],
+        )
+
+    def prepare_dummy_attn(self, num_reqs: int) -> CrossAttnMetadata:
+        return CrossAttnMetadata(
+            slots=self._row_tables[:num_reqs, 0],
+            slots_np=np.zeros(num_reqs, dtype=np.int64),
+            encoder_lens=self._row_encoder_lens[:num_reqs],
+            encoder_lens_np=np.zeros(num_reqs, dtype=np.int32),
+            block_tables=self._row_tables[:num_reqs],
         )
 
     def prepare_inputs(self, batch: InputBatch) -> ModelInputs:

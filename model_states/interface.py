@@ -84,9 +84,10 @@ class ModelState(abc.ABC):
     # with recurrent state set False, and their parallel samples recompute the prompt.
     shares_prefix_kv: ClassVar[bool] = True
     # Whether decode steps may replay CUDA graphs. True only when, for a decode-only batch,
-    # `prepare_attn` and `prepare_inputs_embeds` return None and `prepare_inputs` returns inputs
-    # that live at the addresses `prepare_dummy_inputs` gave at capture (persistent buffers the
-    # hooks rewrite in place) -- a graph replays the capture's tensors, not the step's.
+    # `prepare_inputs_embeds` returns None and `prepare_attn` / `prepare_inputs` return tensors
+    # that live at the addresses `prepare_dummy_attn` / `prepare_dummy_inputs` gave at capture
+    # (persistent buffers the hooks rewrite in place): a graph replays the capture's tensors,
+    # not the step's.
     supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
@@ -147,6 +148,11 @@ class ModelState(abc.ABC):
     @abc.abstractmethod
     def prepare_inputs(self, batch: InputBatch) -> ModelInputs:
         """Called every forward: typed extra model inputs for this batch."""
+
+    def prepare_dummy_attn(self, num_reqs: int) -> FamilyAttnMetadata | None:
+        """Called for CUDA-graph capture of a decode batch of `num_reqs` rows: the family
+        attention metadata over the persistent buffers `prepare_attn` rewrites every step."""
+        return None
 
     @abc.abstractmethod
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> ModelInputs:

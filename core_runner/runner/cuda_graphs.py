@@ -67,7 +67,8 @@ class CudaGraphs:
     def _forward(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
         b = self.buffers
         extra = self.model_state.prepare_dummy_inputs(n, n)
-        with forward_context(ForwardContext(self.backend, meta, None)):
+        family_attn = self.model_state.prepare_dummy_attn(n)
+        with forward_context(ForwardContext(self.backend, meta, family_attn)):
             return self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())
 
     @torch.inference_mode()

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.runner.forward_context import get_forward_context
+from slotrunner.core_runner.triton_utils import use_triton
 from slotrunner.model_states.interface import FamilyAttnMetadata
 from slotrunner.models.layers.dense_attention import dense_attention
 
@@ -27,6 +29,9 @@ class CrossAttnMetadata(FamilyAttnMetadata):
     slots_np: np.ndarray  # [num_reqs]
     encoder_lens: torch.Tensor  # [num_reqs] int32
     encoder_lens_np: np.ndarray  # [num_reqs]
+    # Each row's slot as a one-block table: the per-slot cache seen as a paged cache whose block
+    # size is max_encoder_len, so decode rows run through the paged-attention kernel.
+    block_tables: torch.Tensor | None = None  # [num_reqs, 1] int32
 
 
 def cross_kv_shape(max_num_seqs: int, max_encoder_len: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -64,6 +69,7 @@ class CrossAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, scale)
         self.cross_kv: torch.Tensor | None = None  # cross_kv_shape(...), bound by the ModelState
 
     def store(
@@ -85,7 +91,30 @@ class CrossAttention(nn.Module):
         meta = ctx.family_attn
         assert isinstance(meta, CrossAttnMetadata), f"cross-attention needs CrossAttnMetadata, got {type(meta).__name__}"
         q = q.view(-1, self.num_heads, self.head_dim)
+        if ctx.attn.max_query_len == 1 and meta.block_tables is not None and use_triton(q.device):
+            return self._decode_paged(q, meta, ctx.attn)
         return cross_attention_ref(q, self.cross_kv, meta, ctx.attn.query_start_loc_np, self.scale)
+
+    def _decode_paged(self, q: torch.Tensor, meta: CrossAttnMetadata, attn: AttentionMetadata) -> torch.Tensor:
+        """One query token per row attends to every encoder position: exactly what the causal
+        paged kernel computes when the row's "sequence" is its encoder output and the query sits
+        at its last position. Graph safe: reads only device tensors."""
+        from slotrunner.core_runner.attention.triton_attn import paged_attention
+
+        paged = AttentionMetadata(
+            num_reqs=attn.num_reqs,
+            num_tokens=attn.num_tokens,
+            query_start_loc=attn.query_start_loc,
+            query_start_loc_np=attn.query_start_loc_np,
+            seq_lens=meta.encoder_lens,
+            seq_lens_np=meta.encoder_lens_np,
+            max_query_len=1,
+            max_seq_len=self.cross_kv.shape[2],
+            block_tables=meta.block_tables,
+            slot_mapping=attn.slot_mapping,
+        )
+        out = paged_attention(self.spec, q, self.cross_kv, paged, out=torch.zeros_like(q))  # padding rows stay 0
+        return out.view(-1, self.num_heads * self.head_dim)
 
 
 def cross_attention_layers(model: nn.Module) -> list[CrossAttention]:

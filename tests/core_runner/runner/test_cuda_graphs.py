@@ -64,3 +64,27 @@ def test_decode_step_does_not_sync(qwen3_dir):
         engine.scheduler.update(sched, pending.get())
         checked += 1
     assert checked == 10
+
+
+def test_whisper_graphs_equal_eager(tmp_path):
+    """Encoder-decoders replay decode graphs too: the cross-attention metadata (each row's slot
+    and encoder length) must be rewritten in the captured buffers, not rebuilt."""
+    import numpy as np
+
+    from slotrunner.conformance import build_case
+    from slotrunner.registry.tiny_configs import whisper_feature_extractor
+
+    config = tiny_config("WhisperForConditionalGeneration")
+    config.architectures = ["WhisperForConditionalGeneration"]
+    build_case(config, tmp_path)
+    whisper_feature_extractor(config).save_pretrained(str(tmp_path))
+    rng = np.random.RandomState(0)
+    clips = [(rng.randn(n).astype(np.float32) * 0.1, 16000) for n in (400, 16000, 3000, 9000, 800, 12000, 5000)]
+    prompts = [{"multi_modal_data": {"audio": clip}} for clip in clips]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 9, 30, 14, 25, 3, 17)]
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=64, max_num_seqs=8)
+        assert (llm.engine.runner.cuda_graphs is None) == eager
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
