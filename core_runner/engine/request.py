@@ -39,6 +39,7 @@ class Request:
     parent_id: str | None = None  # set on children
     sample_index: int = 0
     pending_fork: bool = False  # a parent whose first sampling step is still ahead
+    fan_out_scheduled: bool = False  # its n-sample step is scheduled (async: not yet processed)
     # A forked child waiting for a slot: block copies (src, dst) the runner makes on admission.
     fork_copies: tuple[tuple[int, int], ...] = ()
     output_token_ids: list[int] = field(default_factory=list)

@@ -199,8 +199,9 @@ class Scheduler:
     @staticmethod
     def _maybe_fan_out(request: Request, num_new: int, out: SchedulerOutput) -> None:
         """An n > 1 parent whose chunk completes its prefill samples n first tokens at once."""
-        if request.pending_fork and request.num_computed_tokens + num_new >= request.num_tokens:
+        if request.pending_fork and not request.fan_out_scheduled and request.num_computed_tokens + num_new >= request.num_tokens:
             out.num_samples[request.req_id] = request.sampling_params.n
+            request.fan_out_scheduled = True  # async scheduling: the next step must not fan out again
 
     def _fork_children(self, parent: Request, first_tokens: list[int]) -> list[Request]:
         """Samples 1..n-1 of `parent`, each with its first token, sharing the prompt's KV blocks.
@@ -229,7 +230,8 @@ class Scheduler:
             children.append(child)
             if child.status.finished:
                 continue
-            if self.share_prefix_kv and self.block_manager.can_fork(prompt_len):
+            # A parent preempted while its fan-out step ran (async scheduling) holds no blocks.
+            if self.share_prefix_kv and parent.status == RequestStatus.RUNNING and self.block_manager.can_fork(prompt_len):
                 _, child.fork_copies = self.block_manager.fork(parent.req_id, child.req_id, prompt_len)
                 child.num_computed_tokens = prompt_len
             self._requests[child.req_id] = child

@@ -55,12 +55,15 @@ def test_n_samples_equal_seeded_single_requests_and_share_the_prefill(llm, promp
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_parallel_samples_survive_scarce_blocks(tiny_llama_dir):
-    """With few blocks, forks fall back to recompute or get preempted; results don't change."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_parallel_samples_survive_scarce_blocks(tiny_llama_dir, async_scheduling):
+    """With few blocks, forks fall back to recompute or get preempted; results don't change
+    (also when steps are scheduled ahead of their parents' first tokens)."""
     prompts = [{"prompt_token_ids": [(17 * i + j) % 900 + 5 for i in range(11)]} for j in range(3)]
     sp = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=9, ignore_eos=True)
     roomy = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8)
-    tight = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, num_kv_blocks=16)
+    tight = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, num_kv_blocks=16,
+                async_scheduling=async_scheduling)
     a = roomy.generate(prompts, sp, use_tqdm=False)
     b = tight.generate(prompts, sp, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
