@@ -122,7 +122,11 @@ class ModelRunner:
         expanded_mask = batch.sample_mask_np[expanded_rows_np]
 
         def finish(host: dict[str, torch.Tensor]) -> ModelRunnerOutput:
-            sampled_np = host["sampled"].numpy()
+            sampled = host["sampled"].tolist()
+            mask = batch.sample_mask_np.tolist()
+            if "lp_ids" not in host and not fan_out:  # the common case, one list per row
+                sampled_ids = [[t] if keep else [] for t, keep in zip(sampled, mask)]
+                return ModelRunnerOutput(batch.req_ids, sampled_ids, [None] * batch.num_reqs, prompt_logprobs)
             lp = None
             if "lp_ids" in host:
                 lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
@@ -130,8 +134,8 @@ class ModelRunner:
             sampled_ids, row_logprobs = [], []
             for row in range(batch.num_reqs):
                 span = slice(first_np[row], first_np[row] + counts[row])
-                keep = batch.sample_mask_np[row]
-                sampled_ids.append([int(t) for t in sampled_np[span]] if keep else [])
+                keep = mask[row]
+                sampled_ids.append(sampled[span] if keep else [])
                 row_logprobs.append(logprobs[span] if keep and logprobs[span.start] is not None else None)
             return ModelRunnerOutput(
                 req_ids=batch.req_ids,
