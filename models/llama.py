@@ -112,9 +112,10 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:  # one kernel for both norms and RoPE where Triton runs
+            q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
 
 

@@ -1,4 +1,11 @@
-"""Gated activations on a fused [gate | up] projection."""
+"""Gated activations on a fused [gate | up] projection: act(gate) * up.
+
+`_gated_act_kernel` (Triton, one program per token row and block of channels) -> `gated_act()`
+(dispatch) -> `gated_act_ref()` (the torch specification, and what runs where Triton does not).
+The kernel rounds where the reference rounds: act(gate) to the input dtype, then the product.
+Compiled, it calls libdevice's expf/erff/tanhf as torch's CUDA kernels do; the interpreter has no
+libdevice and takes tl.exp and a tanh built from it (ulps apart in fp32).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,88 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
+
+if HAS_TRITON:
+    from triton.language.extra import libdevice
+
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACT_IDS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}  # the kernel's ACT constexpr
+_BLOCK = 1024
+
+
+def gated_act_ref(
+    x: torch.Tensor,  # [..., 2 * d]: gate | up
+    act: str,
+) -> torch.Tensor:  # [..., d]
+    gate, up = x.chunk(2, dim=-1)
+    return _ACTS[act](gate) * up
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gated_act_kernel(
+        x_ptr,  # [num_tokens, 2 * d], row stride x_stride, unit column stride
+        x_stride,
+        out_ptr,  # [num_tokens, d] contiguous
+        d,
+        ACT: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 gelu (tanh)
+        LIBDEVICE: tl.constexpr,  # compiled: CUDA's exp/tanh, the functions torch's kernels call
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < d
+        g = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * x_stride + d + offs, mask=mask, other=0.0).to(tl.float32)
+        # Each formula in the order of torch's CUDA kernel for F.silu / F.gelu.
+        if ACT == 0:
+            if LIBDEVICE:
+                e = libdevice.exp(-g)
+            else:
+                e = tl.exp(-g)
+            a = tl.math.div_rn(g, 1.0 + e)
+        elif ACT == 1:
+            a = g * 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        else:
+            inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+            if LIBDEVICE:
+                tanh = libdevice.tanh(inner)
+            else:
+                t = tl.exp(-2.0 * tl.abs(inner))  # in (0, 1]: no overflow
+                tanh = tl.math.div_rn(1.0 - t, 1.0 + t)
+                tanh = tl.where(inner < 0, -tanh, tanh)
+            a = 0.5 * g * (1.0 + tanh)
+        a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * d + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_act(
+    x: torch.Tensor,  # [..., 2 * d]: gate | up
+    act: str,  # a key of _ACTS
+) -> torch.Tensor:  # [..., d], new
+    """act(gate) * up in one launch where Triton runs, the torch reference elsewhere."""
+    assert act in _ACTS, f"activation {act!r} not in {sorted(_ACTS)}"
+    assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} is not gate | up"
+    if not use_triton(x.device) or x.numel() == 0:
+        return gated_act_ref(x, act)
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    block = min(_BLOCK, triton.next_power_of_2(d))
+    _gated_act_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        x2,
+        x2.stride(0),
+        out,
+        d,
+        ACT=_ACT_IDS[act],
+        LIBDEVICE=not TRITON_INTERPRET,
+        BLOCK=block,
+        enable_fp_fusion=False,  # no fma: each product rounded
+    )
+    return out
 
 
 class GatedAct(nn.Module):
@@ -16,8 +104,7 @@ class GatedAct(nn.Module):
         super().__init__()
         if act not in _ACTS:
             raise ValueError(f"activation {act!r} is not supported (supported: {sorted(_ACTS)})")
-        self.act = _ACTS[act]
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return self.act(gate) * up
+        return gated_act(x, self.act)

@@ -1,4 +1,9 @@
-"""Rotary position embedding (neox layout, as Hugging Face Llama-family checkpoints use)."""
+"""Rotary position embedding (neox layout, as Hugging Face Llama-family checkpoints use).
+
+`RopeConfig` (read from the HF config) -> the cos/sin table of `RotaryEmbedding`, applied by
+`rotary_qk` (rotary_qk.py: one Triton launch for q and k, optionally after Qwen3's per-head
+q/k norm).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.rotary_qk import QKNorm, _rotate, rotary_qk  # noqa: F401 (_rotate: M-RoPE, vision)
 
 
 @dataclass(frozen=True)
@@ -75,13 +83,20 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # each [num_tokens, rotary_dim // 2]
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        """May write q and k in place (see `rotary_qk`): use the returned tensors."""
+        return rotary_qk(positions, q, k, self.cos_sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    x1, x2 = rot.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+    def norm_and_rotate(
+        self,
+        positions: torch.Tensor,  # [num_tokens], or [3, num_tokens] for M-RoPE
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(positions, q_norm(q), k_norm(k))` (Qwen3), in one kernel for 1-D positions.
+        Subclasses whose forward differs for 1-D positions must override this too; M-RoPE's
+        does not (its 1-D case is plain RoPE) and its 3-axis case takes the unfused path."""
+        if positions.dim() != 1:
+            return self(positions, q_norm(q), k_norm(k))
+        return rotary_qk(positions, q, k, self.cos_sin, QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps))

@@ -1,0 +1,192 @@
+"""RoPE on q and k in one launch, optionally after a per-head RMSNorm (Qwen3's q_norm/k_norm).
+
+`_rotary_qk_kernel` (Triton, one program per token and block of heads, writing q and k in place)
+-> `rotary_qk()` (dispatch) -> `rotary_qk_ref()` (the torch specification, and what runs where
+Triton does not). Neox layout: the first rotary_dim channels of a head are two halves rotated
+against each other; the rest pass through. The kernel rounds where the reference rounds: after
+the norm (as `RMSNorm` does) and once after the rotation, whose products are not fused into fma
+(torch computes them in separate kernels). M-RoPE (mrope.py) and the vision tower call `_rotate`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.models.layers.norm import rms_norm_ref
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm)."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    q_eps: float
+    k_eps: float
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = rot.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+def rotary_qk_ref(
+    positions: torch.Tensor,  # [num_tokens]
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [max_position, rotary_dim]: cos half | sin half
+    qk_norm: QKNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if qk_norm is not None:
+        q, k = rms_norm_ref(q, qk_norm.q_weight, qk_norm.q_eps), rms_norm_ref(k, qk_norm.k_weight, qk_norm.k_eps)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # each [num_tokens, rotary_dim // 2]
+    rotary_dim = cos_sin.shape[-1]
+    return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rope_heads(
+        x_ptr,  # this token's row of q or k: heads at head_stride, channels contiguous
+        head_stride,
+        num_heads,
+        head0,  # first head of this program
+        cos,  # [1, BLOCK_HALF] float32
+        sin,  # [1, BLOCK_HALF] float32
+        w_ptr,  # [head_dim] norm weight (unused without HAS_NORM)
+        eps,
+        head_dim,
+        half,  # rotary_dim // 2
+        inv_head_dim,
+        HAS_NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_REST: tl.constexpr,
+    ):
+        dtype = x_ptr.dtype.element_ty
+        heads = head0 + tl.arange(0, BLOCK_H)
+        offs = tl.arange(0, BLOCK_HALF)
+        row = x_ptr + heads[:, None] * head_stride
+        mask = (heads < num_heads)[:, None] & (offs < half)[None, :]
+        x1 = tl.load(row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + half + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # The channels past rotary_dim count in the norm but are not rotated.
+            offs_r = 2 * half + tl.arange(0, BLOCK_REST)
+            mask_r = (heads < num_heads)[:, None] & (offs_r < head_dim)[None, :]
+            xr = tl.load(row + offs_r[None, :], mask=mask_r, other=0.0).to(tl.float32)
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
+            inv = tl.math.rsqrt(ss * inv_head_dim + eps)[:, None]
+            w1 = tl.load(w_ptr + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + half + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
+            wr = tl.load(w_ptr + offs_r, mask=offs_r < head_dim, other=0.0).to(tl.float32)[None, :]
+            # RMSNorm's roundings: h.to(dtype), then weight * h in dtype.
+            x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            xr = (xr * inv).to(dtype).to(tl.float32) * wr
+            tl.store(row + offs_r[None, :], xr.to(dtype), mask=mask_r)
+        tl.store(row + offs[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
+        tl.store(row + half + offs[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_qk_kernel(
+        positions_ptr,  # [num_tokens]
+        q_ptr,  # [num_tokens, num_heads, head_dim], strides q_token_stride, q_head_stride, 1
+        q_token_stride,
+        q_head_stride,
+        num_heads,
+        k_ptr,  # [num_tokens, num_kv_heads, head_dim], strides k_token_stride, k_head_stride, 1
+        k_token_stride,
+        k_head_stride,
+        num_kv_heads,
+        cos_sin_ptr,  # [max_position, 2 * half] contiguous
+        q_w_ptr,  # [head_dim] (unused without HAS_NORM)
+        k_w_ptr,  # [head_dim] (unused without HAS_NORM)
+        q_eps,
+        k_eps,
+        head_dim,
+        half,
+        inv_head_dim,
+        HAS_NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_REST: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        head0 = tl.program_id(1) * BLOCK_H
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        offs = tl.arange(0, BLOCK_HALF)
+        cs_row = cos_sin_ptr + pos * (2 * half)
+        cos = tl.load(cs_row + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(cs_row + half + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
+        _rope_heads(q_ptr + token * q_token_stride, q_head_stride, num_heads, head0, cos, sin, q_w_ptr, q_eps,
+                    head_dim, half, inv_head_dim, HAS_NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+        _rope_heads(k_ptr + token * k_token_stride, k_head_stride, num_kv_heads, head0, cos, sin, k_w_ptr, k_eps,
+                    head_dim, half, inv_head_dim, HAS_NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+
+
+def rotary_qk(
+    positions: torch.Tensor,  # [num_tokens] int
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], unit channel stride
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], unit channel stride
+    cos_sin: torch.Tensor,  # [max_position, rotary_dim]: cos half | sin half
+    qk_norm: QKNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the first rotary_dim channels of each head of q and k, after a per-head RMSNorm
+    when `qk_norm` is given. Where Triton runs: one launch that writes q and k in place and
+    returns them; elsewhere the reference, which returns new tensors. Callers use the returned
+    tensors and must not read q or k afterwards."""
+    num_tokens, num_heads, head_dim = q.shape
+    rotary_dim = cos_sin.shape[-1]
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
+    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)} for {num_tokens} tokens"
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, f"rotary_dim {rotary_dim} for head_dim {head_dim}"
+    if qk_norm is not None:
+        assert qk_norm.q_weight.shape == qk_norm.k_weight.shape == (head_dim,), "q/k norm weights are not [head_dim]"
+    fusable = (
+        use_triton(q.device)
+        and num_tokens > 0
+        and q.stride(-1) == k.stride(-1) == 1
+        and q.dtype == k.dtype
+        and cos_sin.is_contiguous()
+        # In place needs the reference's output dtype to be q's: a wider norm weight would promote it.
+        and (qk_norm is None or all(torch.promote_types(w.dtype, q.dtype) == q.dtype for w in qk_norm[:2]))
+    )
+    if not fusable:
+        return rotary_qk_ref(positions, q, k, cos_sin, qk_norm)
+    half = rotary_dim // 2
+    block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), 8)
+    has_norm = qk_norm is not None
+    q_w, k_w, q_eps, k_eps = qk_norm if has_norm else (cos_sin, cos_sin, 0.0, 0.0)
+    grid = (num_tokens, triton.cdiv(max(num_heads, k.shape[1]), block_h))
+    _rotary_qk_kernel[grid](
+        positions.contiguous(),
+        q,
+        q.stride(0),
+        q.stride(1),
+        num_heads,
+        k,
+        k.stride(0),
+        k.stride(1),
+        k.shape[1],
+        cos_sin,
+        q_w,
+        k_w,
+        q_eps,
+        k_eps,
+        head_dim,
+        half,
+        1.0 / head_dim,
+        HAS_NORM=has_norm,
+        BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        enable_fp_fusion=False,  # x1 * cos - x2 * sin with each product rounded, as torch computes it
+    )
+    return q, k

@@ -1,0 +1,189 @@
+"""The rotary kernel (RoPE on q and k in place, optionally after Qwen3's per-head q/k RMSNorm)
+computes its torch reference, and a Qwen3 model's logits do not move when the kernels replace it.
+
+Guards against: partial rotary rotating or normalizing the wrong channels (the pass-through tail
+must count in the norm but stay unrotated), a head_dim that is not a power of two (80), heads
+past the first block of the grid (12 q heads), positions beyond the first rows of the cos/sin
+table read from the wrong row, q/k as strided views of the fused qkv buffer (v must stay
+untouched), q and k swapping norm weights or eps, rounding points that differ from
+`rms_norm_ref` + `_rotate` (bf16 results would drift from transformers), and the CPU path of
+`norm_and_rotate` drifting from today's `q_norm(q)` then RoPE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+FP32_TOL = dict(atol=1e-6, rtol=1e-6)
+MAX_POSITION = 300
+# With the norm, half precision: the sum of squares runs in another order, which now and then
+# moves the rounded normalized value by one ulp, and weight * it by one or two.
+NORM_ULPS = 2
+MAX_DIFFER = 0.01  # share of half-precision elements allowed off the reference (a skipped rounding: ~25%)
+# Qwen3-0.6B's attention shape (16 q heads, 8 kv heads, head_dim 128) on a tiny model.
+QWEN3_SHAPE = dict(hidden_size=256, intermediate_size=1536, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+BF16_ATOL, BF16_RTOL = 0.1, 0.05  # as tests/conformance/test_decoders_gpu.py
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between fp16/bf16 tensors (+0 and -0 are equal)."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor, normed: torch.Tensor | None, rotary_dim: int, what: str) -> None:
+    """fp32: tight. Half precision without the norm: bitwise (the same fp32 products, rounded
+    once). With the norm: a few normalized inputs may be NORM_ULPS apart, which the rotation
+    carries as that many ulps of its inputs, |x1| + |x2|, plus its own rounding."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{what}: {m}")
+        return
+    if normed is None:
+        assert torch.equal(got, want), f"{what}: {int(_ulps(got, want).max())} ulps apart"
+        return
+    n = normed.float()
+    n1, n2 = n[..., : rotary_dim // 2], n[..., rotary_dim // 2 : rotary_dim]
+    unit = torch.finfo(got.dtype).eps  # one ulp at 1.0: ulp(x) <= unit * |x|
+    bound = torch.cat([(n1.abs() + n2.abs()).repeat(1, 1, 2), n[..., rotary_dim:].abs()], dim=-1) * NORM_ULPS * unit
+    bound = bound + want.float().abs() * unit
+    excess = (got.float() - want.float()).abs() - bound
+    assert float(excess.max()) <= 0, f"{what}: off by {float(excess.max())} beyond NORM_ULPS"
+    differ = float((got != want).float().mean())
+    assert differ <= MAX_DIFFER, f"{what}: {differ:.2%} of elements differ from the reference"
+
+
+def _check_against_reference(device: str = "cpu", dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16)):
+    from slotrunner.core_runner.triton_utils import use_triton
+    from slotrunner.models.layers.norm import rms_norm_ref
+    from slotrunner.models.layers.rotary_qk import QKNorm, rotary_qk, rotary_qk_ref
+
+    assert use_triton(torch.device(device)), "the interpreter switch did not take: the reference would meet itself"
+    gen = torch.Generator().manual_seed(0)
+    # (tokens, q heads, kv heads, head_dim, rotary_dim)
+    cases = [(1, 4, 2, 64, 64), (3, 12, 4, 128, 128), (2, 6, 2, 64, 32), (3, 2, 1, 80, 80), (2, 3, 3, 80, 40)]
+    for dtype in dtypes:
+        for num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim in cases:
+            name = f"{dtype} tokens={num_tokens} heads={num_heads}/{num_kv_heads} head_dim={head_dim} rotary={rotary_dim}"
+            q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+            qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(device, dtype)
+            positions = torch.tensor([MAX_POSITION - 1, 0, 137, 64, 5][:num_tokens], device=device)
+            angles = torch.rand(MAX_POSITION, rotary_dim // 2, generator=gen) * 6.3
+            cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+            norm = QKNorm(
+                (1 + 0.5 * torch.randn(head_dim, generator=gen)).to(device, dtype),
+                (1 + 0.5 * torch.randn(head_dim, generator=gen)).to(device, dtype),
+                1e-6,
+                1e-5,
+            )
+            q0 = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)  # strided views of the qkv buffer
+            k0 = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+            for qk_norm in (None, norm):
+                tag = f"{name} norm={qk_norm is not None}"
+                buf = qkv.clone()
+                q, k = buf[:, :q_size].view_as(q0), buf[:, q_size : q_size + kv_size].view_as(k0)
+                want_q, want_k = rotary_qk_ref(positions, q0, k0, cos_sin, qk_norm)
+                got_q, got_k = rotary_qk(positions, q, k, cos_sin, qk_norm)
+                nq = None if qk_norm is None else rms_norm_ref(q0, norm.q_weight, norm.q_eps)
+                nk = None if qk_norm is None else rms_norm_ref(k0, norm.k_weight, norm.k_eps)
+                _assert_matches(got_q, want_q, nq, rotary_dim, f"{tag} q")
+                _assert_matches(got_k, want_k, nk, rotary_dim, f"{tag} k")
+                assert torch.equal(buf[:, q_size + kv_size :], qkv[:, q_size + kv_size :]), f"{tag}: v was written"
+
+
+def _check_layer_calls(device: str = "cpu"):
+    """The layer entry points llama.py calls, against the unfused composition of the references."""
+    from slotrunner.models.layers.mrope import MRotaryEmbedding
+    from slotrunner.models.layers.norm import RMSNorm, rms_norm_ref
+    from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
+    from slotrunner.models.layers.rotary_qk import _rotate
+
+    gen = torch.Generator().manual_seed(2)
+    rope = RopeConfig(theta=10000.0, partial_rotary_factor=0.5)
+    q_norm, k_norm = RMSNorm(64, 1e-6).to(device), RMSNorm(64, 1e-6).to(device)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+        k_norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    q = torch.randn(3, 4, 64, generator=gen).to(device)
+    k = torch.randn(3, 2, 64, generator=gen).to(device)
+    positions = torch.tensor([7, 250, 0], device=device)
+    nq, nk = rms_norm_ref(q, q_norm.weight, 1e-6), rms_norm_ref(k, k_norm.weight, 1e-6)
+    mrope = MRotaryEmbedding(64, MAX_POSITION, rope, (4, 6, 6)).to(device)
+    for rotary in (RotaryEmbedding(64, MAX_POSITION, rope).to(device), mrope):  # M-RoPE: 1-D positions are plain RoPE
+        cos, sin = rotary.cos_sin[positions].chunk(2, dim=-1)
+        got = rotary.norm_and_rotate(positions, q.clone(), k.clone(), q_norm, k_norm)
+        for g, w in zip(got, (_rotate(nq, cos, sin, 32), _rotate(nk, cos, sin, 32))):
+            torch.testing.assert_close(g, w, **FP32_TOL)
+        got = rotary(positions, q.clone(), k.clone())
+        for g, w in zip(got, (_rotate(q, cos, sin, 32), _rotate(k, cos, sin, 32))):
+            torch.testing.assert_close(g, w, **FP32_TOL)
+    # M-RoPE's three position axes keep the unfused torch path.
+    axes = torch.stack([positions, positions + 1, positions + 2])
+    got = mrope.norm_and_rotate(axes, q.clone(), k.clone(), q_norm, k_norm)
+    for g, w in zip(got, mrope(axes, nq, nk)):
+        torch.testing.assert_close(g, w, **FP32_TOL)
+
+
+def _check_all_interpreted():
+    _check_against_reference()
+    _check_layer_calls()
+
+
+def test_rotary_kernel_matches_reference(run_interpreted):
+    run_interpreted(_check_all_interpreted)
+
+
+def test_cpu_norm_and_rotate_is_the_unfused_torch_code():
+    """Without Triton (plain CPU) the fused entry point runs exactly q_norm(q), k_norm(k), RoPE."""
+    from slotrunner.models.layers.norm import RMSNorm
+    from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
+
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(16, 64, RopeConfig())
+    q_norm, k_norm = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
+    q, k, positions = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.tensor([0, 3, 63, 9, 1])
+    got = rotary.norm_and_rotate(positions, q, k, q_norm, k_norm)
+    want = rotary(positions, q_norm(q), k_norm(k))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_compiled_rotary_matches_reference():
+    _check_against_reference("cuda", (torch.float32, torch.float16, torch.bfloat16))
+    _check_layer_calls("cuda")
+
+
+@needs_cuda
+def test_qwen3_logits_unchanged_by_kernels(tmp_path, monkeypatch):
+    """A Qwen3-shaped tiny model in bf16 on CUDA: logits with the fused norm/rotary/activation
+    kernels against the same engine running the torch references (attention is Triton in both)."""
+    from slotrunner import LLM
+    from slotrunner.conformance import build_case, compare_greedy, compare_logits, run_recorded
+    from slotrunner.models.layers import activation, norm, rotary_qk
+    from slotrunner.registry import tiny_config
+
+    build_case(tiny_config("Qwen3ForCausalLM", **QWEN3_SHAPE), tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 9, 40)]
+
+    def runs():
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=4)
+        return [run_recorded(llm, p, 10) for p in prompts]
+
+    with monkeypatch.context() as m:
+        for module in (activation, norm, rotary_qk):
+            m.setattr(module, "use_triton", lambda device: False)
+        refs = runs()
+    for prompt, got, ref in zip(prompts, runs(), refs):
+        logits = compare_logits(f"n={len(prompt)}", got.logits.cpu(), ref.logits.cpu(), BF16_ATOL, BF16_RTOL)
+        assert logits.passed, f"{logits.detail}, worst {logits.worst}"
+        greedy = compare_greedy(f"n={len(prompt)}", got.output_token_ids, ref.output_token_ids, ref.logits.cpu(), len(prompt), BF16_ATOL)
+        assert greedy.passed, greedy.detail
