@@ -23,26 +23,28 @@ _TEXT = dict(
 )
 
 
-def _build(class_name: str, **fields: Any) -> Any:
+def _build(class_name: str, overrides: dict[str, Any] | None = None, **fields: Any) -> Any:
+    """A config of `class_name`: the shared text defaults, then the builder's fields, then the
+    caller's overrides (which may replace any of them)."""
     import transformers
 
-    return getattr(transformers, class_name)(**{**_TEXT, **fields})
+    return getattr(transformers, class_name)(**{**_TEXT, **fields, **(overrides or {})})
 
 
 def llama(**overrides: Any) -> Any:
-    return _build("LlamaConfig", num_hidden_layers=2, **overrides)
+    return _build("LlamaConfig", num_hidden_layers=2, overrides=overrides)
 
 
 def mistral(**overrides: Any) -> Any:
-    return _build("MistralConfig", num_hidden_layers=2, head_dim=16, sliding_window=6, **overrides)
+    return _build("MistralConfig", num_hidden_layers=2, head_dim=16, sliding_window=6, overrides=overrides)
 
 
 def qwen2(**overrides: Any) -> Any:
-    return _build("Qwen2Config", num_hidden_layers=2, **overrides)
+    return _build("Qwen2Config", num_hidden_layers=2, overrides=overrides)
 
 
 def qwen3(**overrides: Any) -> Any:
-    return _build("Qwen3Config", num_hidden_layers=2, head_dim=16, **overrides)
+    return _build("Qwen3Config", num_hidden_layers=2, head_dim=16, overrides=overrides)
 
 
 # Mamba2 has no attention or MLP: the text defaults' attention/MLP fields do not apply.
@@ -67,7 +69,7 @@ def bamba(**overrides: Any) -> Any:
         mamba_d_conv=4,
         mamba_expand=2,
         mamba_chunk_size=4,
-        **overrides,
+        overrides=overrides,
     )
 
 
@@ -93,7 +95,7 @@ def granite_moe_hybrid(**overrides: Any) -> Any:
         mamba_d_conv=4,
         mamba_expand=2,
         mamba_chunk_size=4,
-        **overrides,
+        overrides=overrides,
     )
 
 
@@ -141,7 +143,7 @@ def falcon_h1(**overrides: Any) -> Any:
         ssm_out_multiplier=0.6,
         ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
         mlp_multipliers=[1.25, 0.75],
-        **overrides,
+        overrides=overrides,
     )
 
 # Encoder-decoders (CONFORMANCE.md's table). Built field by field: the decoder-only text
