@@ -7,6 +7,7 @@ checkpoint lacks, a shape that differs.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 import torch
@@ -47,7 +48,12 @@ class WeightLoader:
                 module_name, _, attr = param_name.rpartition(".")
                 module = self.modules.get(module_name)
                 if not isinstance(module, MergedLinear) or param_name not in self.params:
-                    raise WeightLoadError(f"checkpoint tensor {name!r} maps to {param_name!r}, which the model lacks")
+                    cls = type(self.model).__name__
+                    raise WeightLoadError(
+                        f"checkpoint tensor {name!r} is not consumed by {cls}: the `merged` mapping of "
+                        f"{cls}.load_weights sends it to {param_name!r}, which is not a MergedLinear parameter of "
+                        "the model; fix the mapping, or give that module the shard"
+                    )
                 try:
                     module.load_shard(attr, shard, tensor)
                 except ValueError as e:
@@ -60,14 +66,20 @@ class WeightLoader:
             if param is None:
                 if any(name.endswith(s) for s in self.ignore_unexpected):
                     continue
+                cls = type(self.model).__name__
                 raise WeightLoadError(
-                    f"checkpoint tensor {name!r} is not consumed by {type(self.model).__name__}: "
-                    "the checkpoint does not match this architecture, or the name mapping misses it"
+                    f"checkpoint tensor {name!r} is not consumed by {cls}: it has no parameter of that name"
+                    f"{self._closest(name)}. Map the name in {cls}.load_weights, or list it in "
+                    "WeightLoader(ignore_unexpected=...) if the model does not need it; a checkpoint of another "
+                    "architecture fails here too"
                 )
             if tuple(tensor.shape) != tuple(param.shape):
-                raise WeightLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
-                )
+                shape, expected = tuple(tensor.shape), tuple(param.shape)
+                hint = ""
+                if tensor.dim() == 2 and shape == expected[::-1]:
+                    cls = type(self.model).__name__
+                    hint = f" (its transpose: an [in, out] Conv1D-style weight? transpose it in {cls}.load_weights)"
+                raise WeightLoadError(f"checkpoint tensor {name!r} has shape {shape}, the model expects {expected}{hint}")
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
@@ -75,8 +87,18 @@ class WeightLoader:
         missing = [name for names in missing for name in names]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise WeightLoadError(f"checkpoint lacks {len(missing)} weight(s) of {type(self.model).__name__}: {shown}")
+            cls = type(self.model).__name__
+            raise WeightLoadError(
+                f"checkpoint lacks {len(missing)} weight(s) of {cls}: {shown}. If the file names them differently, "
+                f"map the names in {cls}.load_weights; if the model ties them to another weight (embeddings), "
+                "build that module as None, as lm_head is for tie_word_embeddings"
+            )
         return loaded
+
+    def _closest(self, name: str) -> str:
+        """The model parameter whose name is nearest `name`, as a hint for the mapping."""
+        match = difflib.get_close_matches(name, list(self.params), n=1, cutoff=0.6)
+        return f" (nearest model parameter: {match[0]!r})" if match else ""
 
     def _checkpoint_names(self, param_name: str, shards_seen: set[str]) -> list[str]:
         """The checkpoint tensor names that would have filled `param_name` but were absent."""

@@ -6,7 +6,11 @@ model is (cross-attention -> encoder-decoder, recurrent layers -> Mamba hybrid, 
 audio tower -> multimodal), else the default decoder.
 
 Out-of-tree code calls `register_model(...)`, usually from a function exposed in the
-`slotrunner.plugins` entry-point group; plugins are discovered on the first lookup.
+`slotrunner.plugins` entry-point group; plugins are discovered on the first lookup. A plugin
+that fails to load is logged and skipped: it cannot take the other architectures down. Its
+classes are imported only when its architecture is resolved, and checked then (a model class
+that lacks `compute_logits` / `load_weights`, a ModelState that is not one), so a mistake
+surfaces as a message naming the registered class, not as an error inside a step.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ logger = logging.getLogger(__name__)
 PLUGIN_GROUP = "slotrunner.plugins"
 
 _registry: dict[str, ArchEntry | tuple[Any, Any, Any]] = dict(IN_TREE)
+_sources: dict[str, str] = {}  # architecture -> who registered it, when not in-tree
 _plugins_loaded = False
+_loading_plugin: str | None = None  # the entry point being loaded, for messages
+
+# What the runner calls on every model (besides forward(input_ids, positions, **inputs)).
+MODEL_METHODS = ("compute_logits", "load_weights")
 
 
 class UnknownArchitectureError(ValueError):
@@ -38,9 +47,45 @@ class ResolvedArch:
     model_state_cls: type
 
 
-def _import(path: str) -> Any:
+def _import(path: str, architecture: str | None = None, what: str = "class") -> Any:
+    """Import "package.module:attr", saying which architecture registered it when that fails."""
     module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    owner = f"the {what} registered for {architecture!r} as {path!r}" if architecture else repr(path)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"cannot import {owner}: {type(e).__name__}: {e}") from e
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise ImportError(f"cannot import {owner}: module {module!r} has no attribute {attr!r}") from None
+
+
+def _check_ref(architecture: str, what: str, ref: Any) -> None:
+    if isinstance(ref, str) and (ref.count(":") != 1 or not all(ref.partition(":")[::2])):
+        raise ValueError(f"{what} for {architecture!r} must be a class or a 'package.module:Name' string, got {ref!r}")
+
+
+def check_model_class(architecture: str, model_cls: Any) -> None:
+    """The runner builds `model_cls(hf_config)`, loads it with `load_weights(weights)` and turns
+    hidden states into logits with `compute_logits(hidden)`: say so here rather than fail later."""
+    from torch import nn
+
+    if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
+        raise TypeError(f"model class for {architecture!r} must be a torch.nn.Module subclass, got {model_cls!r}")
+    missing = [m for m in MODEL_METHODS if not callable(getattr(model_cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"{model_cls.__qualname__} (model class of {architecture!r}) does not define {', '.join(missing)}: the "
+            "runner calls compute_logits(hidden) -> logits and load_weights(weights) (see docs/adding_a_model.md)"
+        )
+
+
+def check_model_state_class(architecture: str, state_cls: Any) -> None:
+    from slotrunner.model_states.interface import ModelState
+
+    if not (isinstance(state_cls, type) and issubclass(state_cls, ModelState)):
+        raise TypeError(f"model_state_cls for {architecture!r} must subclass ModelState, got {state_cls!r}")
 
 
 def register_model(
@@ -53,41 +98,57 @@ def register_model(
 ) -> None:
     """Register (or, with overwrite=True, replace) an architecture.
 
-    `model_cls` / `model_state_cls` may be classes or lazy "module:Class" strings;
-    `tiny_config` is a zero-argument callable (or "module:function") returning a small HF config
-    for the conformance suite.
+    `architecture` is the name transformers writes into config.json's `architectures` (that
+    is how a checkpoint finds its model). `model_cls` / `model_state_cls` may be classes or lazy
+    "package.module:Class" strings (imported and checked when the architecture is resolved);
+    `tiny_config` is a callable taking keyword overrides (or "package.module:function")
+    returning a small HF config for the conformance harness.
     """
     if not isinstance(architecture, str) or not architecture:
         raise ValueError(f"architecture must be a non-empty string, got {architecture!r}")
     if architecture in _registry and not overwrite:
         raise ValueError(
-            f"architecture {architecture!r} is already registered (by {_describe(_registry[architecture])}); "
-            "pass overwrite=True to replace it"
+            f"architecture {architecture!r} is already registered ({describe_registration(architecture)}); "
+            "register yours under another name, or pass overwrite=True to replace it"
         )
+    _check_ref(architecture, "model_cls", model_cls)
+    _check_ref(architecture, "model_state_cls", model_state_cls)
+    _check_ref(architecture, "tiny_config", tiny_config)
+    if not isinstance(model_cls, str):
+        check_model_class(architecture, model_cls)
     if model_state_cls is not None and not isinstance(model_state_cls, str):
-        from slotrunner.model_states.interface import ModelState
-
-        if not (isinstance(model_state_cls, type) and issubclass(model_state_cls, ModelState)):
-            raise TypeError(f"model_state_cls for {architecture!r} must subclass ModelState, got {model_state_cls!r}")
+        check_model_state_class(architecture, model_state_cls)
+    if tiny_config is not None and not isinstance(tiny_config, str) and not callable(tiny_config):
+        raise TypeError(f"tiny_config for {architecture!r} must be callable or a 'package.module:function' string")
     _registry[architecture] = (model_cls, model_state_cls, tiny_config)
+    _sources[architecture] = f"plugin {_loading_plugin}" if _loading_plugin else "registered by a register_model call"
 
 
-def _describe(entry: ArchEntry | tuple[Any, Any, Any]) -> str:
+def describe_registration(architecture: str) -> str:
+    """Which model class serves `architecture`, and who registered it."""
+    entry = _registry[architecture]
     model = entry.model if isinstance(entry, ArchEntry) else entry[0]
-    return model if isinstance(model, str) else f"{model.__module__}:{model.__qualname__}"
+    name = model if isinstance(model, str) else f"{model.__module__}:{model.__qualname__}"
+    return f"model {name}, " + _sources.get(architecture, "in-tree")
 
 
 def load_plugins() -> None:
     """Call every function in the `slotrunner.plugins` entry-point group once."""
-    global _plugins_loaded
+    global _plugins_loaded, _loading_plugin
     if _plugins_loaded:
         return
     _plugins_loaded = True
     for ep in entry_points(group=PLUGIN_GROUP):
+        _loading_plugin = f"{ep.name!r} ({ep.value})"
         try:
             ep.load()()
         except Exception as e:  # a broken plugin must not take the in-tree models down with it
-            logger.warning("slotrunner plugin %r failed to load: %s", ep.name, e)
+            logger.warning(
+                "slotrunner plugin %s failed to load and is skipped (architectures it registered before "
+                "failing stay): %s: %s", _loading_plugin, type(e).__name__, e,
+            )
+        finally:
+            _loading_plugin = None
 
 
 def supported_architectures() -> list[str]:
@@ -114,8 +175,11 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
     registered none."""
     builder = _entry(architecture)[2]
     if builder is None:
-        raise ValueError(f"architecture {architecture!r} registered no tiny config")
-    return (_import(builder) if isinstance(builder, str) else builder)(**overrides)
+        raise ValueError(
+            f"architecture {architecture!r} registered no tiny config: pass tiny_config= to register_model, "
+            "or give the conformance command a config (--config tiny.json)"
+        )
+    return (_import(builder, architecture, "tiny config") if isinstance(builder, str) else builder)(**overrides)
 
 
 def _family_from_config(hf_config: Any) -> str:
@@ -140,16 +204,19 @@ def resolve(hf_config: Any, architecture: str | None = None) -> ResolvedArch:
             )
         architecture = archs[0]
     model_ref, state_ref, _ = _entry(architecture)
-    model_cls = _import(model_ref) if isinstance(model_ref, str) else model_ref
+    model_cls = _import(model_ref, architecture, "model class") if isinstance(model_ref, str) else model_ref
+    check_model_class(architecture, model_cls)
     if state_ref is not None:
-        state_cls = _import(state_ref) if isinstance(state_ref, str) else state_ref
+        state_cls = _import(state_ref, architecture, "ModelState") if isinstance(state_ref, str) else state_ref
+        check_model_state_class(architecture, state_cls)
     elif getattr(model_cls, "model_state_cls", None) is not None:
         state_cls = model_cls.model_state_cls
+        check_model_state_class(architecture, state_cls)
     else:
         family = _family_from_config(hf_config)
         try:
             state_cls = _import(FAMILY_STATES[family])
-        except ModuleNotFoundError:
+        except ImportError:
             raise UnknownArchitectureError(
                 f"architecture {architecture!r} belongs to the {family} family, which this version does not implement"
             ) from None
@@ -166,8 +233,8 @@ def describe_architectures() -> list[tuple[str, str, str]]:
         if state_ref is None and builder is not None:
             try:
                 state_ref = resolve(tiny_config(arch), arch).model_state_cls
-            except (ImportError, ValueError) as e:  # keep listing the others
-                state_ref = f"unresolved ({e})"
+            except Exception as e:  # noqa: BLE001 - a broken plugin entry must not hide the others
+                state_ref = f"unresolved ({type(e).__name__}: {e})"
         if state_ref is None:
             state = "resolved from the checkpoint's config"
         elif isinstance(state_ref, str):

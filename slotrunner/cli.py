@@ -1,4 +1,4 @@
-"""Command line: `python -m slotrunner generate|models`."""
+"""Command line: `python -m slotrunner generate|chat|models|conformance`."""
 
 from __future__ import annotations
 
@@ -127,6 +127,39 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_conformance(args: argparse.Namespace) -> int:
+    """Check one architecture against transformers and print a table, one row per check.
+    Exit status 0 when every check passes, 1 when one fails, 2 when the case cannot be run."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from slotrunner.conformance import ConformanceError, run_conformance
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for each tiny case is noise here
+
+    if args.model is not None:
+        what = f"the checkpoint in {args.model}"
+    elif args.config is not None:
+        what = f"a tiny random-weight case from {args.config}"
+    else:
+        what = "its registered tiny random-weight case"
+    print(f"{args.architecture}: {what}, against transformers {transformers.__version__} (CPU, float32)", flush=True)
+    if args.model is not None and args.save is not None:
+        print("error: --save keeps a tiny case; with --model the checkpoint is the case", file=sys.stderr)
+        return 2
+    tuning = {k: getattr(args, k) for k in ("max_tokens", "atol", "rtol") if getattr(args, k) is not None}
+    try:
+        report = run_conformance(args.architecture, config=args.config, model=args.model, workdir=args.save, **tuning)
+    except (ConformanceError, ValueError, TypeError, ImportError, FileNotFoundError) as e:
+        # Registry, config and weight-loading errors name what to fix; a traceback adds nothing.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    failed = [c for c in report.checks if not c.passed]
+    print(f"FAIL: {len(failed)} of {len(report.checks)} checks" if failed else f"PASS: {len(report.checks)} checks")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slotrunner", description="Offline LLM generation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat, max_tokens=256)
     m = sub.add_parser("models", help="list supported architectures and their ModelState")
     m.set_defaults(func=cmd_models)
+    k = sub.add_parser(
+        "conformance",
+        help="check an architecture against transformers (logits, greedy tokens, batch invariance)",
+        description="Build a tiny random-weight model of ARCH with transformers (or use a checkpoint), run it in "
+        "slotrunner and in transformers, and compare: logits at every prefill and decode position, greedy "
+        "tokens, chunked prefill, and batch invariance under chunked prefill and preemption.",
+    )
+    k.add_argument("architecture", metavar="ARCH", help="a registered architecture (see `slotrunner models`)")
+    source = k.add_mutually_exclusive_group()
+    source.add_argument("--config", default=None, help="config.json of the tiny case (default: the registered tiny config)")
+    source.add_argument("--model", default=None, help="a checkpoint directory (config.json + safetensors) to check instead")
+    k.add_argument("--save", default=None, metavar="DIR", help="keep the tiny case in DIR (default: a temporary directory)")
+    # Defaults live in slotrunner.conformance (MAX_TOKENS, LOGITS_ATOL, LOGITS_RTOL): importing
+    # it here would load torch just to parse the command line.
+    k.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request run alone (default 12)")
+    k.add_argument("--atol", type=float, default=None, help="absolute logits tolerance (default 1e-4)")
+    k.add_argument("--rtol", type=float, default=None, help="relative logits tolerance (default 1e-4)")
+    k.set_defaults(func=cmd_conformance)
     return parser
 
 

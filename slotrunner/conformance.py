@@ -1,18 +1,27 @@
-"""Conformance against Hugging Face `transformers`: the harness behind tests/conformance/.
+"""Conformance against Hugging Face `transformers`: the one harness behind
+`python -m slotrunner conformance`, the suites in tests/conformance/ and plugin authors' tests.
 
-A case is a tiny random-weight HF model saved to a directory. The checks load that directory in
-slotrunner and in transformers and compare:
+A case is a model directory that both slotrunner and transformers (the oracle) read: a tiny
+random-weight model saved by transformers, or a real checkpoint. The checks:
 
-- logits at every real position -- the prefill rows and every decode step -- within a
-  tolerance of transformers' forward over the same token sequence;
-- greedy tokens, margin-aware: where the two argmaxes differ, transformers' choice must be
-  within tolerance of slotrunner's best logit (random tiny models have near-ties).
+- logits at every prefill and decode position of each request run alone, within a tolerance
+  of transformers' forward over the same tokens;
+- greedy tokens, margin-aware: where the argmaxes differ, transformers' token must be within
+  tolerance of slotrunner's best (random tiny models have near-ties);
+- chunked prefill: a prompt prefilled a few tokens per step gives the same logits;
+- batch invariance: each request of a mixed batch (greedy and seeded sampling, chunked prefill,
+  requests joining and leaving, preemption) yields the tokens and logits it yields alone.
 
-Everything here runs on CPU in float32 in well under a second per case.
+Each check returns a CheckResult with the worst deviation seen; a CaseReport prints them as a
+table. A tiny case runs single-threaded on CPU in float32 in a few seconds.
 """
 
 from __future__ import annotations
 
+import inspect
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +30,19 @@ import torch
 
 LOGITS_ATOL = 1e-4  # fp32; transformers' own kernels differ from each other by up to ~2e-5
 LOGITS_RTOL = 1e-4
+PROMPT_LENS = (1, 5, 13, 37)  # alone runs: one token, within a block, several blocks, many
+MAX_TOKENS = 12
+CHUNK_BUDGETS = (1, 2, 3, 5)  # tokens per step: chunk boundaries at every offset of a 4-token block
+MAX_MODEL_LEN = 64
+BLOCK_SIZE = 4  # small, so that every prompt spans several KV blocks
+TINY_PARAMS = 10_000_000  # below this, one intra-op thread is faster than several
+
+
+class ConformanceError(ValueError):
+    """A case that cannot be built or checked as asked (not a failed check)."""
+
+
+# -- building cases ---------------------------------------------------------------------------
 
 
 def perturb_constants(model: torch.nn.Module, seed: int = 0) -> None:
@@ -35,81 +57,91 @@ def perturb_constants(model: torch.nn.Module, seed: int = 0) -> None:
                 p.mul_(1 + 0.1 * noise.to(p.dtype)).add_(0.02 * torch.randn(p.shape, generator=gen).to(p.dtype))
 
 
-def build_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
-    """Instantiate `hf_config` in transformers with fixed seed, perturb constants, save it to
-    `directory` (weights saved once: random init differs between transformers versions)."""
-    from transformers import AutoModelForCausalLM
+def transformers_class(architecture: str) -> type:
+    """The transformers class named `architecture`: the oracle. Registering under transformers'
+    own class name is also what makes its checkpoints resolve to your model."""
+    import transformers
 
+    cls = getattr(transformers, architecture, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise ConformanceError(
+            f"transformers {transformers.__version__} has no model class {architecture!r}: conformance compares "
+            "against transformers' implementation, so register the architecture under the class name that "
+            "transformers writes into config.json's 'architectures'"
+        )
+    return cls
+
+
+def _auto_class(hf_config: Any) -> type:
+    """The class that builds `hf_config`: the one its `architectures` names, else the Auto class."""
+    import transformers
+
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs:
+        return transformers_class(archs[0])
+    if getattr(hf_config, "is_encoder_decoder", False):
+        if type(hf_config) in transformers.AutoModelForSpeechSeq2Seq._model_mapping:
+            return transformers.AutoModelForSpeechSeq2Seq
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModelForCausalLM
+
+
+def build_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
+    """Instantiate `hf_config` in transformers (the class its `architectures` names, else the
+    Auto class) with a fixed seed, perturb constants, save it to `directory` and return it in
+    eval mode. The weights are saved once: random init differs between transformers versions.
+    Constant *buffers* that checkpoints store (BART's zero `final_logits_bias`, NemotronH's
+    router correction bias) are perturbed too, so a model that drops them fails."""
+    cls = _auto_class(hf_config)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if hasattr(cls, "from_config"):  # an Auto class
+        model = cls.from_config(hf_config, dtype=torch.float32)
+    else:
+        model = cls(hf_config).float()
     perturb_constants(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    saved = set(model.state_dict())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            flat = buf.detach().flatten()
+            if buf.is_floating_point() and name in saved and flat.numel() and bool((flat == flat[0]).all()):
+                buf.add_(0.5 * torch.randn(buf.shape, generator=gen).to(buf.dtype))
     model.eval()
     model.save_pretrained(str(directory))
     return model
 
 
-@dataclass
-class RecordedRun:
-    """One request run alone through slotrunner: its tokens and the logits of every position."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    logits: torch.Tensor  # [prompt_len + num_output - 1, vocab]: row p predicts token p + 1
+def build_seq2seq_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
+    """`build_case` for an encoder-decoder config (kept for the callers that name the family)."""
+    return build_case(hf_config, directory, seed)
 
 
-class LogitsRecorder:
-    """Captures the hidden states of every forward of a single-request run, by position."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.rows: dict[int, torch.Tensor] = {}
-        self._handle = model.register_forward_hook(self._hook)
-
-    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-        positions = args[1]
-        for pos, row in zip(positions.tolist(), out):
-            self.rows[pos] = row.detach().clone()
-
-    def logits(self) -> torch.Tensor:
-        hidden = torch.stack([self.rows[p] for p in sorted(self.rows)])
-        with torch.inference_mode():
-            return self.model.compute_logits(hidden).float()
-
-    def close(self) -> None:
-        self._handle.remove()
+# -- oracles: transformers' answer for one request --------------------------------------------
 
 
-def run_recorded(llm: Any, prompt_token_ids: list[int], max_tokens: int) -> RecordedRun:
-    """Greedy-generate one prompt alone and record the logits at every position."""
-    from slotrunner.sampling_params import SamplingParams
+@dataclass(frozen=True)
+class ConformanceRequest:
+    """One request as slotrunner takes it and as the oracle takes it."""
 
-    model = llm.engine.runner.model
-    recorder = LogitsRecorder(model)
-    try:
-        out = llm.generate(
-            [{"prompt_token_ids": prompt_token_ids}],
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-            use_tqdm=False,
-        )[0]
-        logits = recorder.logits()
-    finally:
-        recorder.close()
-    tokens = out.outputs[0].token_ids
-    # The last sampled token is never fed back, so its position has no row.
-    expected_rows = len(prompt_token_ids) + len(tokens) - 1
-    assert logits.shape[0] == expected_rows, f"recorded {logits.shape[0]} positions, expected {expected_rows}"
-    return RecordedRun(prompt_token_ids, tokens, logits)
+    prompt: Any  # what LLM.generate takes: {"prompt_token_ids": [...]}, {"encoder_prompt": ...}, ...
+    # transformers' inputs beside the decoder token ids (an encoder's input_ids or input_features)
+    oracle_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """transformers' logits over one unpadded sequence: [len, vocab]."""
+    """transformers' logits over one unpadded sequence: [len, vocab]. Positions are passed
+    explicitly where the model takes them (GPT-2's absolute positions, Bamba's offset)."""
     ids = torch.tensor([token_ids])
+    kwargs = {}
+    if "position_ids" in inspect.signature(hf_model.forward).parameters:
+        kwargs["position_ids"] = torch.arange(len(token_ids))[None]
     with torch.no_grad():
-        out = hf_model(input_ids=ids, position_ids=torch.arange(len(token_ids))[None])
+        out = hf_model(input_ids=ids, **kwargs)
     return out.logits[0].float()
 
 
 def hf_greedy(hf_model: torch.nn.Module, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation through `generate` (its own cache path)."""
     with torch.no_grad():
         seq = hf_model.generate(
             torch.tensor([prompt_token_ids]),
@@ -121,6 +153,149 @@ def hf_greedy(hf_model: torch.nn.Module, prompt_token_ids: list[int], max_tokens
             pad_token_id=0,
         )
     return seq[0, len(prompt_token_ids) :].tolist()
+
+
+def hf_seq2seq_logits(hf_model: torch.nn.Module, encoder_kwargs: Mapping[str, torch.Tensor], decoder_ids: list[int]) -> torch.Tensor:
+    """transformers' logits over one decoder sequence given one encoder input: [len, vocab]."""
+    with torch.no_grad():
+        out = hf_model(**encoder_kwargs, decoder_input_ids=torch.tensor([decoder_ids]))
+    return out.logits[0].float()
+
+
+def hf_seq2seq_greedy(
+    hf_model: torch.nn.Module, encoder_kwargs: Mapping[str, torch.Tensor], decoder_prompt: list[int], max_tokens: int
+) -> list[int]:
+    """Greedy continuation by transformers' forward, one full pass per token (generate() adds
+    model-specific logits processors -- Whisper's especially -- that are not the model)."""
+    seq = list(decoder_prompt)
+    for _ in range(max_tokens):
+        seq.append(int(hf_seq2seq_logits(hf_model, encoder_kwargs, seq)[-1].argmax()))
+    return seq[len(decoder_prompt) :]
+
+
+class CausalLMOracle:
+    """A decoder-only transformers model: the request's tokens are all it reads."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        self.hf_model = hf_model
+
+    def logits(self, request: ConformanceRequest, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
+        return hf_logits(self.hf_model, token_ids)
+
+    def greedy(self, request: ConformanceRequest, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+        return hf_greedy(self.hf_model, prompt_token_ids, max_tokens)
+
+
+class Seq2SeqOracle:
+    """An encoder-decoder transformers model: the encoder input comes from `oracle_inputs`."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        self.hf_model = hf_model
+
+    def logits(self, request: ConformanceRequest, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
+        return hf_seq2seq_logits(self.hf_model, request.oracle_inputs, token_ids)
+
+    def greedy(self, request: ConformanceRequest, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+        return hf_seq2seq_greedy(self.hf_model, request.oracle_inputs, prompt_token_ids, max_tokens)
+
+
+# -- recording slotrunner's logits ------------------------------------------------------------
+
+
+@dataclass
+class RecordedRun:
+    """One request run through slotrunner: its tokens and the logits of every position."""
+
+    prompt_token_ids: list[int]  # the request's own (decoder) prompt tokens
+    output_token_ids: list[int]
+    logits: torch.Tensor  # [prompt_len + num_output - 1, vocab]: row p predicts token p + 1
+
+
+class LogitsRecorder:
+    """The hidden state of every (request, position) an engine computes, in any batch.
+
+    It reads the step's InputBatch where every family hands it over (`prepare_inputs`, called
+    once per forward) and the model's output through a forward hook; a position computed again
+    after a preemption keeps its latest value. Forwards must run eagerly (a CUDA-graph replay
+    calls no hook): CPU, or an engine built with enforce_eager=True.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        runner = llm.engine.runner
+        self.model = runner.model
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        self._batch: Any = None
+        self._state = runner.model_state
+        self._prepare_inputs = self._state.prepare_inputs
+        self._own = "prepare_inputs" in vars(self._state)  # already wrapped by someone else
+
+        def capture(batch: Any) -> Any:
+            self._batch = batch
+            return self._prepare_inputs(batch)
+
+        self._state.prepare_inputs = capture
+        self._handle = self.model.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], hidden: torch.Tensor) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None:  # a dummy forward (warm-up): no request behind it
+            return
+        positions = batch.positions.tolist()
+        qsl = batch.query_start_loc_np
+        for row, req_id in enumerate(batch.req_ids):
+            for t in range(int(qsl[row]), int(qsl[row + 1])):
+                self.rows[(req_id, positions[t])] = hidden[t].detach().clone()
+
+    def logits(self, req_id: str) -> torch.Tensor:  # [positions, vocab], in position order
+        keys = sorted(k for k in self.rows if k[0] == req_id)
+        with torch.inference_mode():
+            return self.model.compute_logits(torch.stack([self.rows[k] for k in keys])).float()
+
+    def close(self) -> None:
+        self._handle.remove()
+        if self._own:
+            self._state.prepare_inputs = self._prepare_inputs
+        else:
+            del self._state.prepare_inputs  # the class's method again
+
+
+def run_batch(llm: Any, prompts: Sequence[Any], params: Sequence[Any]) -> list[RecordedRun]:
+    """Generate `prompts` together and record every request's logits at every position."""
+    recorder = LogitsRecorder(llm)
+    try:
+        outs = llm.generate(list(prompts), list(params), use_tqdm=False)
+        runs = []
+        for out in outs:
+            tokens, logits = out.outputs[0].token_ids, recorder.logits(out.request_id)
+            # The last sampled token is never fed back, so its position has no row.
+            expected = len(out.prompt_token_ids) + len(tokens) - 1
+            assert logits.shape[0] == expected, (
+                f"recorded {logits.shape[0]} positions, expected {expected} (a forward replayed from a CUDA graph "
+                "calls no hook: build the engine with enforce_eager=True)"
+            )
+            runs.append(RecordedRun(list(out.prompt_token_ids), list(tokens), logits))
+    finally:
+        recorder.close()
+    return runs
+
+
+def greedy_params(max_tokens: int) -> Any:
+    from slotrunner.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_recorded_prompt(llm: Any, prompt: Any, max_tokens: int) -> RecordedRun:
+    """Greedy-generate one prompt of any form alone; record the logits at every position."""
+    return run_batch(llm, [prompt], [greedy_params(max_tokens)])[0]
+
+
+def run_recorded(llm: Any, prompt_token_ids: list[int], max_tokens: int) -> RecordedRun:
+    """`run_recorded_prompt` for a token-id prompt."""
+    return run_recorded_prompt(llm, {"prompt_token_ids": prompt_token_ids}, max_tokens)
+
+
+# -- comparisons ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -137,141 +312,355 @@ class CaseReport:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        return bool(self.checks) and all(c.passed for c in self.checks)
 
     def table(self) -> str:
-        lines = [f"{'check':<28} {'result':<6} {'worst':>10}  detail"]
+        width = max([len(c.name) for c in self.checks] + [28])
+        lines = [f"{'check':<{width}} {'result':<6} {'worst':>10}  detail"]
         for c in self.checks:
-            lines.append(f"{c.name:<28} {'ok' if c.passed else 'FAIL':<6} {c.worst:>10.2e}  {c.detail}")
+            lines.append(f"{c.name:<{width}} {'ok' if c.passed else 'FAIL':<6} {c.worst:>10.2e}  {c.detail}")
         return "\n".join(lines)
 
 
-def compare_logits(name: str, ours: torch.Tensor, ref: torch.Tensor, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL) -> CheckResult:
+def compare_logits(
+    name: str, ours: torch.Tensor, ref: torch.Tensor, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL
+) -> CheckResult:
+    """Every value within atol + rtol * |ref|; `worst` is the largest absolute difference."""
+    if ours.shape != ref.shape:
+        return CheckResult(name, False, float("inf"), f"shapes differ: {tuple(ours.shape)} vs {tuple(ref.shape)}")
     diff = (ours - ref).abs()
-    bound = atol + rtol * ref.abs()
-    bad = diff > bound
+    bad = diff > atol + rtol * ref.abs()
     worst = float(diff.max()) if diff.numel() else 0.0
     detail = f"{int(bad.sum())} of {bad.numel()} values out of tolerance" if bad.any() else f"{ref.shape[0]} positions"
     return CheckResult(name, not bool(bad.any()), worst, detail)
 
 
-def compare_greedy(name: str, ours: list[int], ref: list[int], ref_logits: torch.Tensor, prompt_len: int, atol: float = LOGITS_ATOL) -> CheckResult:
+def first_divergence(ours: list[int], ref: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+
+
+def compare_greedy(
+    name: str, ours: list[int], ref: list[int], ref_logits: torch.Tensor, prompt_len: int, atol: float = LOGITS_ATOL
+) -> CheckResult:
     """Tokens equal, or at the first difference a near-tie in the reference's logits (then the
     continuations legitimately diverge and the comparison stops there)."""
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            row = ref_logits[prompt_len - 1 + i]
-            margin = float(row[b] - row[a])
-            ok = margin <= 2 * atol
-            return CheckResult(name, ok, margin, f"diverge at step {i} ({a} vs {b}), reference margin {margin:.2e}")
+    i = first_divergence(ours, ref)
+    if i is not None:
+        a, b = ours[i], ref[i]
+        row = ref_logits[prompt_len - 1 + i]
+        margin = float(row[b] - row[a])
+        detail = f"diverge at step {i} ({a} vs {b}), reference margin {margin:.2e}"
+        return CheckResult(name, margin <= 2 * atol, margin, detail)
     ok = len(ours) == len(ref)
     return CheckResult(name, ok, 0.0, f"{len(ours)} tokens equal" if ok else f"lengths {len(ours)} vs {len(ref)}")
 
 
+def merge(name: str, results: Sequence[CheckResult]) -> CheckResult:
+    """One row for several results of one kind: the worst deviation, the first failure named."""
+    failed = [r for r in results if not r.passed]
+    worst = max((r.worst for r in results), default=0.0)
+    if failed:
+        return CheckResult(name, False, worst, f"{failed[0].name}: {failed[0].detail}")
+    return CheckResult(name, True, worst, f"{len(results)} checked")
+
+
+# -- the checks -------------------------------------------------------------------------------
+
+
+def check_requests(
+    llm: Any, oracle: Any, requests: Sequence[ConformanceRequest], max_tokens: int = MAX_TOKENS,
+    atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+) -> list[CheckResult]:
+    """Each request alone: prefill logits, decode logits and greedy tokens against the oracle,
+    one result per request and kind ("request 2: decode logits")."""
+    results = []
+    for i, req in enumerate(requests):
+        run = run_recorded_prompt(llm, req.prompt, max_tokens)
+        seq = run.prompt_token_ids + run.output_token_ids
+        ref = oracle.logits(req, seq)[: len(seq) - 1]
+        n = len(run.prompt_token_ids)
+        hf_tokens = oracle.greedy(req, run.prompt_token_ids, max_tokens)
+        results.append(compare_logits(f"request {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol))
+        results.append(compare_logits(f"request {i}: decode logits", run.logits[n:], ref[n:], atol, rtol))
+        results.append(compare_greedy(f"request {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
+    return results
+
+
 def check_case(
-    llm: Any,
-    hf_model: torch.nn.Module,
-    prompts: list[list[int]],
-    max_tokens: int,
-    atol: float = LOGITS_ATOL,
-    rtol: float = LOGITS_RTOL,
+    llm: Any, hf_model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+    atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
 ) -> CaseReport:
-    """Logits (prefill and decode, every position) and greedy tokens, one prompt at a time."""
-    report = CaseReport()
-    for i, prompt in enumerate(prompts):
-        run = run_recorded(llm, prompt, max_tokens)
-        seq = prompt + run.output_token_ids
-        ref = hf_logits(hf_model, seq)[: len(seq) - 1]
-        n = len(prompt)
-        report.checks.append(compare_logits(f"prompt {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol))
-        report.checks.append(compare_logits(f"prompt {i}: decode logits", run.logits[n:], ref[n:], atol, rtol))
-        hf_tokens = hf_greedy(hf_model, prompt, max_tokens)
-        report.checks.append(compare_greedy(f"prompt {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
-    return report
+    """`check_requests` for token-id prompts to a decoder-only model."""
+    requests = [ConformanceRequest({"prompt_token_ids": p}) for p in prompts]
+    return CaseReport(check_requests(llm, CausalLMOracle(hf_model), requests, max_tokens, atol, rtol))
 
 
-# -- encoder-decoders -------------------------------------------------------------------------
-# The decoder-only helpers above feed transformers `input_ids` alone; an encoder-decoder takes
-# the encoder input (`input_ids` or `input_features`) plus `decoder_input_ids`.
+def check_chunked_prefill(
+    make_llm: Callable[..., Any], oracle: Any, request: ConformanceRequest, budgets: Sequence[int] = CHUNK_BUDGETS,
+    max_tokens: int = 3, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+) -> list[CheckResult]:
+    """One request prefilled `budget` tokens per step: every chunk must continue from what the
+    previous one left (KV cache, recurrent state), so its logits equal the oracle's."""
+    results = []
+    for budget in budgets:
+        llm = make_llm(max_num_seqs=1, max_num_batched_tokens=budget)
+        run = run_recorded_prompt(llm, request.prompt, max_tokens)
+        seq = run.prompt_token_ids + run.output_token_ids
+        ref = oracle.logits(request, seq)[: len(seq) - 1]
+        results.append(compare_logits(f"budget {budget}", run.logits, ref, atol, rtol))
+    return results
 
 
-def build_seq2seq_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
-    """`build_case` for encoder-decoders (text or speech). Constant *buffers* that checkpoints
-    store (BART's zero `final_logits_bias`) are perturbed too, so a model that drops them fails."""
-    import transformers
+@dataclass(frozen=True)
+class BatchVariant:
+    """One way of running the mixed batch: engine arguments, and whether it must preempt."""
 
-    torch.manual_seed(seed)
-    auto = transformers.AutoModelForSeq2SeqLM
-    if type(hf_config) in transformers.AutoModelForSpeechSeq2Seq._model_mapping:
-        auto = transformers.AutoModelForSpeechSeq2Seq
-    model = auto.from_config(hf_config, dtype=torch.float32)
-    perturb_constants(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    saved = set(model.state_dict())
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            flat = buf.detach().flatten()
-            if buf.is_floating_point() and name in saved and flat.numel() and bool((flat == flat[0]).all()):
-                buf.add_(0.5 * torch.randn(buf.shape, generator=gen).to(buf.dtype))
-    model.eval()
-    model.save_pretrained(str(directory))
-    return model
+    name: str
+    engine_args: Mapping[str, Any]
+    must_preempt: bool = False
 
 
-def run_recorded_prompt(llm: Any, prompt: Any, max_tokens: int) -> RecordedRun:
-    """`run_recorded` for any prompt form (e.g. {"encoder_prompt": ..., "decoder_prompt": ...}):
-    greedy-generate it alone; `prompt_token_ids` of the result are the request's own (decoder)
-    prompt tokens."""
+def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ...]:
+    """All at once; a 5-token budget with 3 slots (chunked prefill, requests finishing and
+    joining, slots reused); and a KV cache of exactly one max_model_len request in 2-token
+    blocks, so that concurrent requests run out of blocks and are preempted."""
+    scarce = {"max_num_seqs": 6, "max_num_batched_tokens": 16, "block_size": 2, "num_kv_blocks": -(-max_model_len // 2)}
+    return (
+        BatchVariant("all at once", {"max_num_seqs": 16}),
+        BatchVariant("chunked, joining", {"max_num_seqs": 3, "max_num_batched_tokens": 5}),
+        BatchVariant("preempting", scarce, must_preempt=True),
+    )
+
+
+def _compare_runs(name: str, got: RecordedRun, alone: RecordedRun, greedy: bool, atol: float, rtol: float) -> CheckResult:
+    """A batched run against the same request alone: equal tokens (a greedy row may diverge at
+    a near-tie of the alone logits) and logits within tolerance up to any divergence."""
+    ours, theirs = got.output_token_ids, alone.output_token_ids
+    i = first_divergence(ours, theirs)
+    if i is None and len(ours) != len(theirs):
+        return CheckResult(name, False, float("inf"), f"{len(ours)} tokens, alone {len(theirs)}")
+    n = len(alone.prompt_token_ids)
+    rows = got.logits.shape[0] if i is None else n + i
+    result = compare_logits(name, got.logits[:rows], alone.logits[:rows], atol, rtol)
+    if i is None or not result.passed:
+        return result
+    margin = float(alone.logits[n - 1 + i, theirs[i]] - alone.logits[n - 1 + i, ours[i]])
+    detail = f"token {i} is {ours[i]}, alone {theirs[i]} (alone margin {margin:.2e})"
+    return CheckResult(name, greedy and margin <= 2 * atol, max(result.worst, margin), detail)
+
+
+def check_batch_invariance(
+    make_llm: Callable[..., Any], prompts: Sequence[Any], params: Sequence[Any],
+    variants: Sequence[BatchVariant] | None = None, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+    on_engine: Callable[[Any], None] | None = None,
+) -> list[CheckResult]:
+    """Each variant runs every request together, in a shuffled order; each request must equal
+    its run alone. One result per variant. `on_engine(llm)` sees each batched engine before it
+    runs (a test may instrument it), and the alone runs use one engine with one slot."""
+    variants = batch_variants() if variants is None else variants
+    solo = make_llm(max_num_seqs=1)
+    alone = [run_batch(solo, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    order = list(range(len(prompts)))
+    random.Random(0).shuffle(order)
+    results = []
+    for variant in variants:
+        llm = make_llm(**variant.engine_args)
+        if on_engine is not None:
+            on_engine(llm)
+        runs = run_batch(llm, [prompts[i] for i in order], [params[i] for i in order])
+        per_request = [
+            _compare_runs(f"request {i}", run, alone[i], params[i].temperature == 0, atol, rtol)
+            for i, run in zip(order, runs)
+        ]
+        result = merge(f"batch: {variant.name}", per_request)
+        preemptions = llm.engine.scheduler.num_preemptions
+        if variant.must_preempt and preemptions == 0:
+            detail = "no request was preempted: give the requests more tokens"
+            result = CheckResult(result.name, False, result.worst, detail)
+        elif result.passed:
+            result.detail = f"{len(prompts)} requests" + (f", {preemptions} preemptions" if preemptions else "")
+        results.append(result)
+    return results
+
+
+# -- the whole run: what `python -m slotrunner conformance` does ------------------------------
+
+
+@dataclass
+class Case:
+    """A model directory with its oracle and the requests both are given."""
+
+    architecture: str
+    directory: Path
+    oracle: Any  # CausalLMOracle | Seq2SeqOracle
+    requests: list[ConformanceRequest]  # run alone, against the oracle; the last (longest) also in chunks
+    batch_prompts: list[Any]  # the mixed batch
+    batch_params: list[Any]
+    max_model_len: int = MAX_MODEL_LEN
+
+    def make_llm(self, **engine_args: Any) -> Any:
+        from slotrunner.llm import LLM
+
+        args = dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_model_len=self.max_model_len, max_num_seqs=4)
+        return LLM(str(self.directory), **(args | engine_args))
+
+
+def check_token_inputs(hf_config: Any, architecture: str) -> None:
+    """The command builds token-id requests: refuse, before building anything, a model whose
+    requests need images or audio."""
+    if any(getattr(hf_config, k, None) is not None for k in ("vision_config", "audio_config")) or (
+        transformers_class(architecture).main_input_name != "input_ids"
+    ):
+        raise ConformanceError(
+            f"{architecture} takes images or audio: the command builds token-id requests only. Check media "
+            "inputs with slotrunner.conformance's functions and your own requests (see tests/conformance/)"
+        )
+
+
+def _requests_for(hf_config: Any, max_model_len: int) -> tuple[list[ConformanceRequest], list[Any], list[Any]]:
+    """Token-id requests: the alone ones (PROMPT_LENS long) and a mixed batch of 8 (greedy and
+    seeded sampling, prompts of 1..30 tokens, 4..12 output tokens). Encoder-decoders get an
+    encoder prompt of 1..63 tokens and a decoder prefix of 0..20."""
     from slotrunner.sampling_params import SamplingParams
 
-    recorder = LogitsRecorder(llm.engine.runner.model)
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    rng = random.Random(0)
+    token = lambda: rng.randrange(3, text_config.vocab_size)  # noqa: E731 - ids 0..2 are often special
+    seq2seq = bool(getattr(hf_config, "is_encoder_decoder", False))
+
+    def prompt(length: int, encoder_len: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        ids = [token() for _ in range(length)]
+        if not seq2seq:
+            return {"prompt_token_ids": ids}, {}
+        encoder = [token() for _ in range(encoder_len)]
+        p: dict[str, Any] = {"encoder_prompt": {"prompt_token_ids": encoder}}
+        if ids:
+            p["decoder_prompt"] = {"prompt_token_ids": ids}
+        return p, {"input_ids": torch.tensor([encoder])}
+
+    # Decoder prompts of an encoder-decoder are short (a prefix); their encoders are long.
+    lens = [(0, 1), (2, 5), (0, 23), (6, 60)] if seq2seq else [(n, 0) for n in PROMPT_LENS]
+    requests = [ConformanceRequest(*prompt(n, e)) for n, e in lens if n + MAX_TOKENS <= max_model_len and e <= max_model_len]
+    batch_prompts, batch_params = [], []
+    for i in range(8):
+        length = rng.choice([0, 3, 12, 20] if seq2seq else [1, 2, 5, 9, 17, 23, 30])
+        batch_prompts.append(prompt(length, rng.choice([1, 3, 17, 40, 63]))[0])
+        temperature = 0.0 if i % 2 == 0 else 0.9
+        batch_params.append(SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=rng.randrange(4, 13), ignore_eos=True))
+    return requests, batch_prompts, batch_params
+
+
+def _make_case(architecture: str, directory: Path, hf_model: torch.nn.Module, max_model_len: int) -> Case:
+    config = hf_model.config
+    requests, batch_prompts, batch_params = _requests_for(config, max_model_len)
+    oracle = Seq2SeqOracle(hf_model) if getattr(config, "is_encoder_decoder", False) else CausalLMOracle(hf_model)
+    return Case(architecture, directory, oracle, requests, batch_prompts, batch_params, max_model_len)
+
+
+def tiny_case(architecture: str, directory: str | Path, hf_config: Any = None, seed: int = 0) -> Case:
+    """Save a tiny random-weight `architecture` to `directory`: from `hf_config`, else from the
+    tiny config the architecture registered."""
+    import copy
+
+    from slotrunner import registry
+
+    if hf_config is None:
+        hf_config = registry.tiny_config(architecture)  # for an unknown name, lists the registered ones
+    elif architecture not in registry.supported_architectures():
+        raise ConformanceError(
+            f"architecture {architecture!r} is not registered; register it (register_model or a "
+            f"{registry.PLUGIN_GROUP!r} entry point) before checking it"
+        )
+    check_token_inputs(hf_config, architecture)  # a clear error before anything is built
+    hf_config = copy.deepcopy(hf_config)
+    hf_config.architectures = [architecture]  # what slotrunner resolves from the saved config.json
+    hf_model = build_case(hf_config, directory, seed)
+    return _make_case(architecture, Path(directory), hf_model, MAX_MODEL_LEN)
+
+
+def checkpoint_case(directory: str | Path, architecture: str | None = None) -> Case:
+    """A real checkpoint (config.json + safetensors); transformers loads the same files."""
+    from slotrunner.core_runner.loader.checkpoint import load_hf_config
+
+    hf_config = load_hf_config(directory)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ConformanceError(f"{directory}/config.json names no 'architectures'")
+    if architecture is not None and archs[0] != architecture:
+        raise ConformanceError(f"{directory} holds a {archs[0]}, not a {architecture}")
+    check_token_inputs(hf_config, archs[0])
+    hf_model = transformers_class(archs[0]).from_pretrained(str(directory), dtype=torch.float32).eval()
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    limit = getattr(text_config, "max_position_embeddings", None) or MAX_MODEL_LEN
+    return _make_case(archs[0], Path(directory), hf_model, min(MAX_MODEL_LEN, int(limit)))
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Tiny shapes: a second intra-op thread only adds synchronisation, which on a busy small
+    machine makes each op many times slower. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0]
-        logits = recorder.logits()
+        yield
     finally:
-        recorder.close()
-    prompt_ids, tokens = list(out.prompt_token_ids), out.outputs[0].token_ids
-    expected_rows = len(prompt_ids) + len(tokens) - 1
-    assert logits.shape[0] == expected_rows, f"recorded {logits.shape[0]} positions, expected {expected_rows}"
-    return RecordedRun(prompt_ids, tokens, logits)
+        torch.set_num_threads(threads)
 
 
-def hf_seq2seq_logits(hf_model: torch.nn.Module, encoder_kwargs: dict[str, torch.Tensor], decoder_ids: list[int]) -> torch.Tensor:
-    """transformers' logits over one decoder sequence given one encoder input: [len, vocab]."""
-    with torch.no_grad():
-        out = hf_model(**encoder_kwargs, decoder_input_ids=torch.tensor([decoder_ids]))
-    return out.logits[0].float()
-
-
-def hf_seq2seq_greedy(
-    hf_model: torch.nn.Module, encoder_kwargs: dict[str, torch.Tensor], decoder_prompt: list[int], max_tokens: int
-) -> list[int]:
-    """Greedy continuation by transformers' forward, one full pass per token (generate() adds
-    model-specific logits processors -- Whisper's especially -- that are not the model)."""
-    seq = list(decoder_prompt)
-    for _ in range(max_tokens):
-        seq.append(int(hf_seq2seq_logits(hf_model, encoder_kwargs, seq)[-1].argmax()))
-    return seq[len(decoder_prompt) :]
-
-
-def check_seq2seq_case(
-    llm: Any,
-    hf_model: torch.nn.Module,
-    cases: list[tuple[Any, dict[str, torch.Tensor]]],  # (slotrunner prompt, transformers encoder kwargs)
-    max_tokens: int,
-    atol: float = LOGITS_ATOL,
-    rtol: float = LOGITS_RTOL,
+def run_case(
+    case: Case, max_tokens: int = MAX_TOKENS, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+    on_engine: Callable[[Any], None] | None = None,
 ) -> CaseReport:
-    """`check_case` for encoder-decoders: decoder logits at every position and greedy tokens,
-    one request at a time."""
+    """Every check, one table row per kind: logits and greedy tokens alone, chunked prefill,
+    and the mixed batch run three ways (`on_engine` as in check_batch_invariance)."""
+    alone = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens, atol, rtol)
     report = CaseReport()
-    for i, (prompt, encoder_kwargs) in enumerate(cases):
-        run = run_recorded_prompt(llm, prompt, max_tokens)
-        seq = run.prompt_token_ids + run.output_token_ids
-        ref = hf_seq2seq_logits(hf_model, encoder_kwargs, seq)[: len(seq) - 1]
-        n = len(run.prompt_token_ids)
-        report.checks.append(compare_logits(f"prompt {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol))
-        report.checks.append(compare_logits(f"prompt {i}: decode logits", run.logits[n:], ref[n:], atol, rtol))
-        hf_tokens = hf_seq2seq_greedy(hf_model, encoder_kwargs, run.prompt_token_ids, max_tokens)
-        report.checks.append(compare_greedy(f"prompt {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
+    for kind in ("prefill logits", "decode logits", "greedy tokens"):
+        report.checks.append(merge(kind, [r for r in alone if r.name.endswith(kind)]))
+    chunked = check_chunked_prefill(case.make_llm, case.oracle, case.requests[-1], atol=atol, rtol=rtol)
+    report.checks.append(merge("chunked prefill logits", chunked))
+    report.checks += check_batch_invariance(
+        case.make_llm, case.batch_prompts, case.batch_params, batch_variants(case.max_model_len), atol, rtol, on_engine
+    )
     return report
+
+
+def run_conformance(
+    architecture: str, *, config: Any = None, model: str | Path | None = None, workdir: str | Path | None = None,
+    max_tokens: int = MAX_TOKENS, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+) -> CaseReport:
+    """Check `architecture` against transformers: on a tiny random-weight case built from
+    `config` (an HF config object, or a path to a config.json) or from its registered tiny
+    config, saved in `workdir` (default: a temporary directory); or on the checkpoint in
+    `model`. Returns the report; `report.passed` says whether every check passed."""
+    import tempfile
+    from contextlib import ExitStack
+
+    if model is not None:
+        if config is not None:
+            raise ConformanceError("give a config for a tiny case or a model directory, not both")
+        case = checkpoint_case(model, architecture)
+        tiny = sum(p.numel() for p in case.oracle.hf_model.parameters()) < TINY_PARAMS
+        with single_thread() if tiny else nullcontext():
+            return run_case(case, max_tokens, atol, rtol)
+    if isinstance(config, (str, Path)):
+        config = config_from_json(architecture, config)
+    with ExitStack() as stack:
+        stack.enter_context(single_thread())
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="slotrunner-conformance-"))
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        return run_case(tiny_case(architecture, workdir, config), max_tokens, atol, rtol)
+
+
+def config_from_json(architecture: str, path: str | Path) -> Any:
+    """An HF config from a config.json-style file, read by `architecture`'s config class."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConformanceError(f"cannot read the config {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConformanceError(f"{str(path)!r} must hold a JSON object of config fields")
+    return transformers_class(architecture).config_class.from_dict(data)

@@ -1,20 +1,21 @@
 """Decoder-family conformance: slotrunner equals transformers on tiny random models.
 
+Each case runs exactly what `python -m slotrunner conformance ARCH` runs (`run_conformance`):
+logits at every prefill and decode position, greedy tokens, chunked prefill at budgets 1..5,
+and a mixed batch run all at once, chunked with requests joining, and preempted.
+
 Guards against: wrong RoPE layout or theta, sliding window off by one, missing qkv bias or q/k
 norm, GQA head mapping, tied embeddings loaded wrong, paged-cache writes landing in the wrong
-block (block_size 4 makes every prompt span several blocks).
+block (block_size 4 makes every prompt span several blocks), a chunk that does not continue
+from the cached prefix, a row that reads another slot's blocks.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from slotrunner import LLM
-from slotrunner.conformance import build_case, check_case
+from slotrunner.conformance import build_case, run_conformance
 from slotrunner.registry import tiny_config
-
-PROMPTS = [[5], [5, 17, 99, 300, 42], list(range(10, 23)), [(7 * i) % 997 + 3 for i in range(37)]]
-MAX_TOKENS = 12
 
 CASES = {
     "llama": ("LlamaForCausalLM", {}),
@@ -27,18 +28,10 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    arch, overrides = CASES[request.param]
-    directory = tmp_path_factory.mktemp(request.param)
-    hf_model = build_case(tiny_config(arch, **overrides), directory)
-    llm = LLM(str(directory), device="cpu", block_size=4, max_model_len=128, max_num_seqs=4)
-    return request.param, llm, hf_model
-
-
-def test_logits_and_greedy_tokens_match_transformers(case):
-    name, llm, hf_model = case
-    report = check_case(llm, hf_model, PROMPTS, MAX_TOKENS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_transformers_alone_chunked_and_batched(name, tmp_path):
+    arch, overrides = CASES[name]
+    report = run_conformance(arch, config=tiny_config(arch, **overrides), workdir=tmp_path)
     assert report.passed, f"{name}\n{report.table()}"
 
 

@@ -1,5 +1,8 @@
 """Mamba hybrid conformance: Mamba2, Bamba, GraniteMoeHybrid, NemotronH and FalconH1 equal
-transformers, alone and in any batch.
+transformers, alone and in any batch. Each case runs what `python -m slotrunner conformance`
+runs (`run_conformance`): logits and greedy tokens alone, chunked prefill at budgets 1, 2, 3
+and 5 (chunk boundaries at every offset of the scan's chunk_size 4), and a mixed batch run all
+at once, chunked with slots reused, and preempted.
 
 Guards against: the conv window or SSM state not carried from prefill to decode or from one
 prefill chunk to the next (a chunk boundary anywhere in the prompt must not change a logit),
@@ -10,23 +13,19 @@ preempted requests resuming from stale state instead of recomputing, and the tie
 loader path (`lm_head.weight` absent from the file). GraniteMoeHybrid, NemotronH and FalconH1
 add top-k MoE routing (softmax over the top k; sigmoid + correction bias, renormalised), their
 muP multipliers (all set away from 1 in the tiny configs), NemotronH's per-expert checkpoint
-tensors under `backbone.*`, and FalconH1's parallel mixer + attention and its output gates.
+tensors under `backbone.*` and its router correction bias (a saved constant buffer, which the
+harness perturbs), and FalconH1's parallel mixer + attention and its output gates.
 """
 
 from __future__ import annotations
 
 import inspect
-import random
 
 import pytest
-import torch
 
-from slotrunner import LLM, SamplingParams
-from slotrunner.conformance import build_case, check_case, compare_logits, hf_logits, run_recorded
+from slotrunner import SamplingParams
+from slotrunner.conformance import run_case, single_thread, tiny_case
 from slotrunner.registry import tiny_config
-
-PROMPTS = [[5], [5, 17, 99, 300, 42], list(range(10, 23)), [(7 * i) % 997 + 3 for i in range(37)]]
-MAX_TOKENS = 12
 
 
 def _mamba2_oracle_overrides() -> dict:
@@ -47,129 +46,37 @@ CASES = {
     "granite_moe_hybrid": ("GraniteMoeHybridForCausalLM", {}),
     "nemotron_h": ("NemotronHForCausalLM", {}),
     "falcon_h1": ("FalconH1ForCausalLM", {}),
-    # Logits only: FalconH1's optional grouped RMSNorm in the mixer (before the gate, the default).
+    # FalconH1's optional grouped RMSNorm in the mixer (before the gate, the default).
     "falcon_h1-rmsnorm": ("FalconH1ForCausalLM", {"mamba_rms_norm": True, "mamba_n_groups": 2}),
 }
 UNTIED = ["mamba2", "bamba", "granite_moe_hybrid", "nemotron_h", "falcon_h1"]
 
 
-def _perturb_router_bias(hf_model: torch.nn.Module) -> bool:
-    """NemotronH's `e_score_correction_bias` is a zero buffer, which perturb_constants leaves
-    alone: give it values so that expert choice depends on it. True if anything changed."""
-    gen = torch.Generator().manual_seed(1)
-    found = False
-    with torch.no_grad():
-        for name, buf in hf_model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.5 * torch.randn(buf.shape, generator=gen))
-                found = True
-    return found
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny shapes: a second intra-op thread only adds synchronisation, which on a busy 2-core
-    machine makes each small op tens of times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """Each case saved once: name -> (directory, transformers model)."""
-    saved = {}
-    for name, (arch, overrides) in CASES.items():
-        directory = tmp_path_factory.mktemp(name)
-        hf_model = build_case(tiny_config(arch, **overrides), directory)
-        if _perturb_router_bias(hf_model):
-            hf_model.save_pretrained(str(directory))
-        saved[name] = (directory, hf_model)
-    return saved
-
-
-def make_llm(directory, **engine_args) -> LLM:
-    args = dict(device="cpu", block_size=4, max_model_len=64, max_num_seqs=4) | engine_args
-    return LLM(str(directory), **args)
+def cases(tmp_path_factory):
+    """Each case saved once, as `python -m slotrunner conformance` saves it."""
+    return {name: tiny_case(arch, tmp_path_factory.mktemp(name), tiny_config(arch, **overrides))
+            for name, (arch, overrides) in CASES.items()}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_logits_and_greedy_tokens_match_transformers(checkpoints, name):
-    directory, hf_model = checkpoints[name]
-    report = check_case(make_llm(directory), hf_model, PROMPTS, MAX_TOKENS)
+def test_matches_transformers_alone_chunked_and_batched(cases, name):
+    report = run_case(cases[name])
     assert report.passed, f"{name}\n{report.table()}"
 
 
 @pytest.mark.parametrize("name", UNTIED)
-def test_chunk_boundary_anywhere_gives_transformers_logits(checkpoints, name):
-    """Budgets 1..5 put prefill-chunk boundaries at every offset of the scan's chunk_size (4):
-    each chunk must start from the state the previous one wrote, and a 1-token chunk takes the
-    decode kernels mid-prompt."""
-    directory, hf_model = checkpoints[name]
-    prompt = PROMPTS[2]
-    for budget in (1, 2, 3, 5):
-        run = run_recorded(make_llm(directory, max_num_seqs=1, max_num_batched_tokens=budget), prompt, 3)
-        ref = hf_logits(hf_model, prompt + run.output_token_ids)[: len(prompt) + 2]
-        result = compare_logits(f"budget {budget}", run.logits, ref)
-        assert result.passed, f"{name}, max_num_batched_tokens={budget}: {result.detail} (worst {result.worst:.2e})"
-
-
-def make_requests():
-    rng = random.Random(0)
-    prompts, params = [], []
-    for i in range(8):
-        length = rng.choice([1, 2, 3, 5, 9, 17, 23])
-        prompts.append({"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(length)]})
-        max_tokens = rng.randrange(2, 10)
-        if i % 2 == 0:
-            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        else:
-            sp = SamplingParams(temperature=0.9, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True)
-        params.append(sp)
-    return prompts, params
-
-
-@pytest.fixture(scope="module")
-def alone(checkpoints):
-    """Each request run by itself, its prompt prefilled in one step."""
-    prompts, params = make_requests()
-    out = {}
-    for name in UNTIED:
-        llm = make_llm(checkpoints[name][0], max_num_seqs=1)
-        out[name] = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    return out
-
-
-@pytest.mark.parametrize(
-    "engine_args",
-    [
-        dict(max_num_seqs=8),  # everything in one batch: decode and prefill rows interleave
-        dict(max_num_seqs=3, max_num_batched_tokens=5),  # odd budgets: chunked prefill, slots reused
-        dict(max_num_seqs=3, max_num_batched_tokens=7),
-        # Scarce KV blocks preempt (Mamba2 has no attention, but the scheduler still holds blocks):
-        # a preempted request recomputes from a reset state in a possibly different slot.
-        dict(max_num_seqs=5, max_num_batched_tokens=11, num_kv_blocks=16),
-    ],
-    ids=["one-batch", "budget-5", "budget-7", "preempting"],
-)
-@pytest.mark.parametrize("name", UNTIED)
-def test_batched_equals_alone(checkpoints, alone, name, engine_args):
-    llm = make_llm(checkpoints[name][0], **engine_args)
-    prompts, params = make_requests()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert out.outputs[0].token_ids == alone[name][i], f"{name}: request {i} differs in a batch ({engine_args})"
-    if "num_kv_blocks" in engine_args:
-        assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
-
-
-@pytest.mark.parametrize("name", UNTIED)
-def test_parallel_samples_recompute_the_prompt(checkpoints, name):
+def test_parallel_samples_recompute_the_prompt(cases, name):
     """n > 1: a forked sample cannot share its parent's recurrent state, so it recomputes the
     prompt (shares_prefix_kv is False) from a reset slot; each sample still equals the single
     request with its seed."""
-    llm = make_llm(checkpoints[name][0], max_num_seqs=4)
+    llm = cases[name].make_llm(max_num_seqs=4)
     prompt = {"prompt_token_ids": [(31 * i) % 900 + 5 for i in range(9)]}
     sp = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
     out = llm.generate(prompt, SamplingParams(n=3, seed=100, **sp), use_tqdm=False)[0]

@@ -24,7 +24,10 @@ class OtherState(DefaultModelState):
 
 @pytest.fixture(autouse=True)
 def isolated_registry(monkeypatch):
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    """The in-tree table only, plugins not yet loaded: installed plugins (the example one in
+    CI) load again into this copy, and nothing registered here outlives the test."""
+    monkeypatch.setattr(registry, "_registry", dict(registry.IN_TREE))
+    monkeypatch.setattr(registry, "_sources", {})
     monkeypatch.setattr(registry, "_plugins_loaded", False)
 
 
@@ -48,7 +51,7 @@ def test_unknown_architecture_lists_supported():
 
 def test_register_twice_needs_overwrite():
     registry.register_model("MyLlama", LlamaForCausalLM)
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="'MyLlama' is already registered .*overwrite=True"):
         registry.register_model("MyLlama", LlamaForCausalLM)
     registry.register_model("MyLlama", LlamaForCausalLM, OtherState, overwrite=True)
     assert registry.resolve(config("MyLlama")).model_state_cls is OtherState
@@ -57,6 +60,9 @@ def test_register_twice_needs_overwrite():
 def test_register_rejects_non_model_state():
     with pytest.raises(TypeError, match="must subclass ModelState"):
         registry.register_model("Bad", LlamaForCausalLM, model_state_cls=dict)
+    registry.register_model("LazyBad", LlamaForCausalLM, model_state_cls="collections:OrderedDict")
+    with pytest.raises(TypeError, match="model_state_cls for 'LazyBad' must subclass ModelState"):
+        registry.resolve(config("LazyBad"))
 
 
 def test_resolution_order(monkeypatch):
