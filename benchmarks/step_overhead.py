@@ -55,7 +55,7 @@ def measure(model_dir: str, device: str, batch: int, steps: int) -> dict[str, fl
         t2 = time.perf_counter()
         out = runner.sample_tokens().get()
         t3 = time.perf_counter()
-        engine.scheduler.update(sched, out)
+        engine._process(sched, out, final_only=True)  # scheduler update + output processing
         t4 = time.perf_counter()
         assert len(sched.num_scheduled_tokens) == batch and all(n == 1 for n in sched.num_scheduled_tokens.values())
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):

@@ -160,35 +160,38 @@ def main() -> None:
 
     prompts, out_lens = workload(args.num_requests, args.seed, args.min_len, args.max_len)
     cfg = qwen3_06b_config()
+    print(f"bench workload: {args.num_requests} requests, in/out uniform in [{args.min_len}, {args.max_len}], "
+          f"{sum(out_lens)} output tokens; Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}; "
+          f"torch {torch.__version__}")
+    print(f"{'system':<36} {'seconds':>9} {'out tok/s':>10} {'slotrunner x':>13}", flush=True)
     rows = []
+
+    def report(row: dict) -> None:  # printed as each system finishes: a slow peer cannot hide the others
+        row["tok_s"] = row["out_tokens"] / row["wall_s"]
+        rows.append(row)
+        print(f"{row['system']:<36} {row['wall_s']:>9.2f} {row['tok_s']:>10.0f} {rows[0]['tok_s'] / row['tok_s']:>13.2f}", flush=True)
+
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
-        rows.append(run_slotrunner(d, prompts, out_lens, args))
+        report(run_slotrunner(d, prompts, out_lens, args))
+    ours = rows[0]
+    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"])
+    print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
+          f"(weights per step + KV per token at 4.8 TB/s) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
+          f"engine start-up incl. graph capture {ours['startup_s']:.1f} s", flush=True)
     peers = [] if args.peers == "none" else args.peers.split(",")
     if peers:
         model = hf_model()
         for peer in peers:
             try:
                 if peer == "generate":
-                    rows.append(run_hf_generate(model, prompts, out_lens, args.hf_batch))
+                    report(run_hf_generate(model, prompts, out_lens, args.hf_batch))
                 elif peer == "generate_batch":
-                    rows.append(run_hf_generate_batch(model, prompts, out_lens))
+                    report(run_hf_generate_batch(model, prompts, out_lens))
                 else:
                     raise ValueError(f"unknown peer {peer!r}")
             except Exception as e:  # a peer's API change must not hide our figure
-                print(f"{peer}: failed: {type(e).__name__}: {e}")
-    ours = rows[0]
-    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"])
-    print(f"bench workload: {args.num_requests} requests, in/out uniform in [{args.min_len}, {args.max_len}], "
-          f"{sum(out_lens)} output tokens; Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}; "
-          f"torch {torch.__version__}")
-    print(f"{'system':<36} {'seconds':>9} {'out tok/s':>10} {'slotrunner x':>13}")
-    for r in rows:
-        r["tok_s"] = r["out_tokens"] / r["wall_s"]
-        print(f"{r['system']:<36} {r['wall_s']:>9.2f} {r['tok_s']:>10.0f} {ours['tok_s'] / r['tok_s']:>13.2f}")
-    print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
-          f"(weights per step + KV per token at 4.8 TB/s) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
-          f"engine start-up incl. graph capture {ours['startup_s']:.1f} s")
+                print(f"{peer}: failed: {type(e).__name__}: {e}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -210,7 +210,7 @@ class LLM:
             bar = tqdm(total=len(req_ids), desc="Generating", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished:
                         finished[out.request_id] = out
                         if bar is not None:

@@ -68,8 +68,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    def step(self) -> list[RequestOutput]:
-        """One step; returns an output for every request that got tokens or finished.
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One step; returns an output for every request that got tokens or finished (only for
+        those that finished, with `final_only`: offline generation builds no partial outputs).
 
         With async scheduling, the step schedules and launches step N+1 first, then waits for
         step N's tokens and returns their outputs: the GPU runs N+1 while the host processes N.
@@ -83,9 +84,9 @@ class LLMEngine:
             if previous is None:
                 return []
             sched_out, pending = previous
-        return self._process(sched_out, pending.get())
+        return self._process(sched_out, pending.get(), final_only)
 
-    def _process(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+    def _process(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, final_only: bool) -> list[RequestOutput]:
         """Apply one step's tokens to the scheduler and the detokenizers; build the outputs."""
         for req_id, lp in runner_out.prompt_logprobs.items():
             if req_id in self._groups:
@@ -113,8 +114,10 @@ class LLMEngine:
             touched[request.group_id] = group
         outputs = []
         for group_id, group in touched.items():
-            outputs.append(group.output())
-            if group.finished:
+            finished = group.finished
+            if finished or not final_only:
+                outputs.append(group.output())
+            if finished:
                 del self._groups[group_id]
         return outputs
 

@@ -18,7 +18,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        # Identity checks: hashing an enum member runs Python code (this is called per row per step).
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
 @dataclass
