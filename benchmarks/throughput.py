@@ -77,9 +77,9 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args) -> dict:
     steps = {"n": 0}
     step = llm.engine.step
 
-    def counted_step():
+    def counted_step(*args, **kwargs):
         steps["n"] += 1
-        return step()
+        return step(*args, **kwargs)
 
     llm.engine.step = counted_step
     reqs = [{"prompt_token_ids": p} for p in prompts]
