@@ -1,0 +1,63 @@
+"""The Triton paged-attention decode launch alone: time and KV bandwidth over a sweep of tiles.
+
+A decode batch (one query token per row) over a paged bf16 cache with random lengths, the
+Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head_dim 128, block size 16). Prints
+one line per TileConfig (keys per tile, warps, pipeline stages): ms per call and the KV bytes
+read per second, to compare with the ~4.8 TB/s of one H200.
+
+    python benchmarks/attention_kernel.py --batch 256 --min-len 100 --max-len 1400
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import numpy as np
+import torch
+
+from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
+from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1400)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
+    lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)
+    max_blocks = -(-int(lens.max()) // bs)
+    num_blocks = B * max_blocks
+    dev, dt = "cuda", torch.bfloat16
+    cache = torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), dtype=dt, device=dev)
+    tables = torch.randperm(num_blocks, device=dev).view(B, max_blocks).int()
+    seq = torch.tensor(lens, device=dev, dtype=torch.int32)
+    slots = tables[torch.arange(B, device=dev), (seq - 1) // bs].long() * bs + (seq - 1) % bs
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    meta = AttentionMetadata(B, B, qsl, np.arange(B + 1), seq, lens, 1, int(lens.max()), tables, slots)
+    spec = AttentionSpec(Hq, Hk, D, D**-0.5)
+    q = torch.randn(B, Hq, D, dtype=dt, device=dev)
+    k, v = torch.randn(B, Hk, D, dtype=dt, device=dev), torch.randn(B, Hk, D, dtype=dt, device=dev)
+    kv_bytes = int(lens.sum()) * Hk * D * 2 * 2
+    print(f"decode batch {B}, lengths {args.min_len}-{args.max_len}, {Hq}/{Hk} heads x {D}, bf16, {torch.cuda.get_device_name()}")
+    for tile, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        backend = TritonBackend(TileConfig(decode_tile_n=tile, num_warps=warps, decode_num_stages=stages))
+        for _ in range(3):
+            backend.forward(spec, q, k, v, cache, meta)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.iters):
+            backend.forward(spec, q, k, v, cache, meta)
+        torch.cuda.synchronize()
+        dt_s = (time.perf_counter() - t) / args.iters
+        print(f"tile {tile:>3} warps {warps} stages {stages}: {dt_s * 1e3:.3f} ms  {kv_bytes / dt_s / 1e12:.2f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
