@@ -422,13 +422,16 @@ class BatchVariant:
 
 def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ...]:
     """All at once; a 5-token budget with 3 slots (chunked prefill, requests finishing and
-    joining, slots reused); and a KV cache of exactly one max_model_len request in 2-token
-    blocks, so that concurrent requests run out of blocks and are preempted."""
+    joining, slots reused); a KV cache of exactly one max_model_len request in 2-token blocks,
+    so that concurrent requests run out of blocks and are preempted; and that again with async
+    scheduling (each step scheduled before the previous step's tokens are known), which the GPU
+    runs by default."""
     scarce = {"max_num_seqs": 6, "max_num_batched_tokens": 16, "block_size": 2, "num_kv_blocks": -(-max_model_len // 2)}
     return (
         BatchVariant("all at once", {"max_num_seqs": 16}),
         BatchVariant("chunked, joining", {"max_num_seqs": 3, "max_num_batched_tokens": 5}),
         BatchVariant("preempting", scarce, must_preempt=True),
+        BatchVariant("async, preempting", {**scarce, "async_scheduling": True}, must_preempt=True),
     )
 
 

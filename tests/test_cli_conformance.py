@@ -18,7 +18,7 @@ from slotrunner.models.llama import LlamaForCausalLM
 from slotrunner.registry import tiny_config
 
 ROWS = ("prefill logits", "decode logits", "greedy tokens", "chunked prefill logits",
-        "batch: all at once", "batch: chunked, joining", "batch: preempting")
+        "batch: all at once", "batch: chunked, joining", "batch: preempting", "batch: async, preempting")
 
 
 def test_a_checkpoint_passes_with_a_table_of_every_check(tiny_llama_dir, capsys):
@@ -29,7 +29,7 @@ def test_a_checkpoint_passes_with_a_table_of_every_check(tiny_llama_dir, capsys)
     assert lines[1].split() == ["check", "result", "worst", "detail"]
     for row, line in zip(ROWS, lines[2:]):
         assert line.startswith(row) and " ok " in line, line
-    assert lines[-1] == "PASS: 7 checks"
+    assert lines[-1] == f"PASS: {len(ROWS)} checks"
 
 
 def test_a_config_file_makes_the_tiny_case_kept_in_save(tmp_path, capsys):
