@@ -21,6 +21,7 @@ load_weights: `hf_config`, `encode(encoder_input) -> [encoder_len, hidden]` for 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -200,6 +201,11 @@ class EncoderDecoderModelState(ModelState):
         # Slots admitted since the last step whose encoder has not run yet.
         self._pending: dict[int, EncoderInputs] = {}
         self.cross_kv_bytes = 0
+
+    def cache_bytes(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        shapes = (cross_kv_shape(self.config.max_num_seqs, self.max_encoder_len, l.num_kv_heads, l.head_dim) for l in self.cross_layers)
+        return sum(math.prod(shape) for shape in shapes) * elem
 
     def initialize_cache(self, spec: CacheSpec) -> None:
         """One [2, max_num_seqs, max_encoder_len, kv_heads, head_dim] cache per decoder layer."""

@@ -115,6 +115,12 @@ class ModelState(abc.ABC):
         touch runner or device state. Default: a text or token-id prompt, no family inputs."""
         return process_text_prompt(prompt, ctx)
 
+    def cache_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes `initialize_cache` will allocate on the device (recurrent-state pools,
+        cross-attention caches) for a model of `dtype`. Called before the KV cache is sized, on an
+        instance built for that question alone: the engine gives the KV cache only what is left."""
+        return 0
+
     def initialize_cache(self, spec: CacheSpec) -> None:
         """Called once after the KV cache is allocated. Allocate recurrent-state pools or
         cross-attention caches here."""

@@ -9,6 +9,8 @@ through the state indices (= idx_mapping); nothing is ever moved between slots.
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +46,13 @@ class MambaHybridModelState(ModelState):
         assert len(shapes) == 1, f"Mamba layers of one model must share their state shapes, got {sorted(shapes)}"
         self.conv_states: torch.Tensor | None = None  # [num_mamba_layers, max_num_seqs, conv_dim, conv_kernel - 1]
         self.ssm_states: torch.Tensor | None = None  # [num_mamba_layers, max_num_seqs, heads, head_dim, state_size]
+
+    def cache_bytes(self, dtype: torch.dtype) -> int:
+        args = self.mixers[0].args
+        rows = len(self.mixers) * self.config.max_num_seqs
+        conv = math.prod(args.conv_state_shape) * torch.empty((), dtype=dtype).element_size()
+        ssm = math.prod(args.ssm_state_shape) * torch.empty((), dtype=self.ssm_state_dtype).element_size()
+        return rows * (conv + ssm)
 
     def initialize_cache(self, spec: CacheSpec) -> None:
         """Allocate both pools (zeroed) and bind each layer's row of them to the layer."""

@@ -84,9 +84,7 @@ class LLM:
         elif max_model_len > model_max:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
         nn_model, arch = load_model(hf_config, source.weights, torch_dtype, dev, load_format, seed)
-        if num_kv_blocks is None:
-            num_kv_blocks = _default_num_blocks(nn_model, block_size, torch_dtype, dev, max_num_seqs, max_model_len)
-        self.config = EngineConfig(
+        config_args = dict(
             model=source.path,
             device=dev,
             dtype=torch_dtype,
@@ -94,13 +92,23 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 2048),
             block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
             vocab_size=text_config.vocab_size,
             seed=seed,
             enforce_eager=enforce_eager,
             cuda_graph_sizes=tuple(cuda_graph_sizes),
             async_scheduling=async_scheduling,
         )
+        if num_kv_blocks is None:
+            # The family's own state (Mamba pools, cross-attention caches) comes out of the same
+            # memory: ask a throwaway ModelState for its size before giving the rest to the KV cache.
+            wanted = max_num_seqs * -(-max_model_len // block_size)
+            probe = arch.model_state_cls(EngineConfig(**config_args, num_kv_blocks=wanted), nn_model, dev)
+            reserved = probe.cache_bytes(torch_dtype)
+            del probe  # its small tables must not count against the free memory measured next
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            num_kv_blocks = _default_num_blocks(nn_model, block_size, torch_dtype, dev, max_num_seqs, max_model_len, reserved)
+        self.config = EngineConfig(**config_args, num_kv_blocks=num_kv_blocks)
         self.architecture = arch.architecture
         self.tokenizer = source.tokenizer
         runner = ModelRunner(self.config, nn_model, arch.model_state_cls)
@@ -232,7 +240,13 @@ def _conversations(messages: Any) -> list[Sequence[Mapping[str, Any]]]:
 
 
 def _default_num_blocks(
-    model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int
+    model: torch.nn.Module,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_num_seqs: int,
+    max_model_len: int,
+    reserved_bytes: int = 0,  # the family state's share of the budget (ModelState.cache_bytes)
 ) -> int:
     per_block = kv_bytes_per_block(model, block_size, dtype)
     wanted = max_num_seqs * -(-max_model_len // block_size)
@@ -241,4 +255,10 @@ def _default_num_blocks(
         budget = int(free * _GPU_MEMORY_UTILIZATION)
     else:
         budget = _CPU_KV_CACHE_BYTES
+    budget -= reserved_bytes
+    if budget < per_block * -(-max_model_len // block_size):
+        raise ValueError(
+            f"after the model's per-request state ({reserved_bytes / 2**30:.2f} GiB for max_num_seqs={max_num_seqs}) "
+            f"the KV cache cannot hold one request of max_model_len={max_model_len}: lower max_num_seqs or max_model_len"
+        )
     return max(1, min(wanted, budget // max(per_block, 1)))

@@ -1,0 +1,46 @@
+"""ModelState.cache_bytes predicts what initialize_cache allocates, and the KV cache is sized
+from what is left.
+
+Guards against: a family's state pools (Mamba conv/SSM state, cross-attention caches) taking
+memory the KV cache was already given -- an out-of-memory error on a GPU at large max_num_seqs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotrunner import LLM
+from slotrunner.conformance import build_case
+from slotrunner.registry import tiny_config
+from slotrunner.llm import _default_num_blocks
+
+
+def _allocated_state_bytes(state) -> int:
+    tensors = [getattr(state, name, None) for name in ("conv_states", "ssm_states")]
+    tensors += [layer.cross_kv for layer in getattr(state, "cross_layers", [])]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@pytest.mark.parametrize("arch", ["BambaForCausalLM", "BartForConditionalGeneration", "LlamaForCausalLM"])
+def test_cache_bytes_equal_what_initialize_cache_allocates(arch, tmp_path):
+    build_case(tiny_config(arch), tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=5)
+    state = llm.engine.runner.model_state
+    predicted = state.cache_bytes(llm.config.dtype)
+    assert predicted == _allocated_state_bytes(state)
+    assert (predicted > 0) == (arch != "LlamaForCausalLM")
+
+
+def test_kv_budget_leaves_room_for_the_family_state(tiny_llama_dir):
+    from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
+    from slotrunner.llm import _CPU_KV_CACHE_BYTES
+
+    model = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, max_num_seqs=4).engine.runner.model
+    args = (16, torch.float32, torch.device("cpu"), 4, 64)  # block size, dtype, device, max_num_seqs, max_model_len
+    assert _default_num_blocks(model, *args) == 16  # 4 requests x 4 blocks: all of them fit
+    per_block = kv_bytes_per_block(model, 16, torch.float32)
+    # The family state takes all but 10 blocks' worth of the budget: 10 blocks are left.
+    assert _default_num_blocks(model, *args, reserved_bytes=_CPU_KV_CACHE_BYTES - 10 * per_block) == 10
+    with pytest.raises(ValueError, match="lower max_num_seqs or max_model_len"):
+        _default_num_blocks(model, *args, reserved_bytes=_CPU_KV_CACHE_BYTES - 3 * per_block)  # < one request
