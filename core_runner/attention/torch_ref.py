@@ -109,6 +109,20 @@ def _attend_grouped(
     return o.view(num_heads, num_q, head_dim).transpose(0, 1)
 
 
+def _attend_decode_into(
+    scale: float,
+    q: torch.Tensor,  # [heads, dim] one query token, float32
+    k: torch.Tensor,  # [kv_heads, seq_len, dim] float32
+    v: torch.Tensor,  # [kv_heads, seq_len, dim] float32
+    out: torch.Tensor,  # [heads, dim] float32, written
+) -> None:
+    """`_attend_grouped` for one fp32 query token that sees every key, in four ops with no
+    copies (the same arithmetic, so the same bits): the per-row cost of a CPU decode step."""
+    num_kv_heads, _, head_dim = k.shape
+    scores = torch.bmm(q.view(num_kv_heads, -1, head_dim), k.transpose(1, 2)).mul_(scale)  # [kv_heads, group, seq_len]
+    torch.bmm(scores.softmax(-1), v, out=out.view(num_kv_heads, -1, head_dim))
+
+
 def paged_attention_ref(
     spec: AttentionSpec,
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -125,6 +139,7 @@ def paged_attention_ref(
     v_all = flat[1].index_select(0, plan.key_slots).transpose(0, 1)
     masks = plan.masks(spec.sliding_window)
     group = spec.num_heads // spec.num_kv_heads
+    fp32 = q.dtype == torch.float32 and kv_cache.dtype == torch.float32
     for r, allowed in zip(plan.rows, masks):
         kh = k_all[:, r.k_start : r.k_start + r.seq_len]  # [kv_heads, seq_len, dim]
         vh = v_all[:, r.k_start : r.k_start + r.seq_len]
@@ -133,6 +148,9 @@ def paged_attention_ref(
         if position_bias is not None:
             distance = (r.q_pos - r.k_pos).clamp(0, position_bias.shape[1] - 1)  # [num_q, seq_len]
             bias = position_bias[:, distance]  # [heads, num_q, seq_len]
+        if num_q == 1 and allowed is None and bias is None and spec.logits_soft_cap is None and fp32:
+            _attend_decode_into(spec.scale, q[r.q_start], kh, vh, out[r.q_start])
+            continue
         if num_q * group <= _SMALL_QUERY or spec.logits_soft_cap is not None or bias is not None:
             o = _attend_grouped(spec, q[r.q_start : r.q_end], kh, vh, allowed, bias)
         else:  # long prefill chunks: SDPA's fused kernels, no [heads, num_q, seq_len] scores in fp32
