@@ -74,6 +74,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
+        if self.n == 1:  # the common case, checked for every request every step
+            return self.members[0].request.status.finished
         return len(self.members) == self.n and all(m.request.status.finished for m in self.members.values())
 
     def output(self) -> RequestOutput:

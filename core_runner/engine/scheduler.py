@@ -246,6 +246,8 @@ class Scheduler:
         Victims come from the tail, which this step has not scheduled yet (the loop in
         `schedule` walks from the head), so no scheduled request is ever preempted.
         """
+        if self.block_manager.num_blocks_to_grow(request.req_id, num_tokens) == 0:
+            return []  # most decode steps: the last block still has room
         while not self.block_manager.can_grow(request.req_id, num_tokens):
             if self._reclaim_waiting_blocks():
                 continue

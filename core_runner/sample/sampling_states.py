@@ -70,6 +70,11 @@ class SamplingStates:
         self.logit_bias: list[dict[int, float] | None] = [None] * max_num_reqs
         self.allowed: list[list[int] | None] = [None] * max_num_reqs
         self.bad_words: list[tuple[tuple[int, ...], ...]] = [()] * max_num_reqs
+        # Per slot, whether the sparse stages have anything to do: a step looks only at the rows
+        # that do (host time per step must not grow with the rows that use none of them).
+        self.sparse_np = np.zeros(max_num_reqs, dtype=bool)  # logit_bias, bad words or min_tokens
+        self.multi_token_bad_words_np = np.zeros(max_num_reqs, dtype=bool)
+        self.restricted_np = np.zeros(max_num_reqs, dtype=bool)  # allowed_token_ids
         self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs  # suppressed until min_tokens
 
     def add_request(self, slot: int, req: NewRequestData) -> None:
@@ -89,6 +94,9 @@ class SamplingStates:
         self.allowed[slot] = p.allowed_token_ids
         self.bad_words[slot] = req.bad_words_token_ids
         self.stop_ids[slot] = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else req.eos_token_ids)
+        self.sparse_np[slot] = bool(p.logit_bias) or bool(req.bad_words_token_ids) or (p.min_tokens > 0 and bool(self.stop_ids[slot]))
+        self.multi_token_bad_words_np[slot] = any(len(w) > 1 for w in req.bad_words_token_ids)
+        self.restricted_np[slot] = p.allowed_token_ids is not None
 
     def gather(
         self,
@@ -138,7 +146,7 @@ class SamplingStates:
 
     def needs_history(self, idx_mapping_np: np.ndarray) -> bool:
         """Whether `gather` needs the rows' token history (multi-token bad words)."""
-        return any(any(len(w) > 1 for w in self.bad_words[s]) for s in idx_mapping_np)
+        return bool(self.multi_token_bad_words_np[idx_mapping_np].any())
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
@@ -149,7 +157,8 @@ class SamplingStates:
         rows: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
-        for row, slot in enumerate(idx.tolist()):
+        for row in np.flatnonzero(self.sparse_np[idx]).tolist():
+            slot = int(idx[row])
             if self.logit_bias[slot]:
                 for tok, val in self.logit_bias[slot].items():
                     if tok < self.vocab_size:
@@ -177,7 +186,7 @@ class SamplingStates:
         )
 
     def _allowed_mask(self, idx: np.ndarray) -> torch.Tensor | None:
-        restricted = [(row, self.allowed[s]) for row, s in enumerate(idx.tolist()) if self.allowed[s] is not None]
+        restricted = [(row, self.allowed[int(idx[row])]) for row in np.flatnonzero(self.restricted_np[idx]).tolist()]
         if not restricted:
             return None
         mask = np.ones((len(idx), self.vocab_size), dtype=bool)
