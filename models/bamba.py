@@ -13,28 +13,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2, parse_time_step_limit
+from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention, LlamaMLP
 from slotrunner.models.weights import WeightLoader
 
 
 def mixer_args(c: object) -> Mamba2MixerArgs:
-    return Mamba2MixerArgs(
-        hidden_size=c.hidden_size,
-        intermediate_size=int(c.mamba_expand * c.hidden_size),
-        num_heads=c.mamba_n_heads,
-        head_dim=c.mamba_d_head,
-        state_size=c.mamba_d_state,
-        n_groups=c.mamba_n_groups,
-        conv_kernel=c.mamba_d_conv,
-        chunk_size=c.mamba_chunk_size,
-        use_conv_bias=bool(c.mamba_conv_bias),
-        use_bias=bool(c.mamba_proj_bias),
-        norm_eps=c.rms_norm_eps,
-        activation=getattr(c, "hidden_act", "silu"),
-        time_step_limit=parse_time_step_limit(getattr(c, "time_step_limit", None)),
-    )
+    return Mamba2MixerArgs.from_mamba_prefixed(c)
 
 
 class BambaDecoderLayer(nn.Module):

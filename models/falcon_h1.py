@@ -25,7 +25,7 @@ from torch import nn
 
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.layers.linear import MergedLinear
-from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2, parse_time_step_limit
+from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention
 from slotrunner.models.weights import WeightLoader
@@ -36,21 +36,7 @@ def _intermediate(c: object) -> int:
 
 
 def mixer_args(c: object) -> Mamba2MixerArgs:
-    return Mamba2MixerArgs(
-        hidden_size=c.hidden_size,
-        intermediate_size=_intermediate(c),
-        num_heads=c.mamba_n_heads,
-        head_dim=c.mamba_d_head,
-        state_size=c.mamba_d_state,
-        n_groups=c.mamba_n_groups,
-        conv_kernel=c.mamba_d_conv,
-        chunk_size=c.mamba_chunk_size,
-        use_conv_bias=bool(c.mamba_conv_bias),
-        use_bias=bool(c.mamba_proj_bias),
-        norm_eps=c.rms_norm_eps,
-        activation=getattr(c, "hidden_act", "silu"),
-        time_step_limit=parse_time_step_limit(getattr(c, "time_step_limit", None)),
-    )
+    return Mamba2MixerArgs.from_mamba_prefixed(c, intermediate_size=_intermediate(c))
 
 
 def mup_vector(c: object) -> torch.Tensor:  # [in_proj out features]

@@ -73,6 +73,26 @@ class Mamba2MixerArgs:
     def conv_dim(self) -> int:
         return self.intermediate_size + 2 * self.n_groups * self.state_size
 
+    @classmethod
+    def from_mamba_prefixed(cls, c: Any, intermediate_size: int | None = None) -> Mamba2MixerArgs:
+        """From a hybrid's config that names its mixer fields `mamba_*` (Bamba, GraniteMoeHybrid,
+        FalconH1); `intermediate_size` overrides `mamba_expand * hidden_size`."""
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=intermediate_size if intermediate_size is not None else int(c.mamba_expand * c.hidden_size),
+            num_heads=c.mamba_n_heads,
+            head_dim=c.mamba_d_head,
+            state_size=c.mamba_d_state,
+            n_groups=c.mamba_n_groups,
+            conv_kernel=c.mamba_d_conv,
+            chunk_size=c.mamba_chunk_size,
+            use_conv_bias=bool(c.mamba_conv_bias),
+            use_bias=bool(c.mamba_proj_bias),
+            norm_eps=c.rms_norm_eps,
+            activation=getattr(c, "hidden_act", "silu"),
+            time_step_limit=parse_time_step_limit(getattr(c, "time_step_limit", None)),
+        )
+
     @property
     def conv_state_shape(self) -> tuple[int, int]:  # per slot
         return (self.conv_dim, self.conv_kernel - 1)
