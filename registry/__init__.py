@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from slotrunner.registry.table import FAMILY_STATES, IN_TREE, ArchEntry
+from slotrunner.registry.table import FAMILY_STATES, GGUF_READERS, IN_TREE, ArchEntry
 
 logger = logging.getLogger(__name__)
 
@@ -243,3 +243,14 @@ def describe_architectures() -> list[tuple[str, str, str]]:
             state = state_ref.__name__
         rows.append((arch, model_name.replace("slotrunner.models.", ""), state))
     return rows
+
+
+def gguf_architectures() -> list[str]:
+    """GGUF `general.architecture` values a reader is registered for."""
+    return sorted(GGUF_READERS)
+
+
+def gguf_reader(gguf_architecture: str | None) -> Any | None:
+    """The reader of GGUF files of `gguf_architecture`, or None when none is registered."""
+    ref = GGUF_READERS.get(gguf_architecture) if gguf_architecture is not None else None
+    return _import(ref, gguf_architecture, "GGUF reader") if ref is not None else None

@@ -57,3 +57,10 @@ FAMILY_STATES: dict[str, str] = {
     "mamba_hybrid": "slotrunner.model_states.mamba_hybrid:MambaHybridModelState",
     "multimodal": "slotrunner.model_states.multimodal:MultimodalModelState",
 }
+
+
+# GGUF `general.architecture` -> the reader that turns such a file into a HF-style checkpoint
+# ("module:function(gguf_file, path, dtype)"), kept next to the model it feeds.
+GGUF_READERS: dict[str, str] = {
+    "llama": f"{_M}.llama_gguf:read_llama_gguf",
+}

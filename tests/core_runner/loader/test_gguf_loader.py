@@ -14,12 +14,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from slotrunner.core_runner.loader import gguf_loader  # noqa: E402
-from slotrunner.core_runner.loader.gguf_loader import (  # noqa: E402
-    GGUFCheckpoint,
-    default_model_path,
-    read_gguf,
-    unpermute_rotary_rows,
-)
+from slotrunner.core_runner.loader.gguf_loader import default_model_path, read_gguf  # noqa: E402
+from slotrunner.models import llama_gguf  # noqa: E402
+from slotrunner.models.llama_gguf import GGUFCheckpoint, unpermute_rotary_rows  # noqa: E402
 
 PROMPT = "What is the capital of France? 日本語 🙂"
 CONFIG_FIELDS = (
@@ -274,7 +271,7 @@ def _write_tiny_llama(
     }
     to_gguf.update(
         (f"model.layers.0.{hf_part}.weight", f"blk.0.{gguf_part}.weight")
-        for gguf_part, hf_part in gguf_loader._LAYER_NAMES.items()
+        for gguf_part, hf_part in llama_gguf._LAYER_NAMES.items()
     )
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
