@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from slotrunner.core_runner.runner import input_kernels as ik
+from slotrunner.core_runner.runner import sampled_token_kernels as sk
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
@@ -87,7 +88,7 @@ def post_update(
     """Append each sampling row's token to its slot's history, on device; advance lengths."""
     if batch.num_reqs == 0:
         return
-    ik.post_update(
+    sk.post_update(
         batch.idx_mapping,
         batch.seq_lens,
         sampled.view(-1, 1),

@@ -18,6 +18,7 @@ import torch
 
 from slotrunner.core_runner.engine.scheduler_output import NewRequestData
 from slotrunner.core_runner.runner import input_kernels as ik
+from slotrunner.core_runner.runner import sampled_token_kernels as sk
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.prepare_inputs import post_update as host_post_update
 from slotrunner.core_runner.runner.prepare_inputs import prepare_inputs
@@ -66,7 +67,7 @@ def test_combine_ref_by_hand():
     drafts = t([[-1, -1, -1], [70, 71, 72], [-1, -1, -1]])
     num_draft = t([2, 0, 0], I32)
     logits, cu = filled(9), filled(5, I32)
-    ik.combine_sampled_and_draft_tokens_ref(
+    sk.combine_sampled_and_draft_tokens_ref(
         input_ids, t([1, 0, 2]), last_sampled, qsl, seq_lens, prefill_len, drafts, num_draft, logits, cu
     )
     assert input_ids.tolist() == [55, 70, 71, 103, 104, 105, 66, 107]
@@ -81,7 +82,7 @@ def test_post_update_ref_by_hand():
     # row 1 -> slot 0: plain decode, seq_len 3 -> token at column 3
     # row 2 -> slot 1: prefill chunk that stops short -> nothing sampled
     sampled = t([[41, 42, 43], [31, -1, -1], [-1, -1, -1]])
-    ik.post_update_ref(t([2, 0, 1]), t([7, 3, 4], I32), sampled, t([2, 1, 0], I32), t([1, 0, 0], I32), token_ids, last, computed)
+    sk.post_update_ref(t([2, 0, 1]), t([7, 3, 4], I32), sampled, t([2, 1, 0], I32), t([1, 0, 0], I32), token_ids, last, computed)
     assert token_ids[2].tolist() == [0, 0, 0, 0, 0, 41, 42, 0]
     assert token_ids[0].tolist() == [0, 0, 0, 31, 0, 0, 0, 0]
     assert token_ids[1].tolist() == [0] * 8
@@ -211,8 +212,8 @@ def _check_kernels_match_references():
                 num_draft = t([min(max_draft, q - 1, i % 3) for i, q in enumerate(qlens)], I32)
                 for with_cu in (False, True):
                     got, want = _both(
-                        ik.combine_sampled_and_draft_tokens,
-                        ik.combine_sampled_and_draft_tokens_ref,
+                        sk.combine_sampled_and_draft_tokens,
+                        sk.combine_sampled_and_draft_tokens_ref,
                         [input_ids, filled(MAX_REQS * (1 + max_draft)), filled(MAX_REQS + 1, I32)],
                         lambda o: (
                             o[0], idx, last_sampled, qsl, seq_lens, prefill_len, drafts, num_draft, o[1],
@@ -227,8 +228,8 @@ def _check_kernels_match_references():
             num_rejected = t([(MAX_DRAFT + 1 - s) if s > 1 else 0 for s in num_sampled.tolist()], I32)
             for with_nc in (False, True):
                 got, want = _both(
-                    ik.post_update,
-                    ik.post_update_ref,
+                    sk.post_update,
+                    sk.post_update_ref,
                     [token_ids.clone(), last_sampled.clone(), torch.zeros(MAX_SLOTS, dtype=I32)],
                     lambda o: (idx, seq_lens + 2, sampled, num_sampled, num_rejected, o[0], o[1], o[2] if with_nc else None),
                 )
@@ -236,7 +237,7 @@ def _check_kernels_match_references():
     # the tail of the history: a write at max_model_len is dropped, not spilled into the next slot
     history = token_ids.clone(), token_ids.clone()
     lasts = t([0] * MAX_SLOTS), t([0] * MAX_SLOTS)
-    for fn, h, last in zip((ik.post_update, ik.post_update_ref), history, lasts):
+    for fn, h, last in zip((sk.post_update, sk.post_update_ref), history, lasts):
         fn(t([2]), t([MAX_MODEL_LEN], I32), t([[11, 12]]), t([2], I32), t([0], I32), h, last)
     _assert_same("post_update at max_model_len", [history[0], lasts[0]], [history[1], lasts[1]])
     assert history[0][3, 0] == token_ids[3, 0] and history[0][2, -1] == 11
@@ -314,7 +315,7 @@ def test_wrappers_agree_with_host_prepare_inputs():
     before = ids.clone()
     prefill_len = torch.from_numpy(state.prefill_len_np)
     logits = filled(4)
-    ik.combine_sampled_and_draft_tokens(
+    sk.combine_sampled_and_draft_tokens(
         ids, idx[:1], state.last_sampled, batch.query_start_loc, batch.seq_lens, prefill_len,
         torch.zeros(4, 0, dtype=I64), t([0], I32), logits,
     )
@@ -332,7 +333,7 @@ def test_post_update_agrees_with_host_post_update():
     sampled = torch.tensor([777, 888, 999])
     host_post_update(host, batch, sampled)
     num_sampled = torch.from_numpy(batch.sample_mask_np.astype(np.int32))
-    ik.post_update(
+    sk.post_update(
         torch.from_numpy(idx_np), batch.seq_lens, sampled[:, None], num_sampled, torch.zeros(3, dtype=I32),
         device.token_ids, device.last_sampled,
     )
