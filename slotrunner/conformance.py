@@ -18,7 +18,6 @@ table. A tiny case runs single-threaded on CPU in float32 in a few seconds.
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -27,6 +26,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from slotrunner.conformance_oracle import (  # noqa: F401  re-exported: the harness's public names
+    ConformanceError,
+    perturb_constants,
+    transformers_class,
+    build_case,
+    build_seq2seq_case,
+    ConformanceRequest,
+    hf_logits,
+    hf_greedy,
+    hf_seq2seq_logits,
+    hf_seq2seq_greedy,
+    CausalLMOracle,
+    Seq2SeqOracle,
+)
+from slotrunner.conformance_recorder import (  # noqa: F401
+    RecordedRun,
+    LogitsRecorder,
+    run_batch,
+    greedy_params,
+    run_recorded_prompt,
+    run_recorded,
+)
 
 LOGITS_ATOL = 1e-4  # fp32; transformers' own kernels differ from each other by up to ~2e-5
 LOGITS_RTOL = 1e-4
@@ -37,262 +59,6 @@ MAX_MODEL_LEN = 64
 BLOCK_SIZE = 4  # small, so that every prompt spans several KV blocks
 TINY_PARAMS = 10_000_000  # below this, one intra-op thread is faster than several
 
-
-class ConformanceError(ValueError):
-    """A case that cannot be built or checked as asked (not a failed check)."""
-
-
-# -- building cases ---------------------------------------------------------------------------
-
-
-def perturb_constants(model: torch.nn.Module, seed: int = 0) -> None:
-    """Multiply constant-initialised tensors (norm weights = 1, biases = 0) by (1 + N(0, 0.1))
-    and add N(0, 0.02), so a bug that ignores them cannot hide behind their init values."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.detach().flatten()
-            if flat.numel() and bool((flat == flat[0]).all()):
-                noise = torch.randn(p.shape, generator=gen)
-                p.mul_(1 + 0.1 * noise.to(p.dtype)).add_(0.02 * torch.randn(p.shape, generator=gen).to(p.dtype))
-
-
-def transformers_class(architecture: str) -> type:
-    """The transformers class named `architecture`: the oracle. Registering under transformers'
-    own class name is also what makes its checkpoints resolve to your model."""
-    import transformers
-
-    cls = getattr(transformers, architecture, None)
-    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
-        raise ConformanceError(
-            f"transformers {transformers.__version__} has no model class {architecture!r}: conformance compares "
-            "against transformers' implementation, so register the architecture under the class name that "
-            "transformers writes into config.json's 'architectures'"
-        )
-    return cls
-
-
-def _auto_class(hf_config: Any) -> type:
-    """The class that builds `hf_config`: the one its `architectures` names, else the Auto class."""
-    import transformers
-
-    archs = getattr(hf_config, "architectures", None) or []
-    if archs:
-        return transformers_class(archs[0])
-    if getattr(hf_config, "is_encoder_decoder", False):
-        if type(hf_config) in transformers.AutoModelForSpeechSeq2Seq._model_mapping:
-            return transformers.AutoModelForSpeechSeq2Seq
-        return transformers.AutoModelForSeq2SeqLM
-    return transformers.AutoModelForCausalLM
-
-
-def build_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
-    """Instantiate `hf_config` in transformers (the class its `architectures` names, else the
-    Auto class) with a fixed seed, perturb constants, save it to `directory` and return it in
-    eval mode. The weights are saved once: random init differs between transformers versions.
-    Constant *buffers* that checkpoints store (BART's zero `final_logits_bias`, NemotronH's
-    router correction bias) are perturbed too, so a model that drops them fails."""
-    cls = _auto_class(hf_config)
-    torch.manual_seed(seed)
-    if hasattr(cls, "from_config"):  # an Auto class
-        model = cls.from_config(hf_config, dtype=torch.float32)
-    else:
-        model = cls(hf_config).float()
-    perturb_constants(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    saved = set(model.state_dict())
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            flat = buf.detach().flatten()
-            if buf.is_floating_point() and name in saved and flat.numel() and bool((flat == flat[0]).all()):
-                buf.add_(0.5 * torch.randn(buf.shape, generator=gen).to(buf.dtype))
-    model.eval()
-    model.save_pretrained(str(directory))
-    return model
-
-
-def build_seq2seq_case(hf_config: Any, directory: str | Path, seed: int = 0) -> torch.nn.Module:
-    """`build_case` for an encoder-decoder config (kept for the callers that name the family)."""
-    return build_case(hf_config, directory, seed)
-
-
-# -- oracles: transformers' answer for one request --------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConformanceRequest:
-    """One request as slotrunner takes it and as the oracle takes it."""
-
-    prompt: Any  # what LLM.generate takes: {"prompt_token_ids": [...]}, {"encoder_prompt": ...}, ...
-    # transformers' inputs beside the decoder token ids (an encoder's input_ids or input_features)
-    oracle_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
-
-
-def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """transformers' logits over one unpadded sequence: [len, vocab]. Positions are passed
-    explicitly where the model takes them (GPT-2's absolute positions, Bamba's offset)."""
-    ids = torch.tensor([token_ids])
-    kwargs = {}
-    if "position_ids" in inspect.signature(hf_model.forward).parameters:
-        kwargs["position_ids"] = torch.arange(len(token_ids))[None]
-    with torch.no_grad():
-        out = hf_model(input_ids=ids, **kwargs)
-    return out.logits[0].float()
-
-
-def hf_greedy(hf_model: torch.nn.Module, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy continuation through `generate` (its own cache path)."""
-    with torch.no_grad():
-        seq = hf_model.generate(
-            torch.tensor([prompt_token_ids]),
-            attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return seq[0, len(prompt_token_ids) :].tolist()
-
-
-def hf_seq2seq_logits(hf_model: torch.nn.Module, encoder_kwargs: Mapping[str, torch.Tensor], decoder_ids: list[int]) -> torch.Tensor:
-    """transformers' logits over one decoder sequence given one encoder input: [len, vocab]."""
-    with torch.no_grad():
-        out = hf_model(**encoder_kwargs, decoder_input_ids=torch.tensor([decoder_ids]))
-    return out.logits[0].float()
-
-
-def hf_seq2seq_greedy(
-    hf_model: torch.nn.Module, encoder_kwargs: Mapping[str, torch.Tensor], decoder_prompt: list[int], max_tokens: int
-) -> list[int]:
-    """Greedy continuation by transformers' forward, one full pass per token (generate() adds
-    model-specific logits processors -- Whisper's especially -- that are not the model)."""
-    seq = list(decoder_prompt)
-    for _ in range(max_tokens):
-        seq.append(int(hf_seq2seq_logits(hf_model, encoder_kwargs, seq)[-1].argmax()))
-    return seq[len(decoder_prompt) :]
-
-
-class CausalLMOracle:
-    """A decoder-only transformers model: the request's tokens are all it reads."""
-
-    def __init__(self, hf_model: torch.nn.Module) -> None:
-        self.hf_model = hf_model
-
-    def logits(self, request: ConformanceRequest, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
-        return hf_logits(self.hf_model, token_ids)
-
-    def greedy(self, request: ConformanceRequest, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
-        return hf_greedy(self.hf_model, prompt_token_ids, max_tokens)
-
-
-class Seq2SeqOracle:
-    """An encoder-decoder transformers model: the encoder input comes from `oracle_inputs`."""
-
-    def __init__(self, hf_model: torch.nn.Module) -> None:
-        self.hf_model = hf_model
-
-    def logits(self, request: ConformanceRequest, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
-        return hf_seq2seq_logits(self.hf_model, request.oracle_inputs, token_ids)
-
-    def greedy(self, request: ConformanceRequest, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
-        return hf_seq2seq_greedy(self.hf_model, request.oracle_inputs, prompt_token_ids, max_tokens)
-
-
-# -- recording slotrunner's logits ------------------------------------------------------------
-
-
-@dataclass
-class RecordedRun:
-    """One request run through slotrunner: its tokens and the logits of every position."""
-
-    prompt_token_ids: list[int]  # the request's own (decoder) prompt tokens
-    output_token_ids: list[int]
-    logits: torch.Tensor  # [prompt_len + num_output - 1, vocab]: row p predicts token p + 1
-
-
-class LogitsRecorder:
-    """The hidden state of every (request, position) an engine computes, in any batch.
-
-    It reads the step's InputBatch where every family hands it over (`prepare_inputs`, called
-    once per forward) and the model's output through a forward hook; a position computed again
-    after a preemption keeps its latest value. Forwards must run eagerly (a CUDA-graph replay
-    calls no hook): CPU, or an engine built with enforce_eager=True.
-    """
-
-    def __init__(self, llm: Any) -> None:
-        runner = llm.engine.runner
-        self.model = runner.model
-        self.rows: dict[tuple[str, int], torch.Tensor] = {}
-        self._batch: Any = None
-        self._state = runner.model_state
-        self._prepare_inputs = self._state.prepare_inputs
-        self._own = "prepare_inputs" in vars(self._state)  # already wrapped by someone else
-
-        def capture(batch: Any) -> Any:
-            self._batch = batch
-            return self._prepare_inputs(batch)
-
-        self._state.prepare_inputs = capture
-        self._handle = self.model.register_forward_hook(self._hook)
-
-    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], hidden: torch.Tensor) -> None:
-        batch, self._batch = self._batch, None
-        if batch is None:  # a dummy forward (warm-up): no request behind it
-            return
-        positions = batch.positions.tolist()
-        qsl = batch.query_start_loc_np
-        for row, req_id in enumerate(batch.req_ids):
-            for t in range(int(qsl[row]), int(qsl[row + 1])):
-                self.rows[(req_id, positions[t])] = hidden[t].detach().clone()
-
-    def logits(self, req_id: str) -> torch.Tensor:  # [positions, vocab], in position order
-        keys = sorted(k for k in self.rows if k[0] == req_id)
-        with torch.inference_mode():
-            return self.model.compute_logits(torch.stack([self.rows[k] for k in keys])).float()
-
-    def close(self) -> None:
-        self._handle.remove()
-        if self._own:
-            self._state.prepare_inputs = self._prepare_inputs
-        else:
-            del self._state.prepare_inputs  # the class's method again
-
-
-def run_batch(llm: Any, prompts: Sequence[Any], params: Sequence[Any]) -> list[RecordedRun]:
-    """Generate `prompts` together and record every request's logits at every position."""
-    recorder = LogitsRecorder(llm)
-    try:
-        outs = llm.generate(list(prompts), list(params), use_tqdm=False)
-        runs = []
-        for out in outs:
-            tokens, logits = out.outputs[0].token_ids, recorder.logits(out.request_id)
-            # The last sampled token is never fed back, so its position has no row.
-            expected = len(out.prompt_token_ids) + len(tokens) - 1
-            assert logits.shape[0] == expected, (
-                f"recorded {logits.shape[0]} positions, expected {expected} (a forward replayed from a CUDA graph "
-                "calls no hook: build the engine with enforce_eager=True)"
-            )
-            runs.append(RecordedRun(list(out.prompt_token_ids), list(tokens), logits))
-    finally:
-        recorder.close()
-    return runs
-
-
-def greedy_params(max_tokens: int) -> Any:
-    from slotrunner.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def run_recorded_prompt(llm: Any, prompt: Any, max_tokens: int) -> RecordedRun:
-    """Greedy-generate one prompt of any form alone; record the logits at every position."""
-    return run_batch(llm, [prompt], [greedy_params(max_tokens)])[0]
-
-
-def run_recorded(llm: Any, prompt_token_ids: list[int], max_tokens: int) -> RecordedRun:
-    """`run_recorded_prompt` for a token-id prompt."""
-    return run_recorded_prompt(llm, {"prompt_token_ids": prompt_token_ids}, max_tokens)
 
 
 # -- comparisons ------------------------------------------------------------------------------
