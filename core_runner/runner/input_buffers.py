@@ -22,6 +22,7 @@ class InputBuffers:
         self.num_computed = torch.zeros(max_num_reqs, **i64)  # [max_num_reqs] tokens cached before the step
         self.query_start_loc = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
         self.num_sampled = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 1 if the row samples
+        self.num_rejected = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] always 0 until draft tokens exist
         self.seq_lens = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 0 on padding rows
         self.block_tables = torch.zeros(max_num_reqs, max_num_blocks_per_req, **i32)  # [max_num_reqs, max_blocks]
         self.input_ids = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]

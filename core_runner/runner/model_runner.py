@@ -114,7 +114,7 @@ class ModelRunner:
             out = self._sample(batch, logits, expanded_rows_np, first_np)
             first = out.sampled[torch.from_numpy(first_np).to(self.device)] if fan_out else out.sampled
             post_update(self.req_state, batch, first)
-            self.model_state.postprocess_state(batch, batch.num_sampled, torch.zeros_like(batch.num_sampled))
+            self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.num_rejected[: batch.num_reqs])
         tensors = {"sampled": out.sampled}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)

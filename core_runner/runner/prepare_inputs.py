@@ -93,7 +93,7 @@ def post_update(
         batch.seq_lens,
         sampled.view(-1, 1),
         batch.num_sampled,
-        torch.zeros_like(batch.num_sampled),
+        batch.buffers.num_rejected[: batch.num_reqs],
         state.token_ids,
         state.last_sampled,
     )
