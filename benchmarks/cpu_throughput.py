@@ -271,6 +271,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=len(QUESTIONS), help="prompts (the questions, cycled)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both systems")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--quantized-weights",
+        default="auto",
+        choices=("auto", "packed", "dequantized"),
+        help="slotrunner's LLM(quantized_weights=...): Q4_1/Q8_0 kept packed (auto on CPU) or dequantized like transformers",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -282,8 +288,15 @@ def main() -> None:
     from slotrunner.core_runner.loader.gguf_loader import default_model_path
 
     t0 = time.perf_counter()
-    llm = LLM(device="cpu", dtype="float32", max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes))
-    print(f"slotrunner loaded in {time.perf_counter() - t0:.1f} s")
+    llm = LLM(
+        device="cpu",
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(batch_sizes),
+        quantized_weights=args.quantized_weights,
+    )
+    packed = sum(getattr(m, "packed", None) is not None for m in llm.engine.runner.model.modules())
+    print(f"slotrunner loaded in {time.perf_counter() - t0:.1f} s ({packed} matrices packed, quantized_weights={args.quantized_weights})")
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.num_prompts)]
     prompts = [llm.render_chat([{"role": "user", "content": q}])["prompt_token_ids"] for q in questions]
     print(f"{len(prompts)} prompts, lengths {[len(p) for p in prompts]}")

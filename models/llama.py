@@ -15,7 +15,7 @@ from torch import nn
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.models.layers.attention import Attention
-from slotrunner.models.layers.linear import MergedLinear
+from slotrunner.models.layers.linear import Linear, MergedLinear, VocabEmbedding
 from slotrunner.models.layers.mrope import MRotaryEmbedding
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
@@ -90,7 +90,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             args.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=args.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -126,7 +126,7 @@ class LlamaMLP(nn.Module):
             args.hidden_size, {"gate": args.intermediate_size, "up": args.intermediate_size}, bias=args.mlp_bias
         )
         self.act = GatedAct(args.hidden_act)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -155,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+            self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
 
     def forward(
         self,
@@ -194,8 +194,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.lm_head is None:
+            return self.model.embed_tokens.as_head(hidden)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = WeightLoader(self, merged={

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
+from slotrunner.core_runner.cpu.packed import PACKABLE_GGML_TYPES, PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.core_runner.loader.gguf_tokenizer import build_tokenizer
 
@@ -56,25 +57,34 @@ class GGUFCheckpoint:
     weight_names: tuple[str, ...] = field(repr=False)  # HF names in file order; no lm_head if tied
     _file: GGUFFile = field(repr=False, compare=False)
     _gguf_names: Mapping[str, str] = field(repr=False, compare=False)  # HF name -> GGUF name
+    pack: bool = False  # yield quantized matrices as PackedWeight (see `weights`)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(hf_name, tensor)` in Hugging Face layout and `self.dtype`, one tensor at a time.
 
-        Each call dequantizes afresh (about 2 s for the 135M default model on 2 cores), so
-        peak memory is one float32 tensor beyond what the caller keeps.
+        With `pack`, 2-D tensors stored as Q4_0, Q4_1 or Q8_0 come as `PackedWeight` (their
+        blocks, for the native CPU kernel) instead. Each call reads afresh (dequantizing takes
+        about 2 s for the 135M default model on 2 cores), so peak memory is one float32 tensor
+        beyond what the caller keeps.
         """
         num_heads = self.config.num_attention_heads
         num_kv_heads = self.config.num_key_value_heads
         for hf_name in self.weight_names:
-            tensor = torch.from_numpy(self._file.read_tensor(self._gguf_names[hf_name]))
-            if ".self_attn.q_proj." in hf_name:
-                tensor = unpermute_rotary_rows(tensor, num_heads)
-            elif ".self_attn.k_proj." in hf_name:
-                tensor = unpermute_rotary_rows(tensor, num_kv_heads)
-            yield hf_name, tensor.to(self.dtype)
+            gguf_name = self._gguf_names[hf_name]
+            info = self._file.tensors[gguf_name]
+            if self.pack and len(info.shape) == 2 and info.tensor_type.name in PACKABLE_GGML_TYPES:
+                tensor = PackedWeight.from_ggml(self._file.read_blocks(gguf_name), info.tensor_type.name, info.shape)
+            else:
+                tensor = torch.from_numpy(self._file.read_tensor(gguf_name)).to(self.dtype)
+            heads = {".self_attn.q_proj.": num_heads, ".self_attn.k_proj.": num_kv_heads}
+            for part, count in heads.items():
+                if part in hf_name:
+                    rows = unpermute_rotary_rows(torch.arange(tensor.shape[0]), count)
+                    tensor = tensor.select_rows(rows) if isinstance(tensor, PackedWeight) else tensor[rows]
+            yield hf_name, tensor
 
 
-def read_llama_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype) -> GGUFCheckpoint:
+def read_llama_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool = False) -> GGUFCheckpoint:
     """Read an opened Llama-architecture GGUF file's config, tokenizer and tensor table (not the
     data). Raises ValueError naming the file for tensors or metadata Llama cannot use."""
     metadata = gguf.metadata
@@ -91,6 +101,7 @@ def read_llama_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype) -> GGUFCheckp
         weight_names=tuple(gguf_names),
         _file=gguf,
         _gguf_names=gguf_names,
+        pack=pack,
     )
 
 

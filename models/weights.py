@@ -1,6 +1,8 @@
 """WeightLoader: copies checkpoint tensors (Hugging Face names) into a model's parameters.
 
-Handles the renames a fused module needs (q/k/v -> qkv_proj shards), and reports every
+Handles the renames a fused module needs (q/k/v -> qkv_proj shards), hands packed GGUF weights
+(`PackedWeight`) to the modules that run them packed (`load_packed`) and dequantizes them for
+any other parameter, and reports every
 mismatch by tensor name: a checkpoint tensor the model does not consume, a parameter the
 checkpoint lacks, a shape that differs.
 """
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.models.layers.linear import MergedLinear
 
 
@@ -80,6 +83,13 @@ class WeightLoader:
                     cls = type(self.model).__name__
                     hint = f" (its transpose: an [in, out] Conv1D-style weight? transpose it in {cls}.load_weights)"
                 raise WeightLoadError(f"checkpoint tensor {name!r} has shape {shape}, the model expects {expected}{hint}")
+            module = self.modules.get(name.rpartition(".")[0])
+            if isinstance(tensor, PackedWeight):
+                if name.endswith(".weight") and hasattr(module, "load_packed"):
+                    module.load_packed(tensor)
+                    loaded.add(name)
+                    continue
+                tensor = tensor.dequantize()
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)

@@ -60,7 +60,7 @@ FAMILY_STATES: dict[str, str] = {
 
 
 # GGUF `general.architecture` -> the reader that turns such a file into a HF-style checkpoint
-# ("module:function(gguf_file, path, dtype)"), kept next to the model it feeds.
+# ("module:function(gguf_file, path, dtype, pack=False)"), kept next to the model it feeds.
 GGUF_READERS: dict[str, str] = {
     "llama": f"{_M}.llama_gguf:read_llama_gguf",
 }

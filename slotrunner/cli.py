@@ -17,6 +17,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantized-weights",
+        default="auto",
+        choices=("auto", "packed", "dequantized"),
+        help="GGUF Q4_0/Q4_1/Q8_0 matrices: kept packed for the native CPU kernel (auto: on CPU with float32) or dequantized",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +59,7 @@ def _build_llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        quantized_weights=args.quantized_weights,
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from slotrunner.core_runner.cpu.packed import should_pack
 from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, parse_dtype
 from slotrunner.core_runner.engine.engine import LLMEngine
 from slotrunner.core_runner.engine.intake import IntakeContext, PromptType
@@ -42,6 +43,10 @@ class LLM:
             padded up to the next size, larger batches and prefill steps run eagerly.
         async_scheduling: schedule each step while the previous one runs on the device
             (default: on for CUDA, off on CPU).
+        quantized_weights: what happens to a GGUF file's Q4_0/Q4_1/Q8_0 matrices. "auto" keeps
+            them packed on a CPU with float32 (a native kernel dequantizes in registers: the
+            same float32 weights, a fraction of the bytes to read per step) and dequantizes them
+            elsewhere; "packed" insists on packing; "dequantized" always dequantizes to `dtype`.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] = DEFAULT_CUDA_GRAPH_SIZES,
         async_scheduling: bool | None = None,
+        quantized_weights: str = "auto",
     ) -> None:
         dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = parse_dtype(dtype, dev)
@@ -70,7 +76,8 @@ class LLM:
             from slotrunner.core_runner.loader.gguf_loader import default_model_path
 
             model = default_model_path()
-        source = open_model(model, torch_dtype, load_format)
+        pack = should_pack(quantized_weights, dev, torch_dtype)
+        source = open_model(model, torch_dtype, load_format, pack=pack)
         hf_config = source.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         # Decoder length limit: max_position_embeddings, or max_target_positions (Whisper).

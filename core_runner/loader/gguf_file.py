@@ -70,6 +70,13 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]  # in file order
     _buffer: mmap.mmap = field(repr=False, compare=False)
 
+    def read_blocks(self, name: str) -> np.ndarray:
+        """A copy of one tensor's stored bytes as uint8 [rows, bytes per row] (quantized blocks
+        as they are; `TensorInfo.tensor_type` says how to read them)."""
+        info = self.tensors[name]
+        raw = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return raw.reshape(-1, info.nbytes // math.prod(info.shape[:-1])).copy()
+
     def read_tensor(self, name: str) -> np.ndarray:
         """Dequantize one tensor to a fresh, writable float32 array of `TensorInfo.shape`."""
         info = self.tensors[name]

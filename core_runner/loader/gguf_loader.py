@@ -40,10 +40,11 @@ def default_model_path() -> str:
     )
 
 
-def read_gguf(path: str, dtype: torch.dtype) -> Any:
+def read_gguf(path: str, dtype: torch.dtype, pack: bool = False) -> Any:
     """Read a GGUF file's config, tokenizer and tensor table (not the data) through the reader
     registered for its `general.architecture`; the result has `.config`, `.tokenizer` and
-    `.weights()`.
+    `.weights()`. With `pack`, `.weights()` yields the quantized matrices it can as
+    `PackedWeight` (blocks for the native CPU kernel, `core_runner/cpu/packed.py`).
 
     Raises FileNotFoundError for a missing file and ValueError naming the file for one that is
     not GGUF, is truncated or corrupt, has an architecture no reader handles, or stores an
@@ -59,4 +60,4 @@ def read_gguf(path: str, dtype: torch.dtype) -> Any:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_architectures())}."
         )
-    return reader(gguf, path, dtype)
+    return reader(gguf, path, dtype, pack=pack)

@@ -26,13 +26,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 class ModelSource:
     path: str
     hf_config: Any
-    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]  # each call reads afresh
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]  # each call reads afresh; may yield PackedWeight
     tokenizer: Any | None  # None: token-id prompts only
     eos_token_ids: tuple[int, ...]
     processor: Any | None = None  # HF processor / feature extractor for media or audio inputs
 
 
-def open_model(path: str | Path, dtype: torch.dtype, load_format: str = "auto") -> ModelSource:
+def open_model(path: str | Path, dtype: torch.dtype, load_format: str = "auto", pack: bool = False) -> ModelSource:
+    """Open a checkpoint: config, tokenizer, processor, and a `weights()` reader. `pack` keeps a
+    GGUF file's quantized matrices packed (see `should_pack` in `core_runner/cpu/packed.py`)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
@@ -40,7 +42,7 @@ def open_model(path: str | Path, dtype: torch.dtype, load_format: str = "auto") 
     if gguf is not None:
         from slotrunner.core_runner.loader.gguf_loader import read_gguf
 
-        ckpt = read_gguf(str(gguf), dtype)
+        ckpt = read_gguf(str(gguf), dtype, pack=pack)
         return ModelSource(str(gguf), ckpt.config, ckpt.weights, ckpt.tokenizer, _as_ids(ckpt.config.eos_token_id))
     hf_config = load_hf_config(p)
     files = safetensors_files(p) if load_format != "dummy" else []

@@ -1,14 +1,38 @@
-"""Linear layers whose weight is the concatenation of several checkpoint tensors (qkv, gate_up)."""
+"""Linear layers: `Linear` (whose weight may stay packed in GGUF blocks on a CPU), the fused
+`MergedLinear` (qkv, gate_up: several checkpoint tensors in one weight) and `VocabEmbedding`
+(an embedding that can also serve as the tied output head)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from slotrunner.core_runner.cpu.packed import PackedWeight, packed_linear
 
-class MergedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight the loader may hand over packed (`load_packed`); the product then
+    runs through the native packed kernel and the dense weight is released."""
+
+    packed: PackedWeight | None = None
+
+    def load_packed(self, weight: PackedWeight) -> None:
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"shape {weight.shape} does not match expected {(self.out_features, self.in_features)}")
+        self.packed = weight
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One matmul for several projections of the same input. `shard_sizes` name the output rows
-    of each part, so the loader can copy checkpoint tensor `part` into its rows."""
+    of each part, so the loader can copy checkpoint tensor `part` into its rows. Packed shards
+    are kept packed if every shard of the weight arrives packed in one format, and written
+    dequantized into the dense weight otherwise."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
@@ -17,12 +41,57 @@ class MergedLinear(nn.Linear):
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (start, size)
             start += size
+        self._packed_shards: dict[str, PackedWeight] = {}
+        self._dense_shards: set[str] = set()
 
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor | PackedWeight) -> None:
         param = getattr(self, param_name)
         start, size = self.shard_offsets[shard]
-        expected = (size, *param.shape[1:])
+        expected = (size, self.in_features) if param_name == "weight" else (size,)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shape {tuple(tensor.shape)} does not match expected {expected}")
+        if isinstance(tensor, PackedWeight):
+            if param_name != "weight":
+                tensor = tensor.dequantize()
+            else:
+                self._packed_shards[shard] = tensor
+                self._settle_packed()
+                return
+        elif param_name == "weight":
+            self._dense_shards.add(shard)
+            self._settle_packed()
         with torch.no_grad():
             param[start : start + size].copy_(tensor)
+
+    def _settle_packed(self) -> None:
+        """Once every weight shard is in: pack the whole weight, or densify the packed shards."""
+        if len(self._packed_shards) + len(self._dense_shards) < len(self.shard_offsets):
+            return
+        parts = [self._packed_shards.get(name) for name in self.shard_offsets]
+        if all(parts) and len({p.format for p in parts}) == 1:
+            self.load_packed(PackedWeight.cat(parts))
+        else:
+            with torch.no_grad():
+                for name, part in self._packed_shards.items():
+                    start, size = self.shard_offsets[name]
+                    self.weight[start : start + size].copy_(part.dequantize())
+        self._packed_shards, self._dense_shards = {}, set()
+
+
+class VocabEmbedding(nn.Embedding):
+    """Token embedding that also computes logits when the output head is tied to it. Loaded
+    packed, it keeps the dense table for lookups and the packed one for the head."""
+
+    packed: PackedWeight | None = None
+
+    def load_packed(self, weight: PackedWeight) -> None:
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"shape {weight.shape} does not match expected {tuple(self.weight.shape)}")
+        with torch.no_grad():
+            self.weight.copy_(weight.dequantize())
+        self.packed = weight
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        if self.packed is not None:
+            return packed_linear(hidden, self.packed)
+        return nn.functional.linear(hidden, self.weight)

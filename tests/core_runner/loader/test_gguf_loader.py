@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from slotrunner.core_runner.cpu.native import native_unavailable_reason  # noqa: E402
+from slotrunner.core_runner.cpu.packed import PackedWeight  # noqa: E402
 from slotrunner.core_runner.loader import gguf_loader  # noqa: E402
 from slotrunner.core_runner.loader.gguf_loader import default_model_path, read_gguf  # noqa: E402
 from slotrunner.models import llama_gguf  # noqa: E402
@@ -217,6 +220,47 @@ def test_sentencepiece_vocabulary_goes_through_transformers(tmp_path) -> None:
     assert checkpoint.tokenizer.apply_chat_template(messages, tokenize=False) == "[a]"
 
 
+def test_packed_weights_are_the_dequantized_weights(real_path: str) -> None:
+    """With pack=True the quantized matrices come as blocks that dequantize to exactly the
+    tensors pack=False yields (the Q/K un-permutation moves whole rows of blocks)."""
+    packed = read_gguf(real_path, torch.float32, pack=True).weights()
+    dense = read_gguf(real_path, torch.float32).weights()
+    kinds = set()
+    for (name, p), (dense_name, d) in itertools.islice(zip(packed, dense), 12):
+        assert name == dense_name
+        if isinstance(p, PackedWeight):
+            kinds.add(p.format)
+            assert torch.equal(p.dequantize(), d), name
+        else:
+            assert p.dim() == 1 and torch.equal(p, d), name  # norms stay float32 tensors
+    assert kinds == {"q4_1", "q8_0"}
+
+
+@pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packed_and_dequantized_engines_agree(tmp_path, matrix_type: str) -> None:
+    from slotrunner import LLM, SamplingParams
+
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    path = _write_tiny_llama(tmp_path / "q.gguf", embedding_type=gguf.GGMLQuantizationType.Q8_0, matrix_type=qtype)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    runs = {}
+    for mode in ("packed", "dequantized"):
+        llm = LLM(path, device="cpu", dtype="float32", quantized_weights=mode)
+        modules = llm.engine.runner.model.modules()
+        runs[mode] = (sum(getattr(m, "packed", None) is not None for m in modules), llm.generate(
+            [{"prompt_token_ids": [2, 3, 4]}, {"prompt_token_ids": [5, 2]}], params, use_tqdm=False
+        ))
+    # qkv, o, gate_up, down, lm_head, and the embedding (whose packed copy serves a tied head)
+    assert runs["packed"][0] == 6 and runs["dequantized"][0] == 0
+    for ours, ref in zip(runs["packed"][1], runs["dequantized"][1]):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_unpermute_inverts_llama_cpp_permute(num_heads: int) -> None:
     weight = torch.randn(num_heads * 8, 3)
@@ -260,6 +304,7 @@ def _write_tiny_llama(
     embedding_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     tokenizer_model: str = "gpt2",
     head_count_kv: int = 2,
+    matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
 ) -> str:
     """A 1-layer Llama GGUF (hidden 32, 4 heads of 8, 2 KV heads) with a 6-token vocabulary:
     byte-level BPE (`gpt2`), or SentencePiece (`llama`) with a chat template."""
@@ -310,6 +355,9 @@ def _write_tiny_llama(
                 block_size, type_size = gguf.GGML_QUANT_SIZES[embedding_type]
                 raw = np.zeros((values.shape[0], values.shape[1] // block_size * type_size), dtype=np.uint8)
                 writer.add_tensor(to_gguf[name], raw, raw_dtype=embedding_type)
+            continue
+        if values.ndim == 2 and name != "model.embed_tokens.weight" and matrix_type != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(to_gguf[name], gguf.quants.quantize(values, matrix_type), raw_dtype=matrix_type)
             continue
         writer.add_tensor(to_gguf[name], values)
     writer.write_header_to_file()

@@ -1,0 +1,150 @@
+"""Weights kept in their GGUF block formats and multiplied by a native CPU kernel.
+
+A decode step on a CPU reads every weight once per step, and reading float32 weights is what
+bounds it. `PackedWeight` keeps a quantized GGUF tensor as its blocks (Q4_0 and Q4_1 at 5 bits a
+weight, Q8_0 at 8.5) and `packed_linear` dequantizes them in registers inside the matmul
+(`packed_linear.c`). The values are exactly the float32 weights gguf's `dequantize` gives, so
+only the order of the fp32 sums differs from a dense matmul over the dequantized tensor, and
+that order is the same for every row whatever the batch (the kernel is batch-invariant).
+
+    packed = PackedWeight.from_ggml(raw_blocks, GGMLQuantizationType.Q4_1, (n, k))
+    y = packed_linear(x, packed, bias)  # == F.linear(x, packed.dequantize(), bias) within fp32 noise
+
+`packed_linear_ref` is the torch reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slotrunner.core_runner.cpu.native import NativeKernelError, load_library, native_unavailable_reason
+
+BLOCK = 32
+# GGML type name -> (packed format, bytes per block of 32)
+_GGML_BLOCKS = {"Q4_0": ("q4_1", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+PACKABLE_GGML_TYPES = tuple(_GGML_BLOCKS)
+QUANTIZED_WEIGHT_MODES = ("auto", "packed", "dequantized")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An [n, k] weight in blocks of 32 along k.
+
+    q4_1: `qs` uint8 [n, k/2], ggml nibble order (byte j of a block: value j low, value j+16
+          high); w = scales * q + mins. Q4_0 is stored as q4_1 with mins = -8 * scales (exact).
+    q8_0: `qs` int8 [n, k]; w = scales * q, and `mins` is None.
+    `scales` and `mins` are float32 [n, k/32] (the file's float16, converted exactly).
+    """
+
+    format: str
+    shape: tuple[int, int]
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @classmethod
+    def from_ggml(cls, raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> PackedWeight:
+        """Repack a GGUF tensor's raw bytes ([n, row bytes] uint8) of type Q4_0, Q4_1 or Q8_0."""
+        if ggml_type not in _GGML_BLOCKS:
+            raise ValueError(f"GGML type {ggml_type} cannot be packed; packable: {', '.join(PACKABLE_GGML_TYPES)}")
+        n, k = shape
+        fmt, block_bytes = _GGML_BLOCKS[ggml_type]
+        if k % BLOCK or raw.shape != (n, k // BLOCK * block_bytes) or raw.dtype != np.uint8:
+            raise ValueError(f"{ggml_type} data of shape {raw.shape} does not hold an [{n}, {k}] tensor")
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, k // BLOCK, block_bytes)
+        scales = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()
+        if ggml_type == "Q4_1":
+            mins = blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, -1).float()
+            qs = blocks[..., 4:].reshape(n, k // 2).contiguous()
+        elif ggml_type == "Q4_0":  # d * (q - 8) == d * q + (-8 d), both exact in fp32
+            mins = scales * -8.0
+            qs = blocks[..., 2:].reshape(n, k // 2).contiguous()
+        else:
+            mins = None
+            qs = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+        return cls(fmt, (n, k), qs, scales.contiguous(), mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [n, k] weight (the reference for the kernel's in-register dequantization)."""
+        n, k = self.shape
+        if self.format == "q4_1":
+            qs = self.qs.view(n, k // BLOCK, BLOCK // 2)
+            q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [n, blocks, 32]
+            w = torch.addcmul(self.mins.unsqueeze(-1), self.scales.unsqueeze(-1), q)
+        else:
+            w = self.scales.unsqueeze(-1) * self.qs.view(n, k // BLOCK, BLOCK).float()
+        return w.reshape(n, k)
+
+    def select_rows(self, index: torch.Tensor) -> PackedWeight:
+        """Rows `index` of the weight, in that order (a permutation, or a slice of outputs)."""
+        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
+        return PackedWeight(self.format, (len(index), self.shape[1]), pick(self.qs), pick(self.scales), pick(self.mins))
+
+    @staticmethod
+    def cat(parts: list[PackedWeight]) -> PackedWeight:
+        """Stack weights along the outputs (fused q/k/v or gate/up); one format, one k."""
+        formats, ks = {p.format for p in parts}, {p.shape[1] for p in parts}
+        if len(formats) != 1 or len(ks) != 1:
+            raise ValueError(f"cannot stack packed weights of formats {sorted(formats)} and input sizes {sorted(ks)}")
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        n = sum(p.shape[0] for p in parts)
+        return PackedWeight(parts[0].format, (n, ks.pop()), torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` for float32 `x` [..., k] on the CPU, through the native kernel."""
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"packed_linear takes float32 CPU input [..., {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
+        raise ValueError(f"packed_linear bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        fn = getattr(load_library(), f"sr_linear_{weight.format}")
+        mins = weight.mins.data_ptr() if weight.mins is not None else None
+        fn(
+            x2.data_ptr(), x2.shape[0], k, weight.qs.data_ptr(), weight.scales.data_ptr(), mins, n,
+            bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )
+    return y.reshape(*lead, n)
+
+
+def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight.dequantize(), bias)
+
+
+def should_pack(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether quantized GGUF tensors stay packed, for `LLM(quantized_weights=mode)`.
+
+    "auto" packs on a CPU with float32 activations when the native kernel builds; "packed"
+    requires that and raises ValueError saying what is missing; "dequantized" never packs.
+    """
+    if mode not in QUANTIZED_WEIGHT_MODES:
+        raise ValueError(f"quantized_weights {mode!r} is not one of {QUANTIZED_WEIGHT_MODES}")
+    if mode == "dequantized":
+        return False
+    problem = None
+    if device.type != "cpu":
+        problem = f"packed weights run on the CPU only, the device is {device}"
+    elif dtype != torch.float32:
+        problem = f"packed weights need dtype float32 activations, got {dtype}"
+    else:
+        problem = native_unavailable_reason()
+    if problem is not None and mode == "packed":
+        raise ValueError(f"quantized_weights='packed': {problem}; use quantized_weights='dequantized'")
+    return problem is None
+
+
+__all__ = [
+    "NativeKernelError", "PACKABLE_GGML_TYPES", "PackedWeight", "QUANTIZED_WEIGHT_MODES",
+    "packed_linear", "packed_linear_ref", "should_pack",
+]

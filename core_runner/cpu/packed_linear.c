@@ -1,0 +1,151 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W kept in GGUF block formats, dequantized in
+ * registers. One weight row at a time is dequantized (a block of 32 values = four 8-wide vectors)
+ * and multiplied into up to 8 input rows at once, so a decode batch reads each packed weight
+ * byte once.
+ *
+ * Formats (row-major over N, blocks of 32 along K):
+ *   Q4_1: qs uint8 [N, K/2] in ggml order (byte j of a block holds value j in its low nibble and
+ *         value j + 16 in its high nibble), d and m float32 [N, K/32]; w = d * q + m.
+ *   Q8_0: qs int8 [N, K], d float32 [N, K/32]; w = d * q.
+ * These are exactly the float32 values gguf's dequantize produces (d * q is exact in float32,
+ * and a fused multiply-add rounds d * q + m once, as the unfused sum of an exact product does).
+ *
+ * Every output is reduced in the same order whatever M, the row's place in the batch, or the
+ * thread count: eight lanes accumulate K in order, then a fixed pairwise sum. So the result for
+ * one request does not depend on the batch it runs in.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define MAX_ROWS 8
+
+#ifdef __AVX2__
+typedef __m256 vec;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VSET1(v) _mm256_set1_ps(v)
+
+static inline float hsum(vec a) {
+    __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
+    __m128 s = _mm_add_ps(lo, hi);                /* lanes (0+4, 1+5, 2+6, 3+7) */
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));       /* (0+4)+(2+6), (1+5)+(3+7) */
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 values of one Q4_1 block as four vectors. */
+static inline void dequant_q4_1(const uint8_t *q, float d, float m, vec w[4]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    vec vd = VSET1(d), vm = VSET1(m);
+    w[0] = VFMA(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
+    w[1] = VFMA(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
+    w[2] = VFMA(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
+    w[3] = VFMA(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
+}
+
+static inline void dequant_q8_0(const int8_t *q, float d, vec w[4]) {
+    __m128i a = _mm_loadu_si128((const __m128i *)q), b = _mm_loadu_si128((const __m128i *)(q + 16));
+    vec vd = VSET1(d);
+    w[0] = VMUL(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)));
+    w[1] = VMUL(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))));
+    w[2] = VMUL(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    w[3] = VMUL(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+}
+#else
+/* Portable fallback with the same lane structure (and so the same reduction order). */
+#include <math.h>
+typedef struct { float v[8]; } vec;
+static inline vec VZERO(void) { vec r; memset(&r, 0, sizeof r); return r; }
+static inline vec VLOAD(const float *p) { vec r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vec VFMA(vec a, vec b, vec c) { vec r; for (int i = 0; i < 8; i++) r.v[i] = fmaf(a.v[i], b.v[i], c.v[i]); return r; }
+static inline vec VMUL(vec a, vec b) { vec r; for (int i = 0; i < 8; i++) r.v[i] = a.v[i] * b.v[i]; return r; }
+static inline vec VSET1(float x) { vec r; for (int i = 0; i < 8; i++) r.v[i] = x; return r; }
+static inline float hsum(vec a) {
+    float s0 = a.v[0] + a.v[4], s1 = a.v[1] + a.v[5], s2 = a.v[2] + a.v[6], s3 = a.v[3] + a.v[7];
+    return (s0 + s2) + (s1 + s3);
+}
+static inline void dequant_q4_1(const uint8_t *q, float d, float m, vec w[4]) {
+    for (int j = 0; j < 16; j++) {
+        w[j / 8].v[j % 8] = fmaf(d, (float)(q[j] & 0x0F), m);
+        w[2 + j / 8].v[j % 8] = fmaf(d, (float)(q[j] >> 4), m);
+    }
+}
+static inline void dequant_q8_0(const int8_t *q, float d, vec w[4]) {
+    for (int j = 0; j < 32; j++) w[j / 8].v[j % 8] = d * (float)q[j];
+}
+#endif
+
+/* Rows i0 .. i0+ROWS-1 of the output column n; ROWS is a constant in each instantiation, so the
+ * accumulators stay in registers. */
+#define DEFINE_ROWS(FMT, ROWS)                                                                    \
+    static void FMT##_rows##ROWS(const float *x, int64_t K, const uint8_t *qs, const float *d,    \
+                                 const float *m, int64_t n, float bias, float *y, int64_t N) {     \
+        vec acc[ROWS], w[4];                                                                      \
+        for (int i = 0; i < ROWS; i++) acc[i] = VZERO();                                          \
+        const int64_t nb = K / BLOCK;                                                             \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            FMT##_block(qs, d, m, n, nb, b, w);                                                   \
+            const float *xb = x + b * BLOCK;                                                      \
+            for (int i = 0; i < ROWS; i++) {                                                      \
+                acc[i] = VFMA(VLOAD(xb + i * K), w[0], acc[i]);                                   \
+                acc[i] = VFMA(VLOAD(xb + i * K + 8), w[1], acc[i]);                               \
+                acc[i] = VFMA(VLOAD(xb + i * K + 16), w[2], acc[i]);                              \
+                acc[i] = VFMA(VLOAD(xb + i * K + 24), w[3], acc[i]);                              \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < ROWS; i++) y[i * N + n] = hsum(acc[i]) + bias;                        \
+    }
+
+static inline void q4_1_block(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                              int64_t nb, int64_t b, vec w[4]) {
+    dequant_q4_1(qs + (n * nb + b) * (BLOCK / 2), d[n * nb + b], m[n * nb + b], w);
+}
+static inline void q8_0_block(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                              int64_t nb, int64_t b, vec w[4]) {
+    (void)m;
+    dequant_q8_0((const int8_t *)qs + (n * nb + b) * BLOCK, d[n * nb + b], w);
+}
+
+#define DEFINE_FORMAT(FMT)                                                                        \
+    DEFINE_ROWS(FMT, 1) DEFINE_ROWS(FMT, 2) DEFINE_ROWS(FMT, 3) DEFINE_ROWS(FMT, 4)               \
+    DEFINE_ROWS(FMT, 5) DEFINE_ROWS(FMT, 6) DEFINE_ROWS(FMT, 7) DEFINE_ROWS(FMT, 8)               \
+    typedef void (*FMT##_rows_fn)(const float *, int64_t, const uint8_t *, const float *,         \
+                                  const float *, int64_t, float, float *, int64_t);               \
+    static const FMT##_rows_fn FMT##_rows[MAX_ROWS + 1] = {                                       \
+        0, FMT##_rows1, FMT##_rows2, FMT##_rows3, FMT##_rows4,                                    \
+        FMT##_rows5, FMT##_rows6, FMT##_rows7, FMT##_rows8};                                      \
+    void sr_linear_##FMT(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, \
+                         const float *m, int64_t N, const float *bias, float *y, int threads) {   \
+        /* Columns in strips of 16 so a strip's packed rows stay in L1 across row groups. */      \
+        const int64_t strips = (N + 15) / 16;                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")         \
+        for (int64_t s = 0; s < strips; s++) {                                                    \
+            const int64_t n_end = (s + 1) * 16 < N ? (s + 1) * 16 : N;                            \
+            for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {                                        \
+                const int64_t rows = M - i0 < MAX_ROWS ? M - i0 : MAX_ROWS;                       \
+                for (int64_t n = s * 16; n < n_end; n++)                                          \
+                    FMT##_rows[rows](x + i0 * K, K, qs, d, m, n, bias ? bias[n] : 0.0f,           \
+                                     y + i0 * N, N);                                              \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_FORMAT(q4_1)
+DEFINE_FORMAT(q8_0)
+
+int sr_simd_width(void) {
+#ifdef __AVX2__
+    return 8;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,158 @@
+"""The native packed-weight matmul against its torch reference, and the GGUF block repacking
+against gguf's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from slotrunner.core_runner.cpu import native, packed  # noqa: E402
+from slotrunner.core_runner.cpu.packed import (  # noqa: E402
+    PackedWeight,
+    packed_linear,
+    packed_linear_ref,
+    should_pack,
+)
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+needs_kernel = pytest.mark.skipif(
+    native.native_unavailable_reason() is not None, reason=f"native kernel: {native.native_unavailable_reason()}"
+)
+
+
+def _quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """Random [n, k] weights quantized by gguf: the raw blocks and gguf's dequantization."""
+    rng = np.random.default_rng(seed)
+    dense = (rng.standard_normal((n, k)) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1))).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    raw = gguf.quants.quantize(dense, qtype)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_dequantize_equals_gguf_bit_for_bit(ggml_type: str) -> None:
+    raw, expected = _quantized(ggml_type, 40, 96)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (40, 96))
+    assert torch.equal(weight.dequantize(), expected)
+    assert weight.nbytes * 3 < expected.numel() * 4  # under a third of float32's 4 bytes a weight
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (33, 64), (16, 160)])
+def test_kernel_matches_reference(ggml_type: str, m: int, n: int, k: int) -> None:
+    raw, _ = _quantized(ggml_type, n, k, seed=m)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (n, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    bias = torch.randn(n)
+    torch.testing.assert_close(packed_linear(x, weight), packed_linear_ref(x, weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_linear(x, weight, bias), packed_linear_ref(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_leading_dims_and_empty_input() -> None:
+    raw, _ = _quantized("Q4_1", 24, 64)
+    weight = PackedWeight.from_ggml(raw, "Q4_1", (24, 64))
+    x = torch.randn(2, 5, 64)
+    assert packed_linear(x, weight).shape == (2, 5, 24)
+    torch.testing.assert_close(packed_linear(x, weight), packed_linear_ref(x, weight), atol=1e-5, rtol=1e-5)
+    assert packed_linear(torch.empty(0, 64), weight).shape == (0, 24)
+    strided = torch.randn(64, 9).t()  # not contiguous
+    torch.testing.assert_close(packed_linear(strided, weight), packed_linear_ref(strided, weight), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q8_0"])
+def test_batch_and_thread_invariant(ggml_type: str) -> None:
+    """A row's output is bit-identical alone, in any batch, and with any thread count."""
+    raw, _ = _quantized(ggml_type, 50, 128)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (50, 128))
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3))
+    full = packed_linear(x, weight)
+    for i in (0, 7, 8, 18):
+        assert torch.equal(packed_linear(x[i : i + 1], weight), full[i : i + 1])
+    assert torch.equal(packed_linear(x[5:14], weight), full[5:14])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed_linear(x, weight), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_select_rows_and_cat() -> None:
+    raw_a, dense_a = _quantized("Q4_1", 12, 64, seed=1)
+    raw_b, dense_b = _quantized("Q4_0", 5, 64, seed=2)  # stored as q4_1 too
+    a = PackedWeight.from_ggml(raw_a, "Q4_1", (12, 64))
+    b = PackedWeight.from_ggml(raw_b, "Q4_0", (5, 64))
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.select_rows(order).dequantize(), dense_a[order])
+    both = PackedWeight.cat([a, b])
+    assert both.shape == (17, 64) and torch.equal(both.dequantize(), torch.cat([dense_a, dense_b]))
+    raw_c, _ = _quantized("Q8_0", 5, 64)
+    with pytest.raises(ValueError, match="cannot stack packed weights of formats"):
+        PackedWeight.cat([a, PackedWeight.from_ggml(raw_c, "Q8_0", (5, 64))])
+
+
+def test_bad_inputs_are_named() -> None:
+    raw, _ = _quantized("Q8_0", 8, 64)
+    with pytest.raises(ValueError, match="GGML type Q6_K cannot be packed"):
+        PackedWeight.from_ggml(raw, "Q6_K", (8, 64))
+    with pytest.raises(ValueError, match=r"does not hold an \[8, 96\] tensor"):
+        PackedWeight.from_ggml(raw, "Q8_0", (8, 96))
+    weight = PackedWeight.from_ggml(raw, "Q8_0", (8, 64))
+    with pytest.raises(ValueError, match="float32 CPU input"):
+        packed_linear(torch.randn(2, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 64\]"):
+        packed_linear(torch.randn(2, 63), weight)
+    with pytest.raises(ValueError, match=r"bias must be float32 \[8\]"):
+        packed_linear(torch.randn(2, 64), weight, torch.randn(9))
+
+
+def test_should_pack_modes(monkeypatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert should_pack("dequantized", cpu, torch.float32) is False
+    assert should_pack("auto", cpu, torch.bfloat16) is False
+    assert should_pack("auto", cuda, torch.float32) is False
+    with pytest.raises(ValueError, match="not one of"):
+        should_pack("int4", cpu, torch.float32)
+    with pytest.raises(ValueError, match="need dtype float32 activations, got torch.bfloat16"):
+        should_pack("packed", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="run on the CPU only"):
+        should_pack("packed", cuda, torch.float32)
+    monkeypatch.setattr(packed, "native_unavailable_reason", lambda: "no C compiler: 'cc' is not on PATH")
+    assert should_pack("auto", cpu, torch.float32) is False
+    with pytest.raises(ValueError, match="no C compiler.*use quantized_weights='dequantized'"):
+        should_pack("packed", cpu, torch.float32)
+
+
+def test_missing_compiler_is_explained(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    monkeypatch.setenv("SLOTRUNNER_CACHE", str(tmp_path))
+    native.load_library.cache_clear()
+    try:
+        with pytest.raises(native.NativeKernelError, match="no C compiler: 'no-such-compiler-xyz' is not on PATH"):
+            native.load_library()
+        assert "no C compiler" in native.native_unavailable_reason()
+    finally:
+        native.load_library.cache_clear()
+
+
+def test_failed_compile_falls_back_and_reports(monkeypatch, tmp_path) -> None:
+    """A compiler that fails every flag set: the error lists each attempt's complaint."""
+    fake = tmp_path / "fake-cc"
+    fake.write_text("#!/bin/sh\necho 'fake-cc: error: unsupported' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("SLOTRUNNER_CACHE", str(tmp_path / "cache"))
+    native.load_library.cache_clear()
+    try:
+        with pytest.raises(native.NativeKernelError, match="compiling packed_linear.c failed: .*fake-cc: error: unsupported"):
+            native.load_library()
+    finally:
+        native.load_library.cache_clear()
