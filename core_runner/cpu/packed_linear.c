@@ -84,27 +84,6 @@ static inline void dequant_q8_0(const int8_t *q, float d, vec w[4]) {
 }
 #endif
 
-/* Rows i0 .. i0+ROWS-1 of the output column n; ROWS is a constant in each instantiation, so the
- * accumulators stay in registers. */
-#define DEFINE_ROWS(FMT, ROWS)                                                                    \
-    static void FMT##_rows##ROWS(const float *x, int64_t K, const uint8_t *qs, const float *d,    \
-                                 const float *m, int64_t n, float bias, float *y, int64_t N) {     \
-        vec acc[ROWS], w[4];                                                                      \
-        for (int i = 0; i < ROWS; i++) acc[i] = VZERO();                                          \
-        const int64_t nb = K / BLOCK;                                                             \
-        for (int64_t b = 0; b < nb; b++) {                                                        \
-            FMT##_block(qs, d, m, n, nb, b, w);                                                   \
-            const float *xb = x + b * BLOCK;                                                      \
-            for (int i = 0; i < ROWS; i++) {                                                      \
-                acc[i] = VFMA(VLOAD(xb + i * K), w[0], acc[i]);                                   \
-                acc[i] = VFMA(VLOAD(xb + i * K + 8), w[1], acc[i]);                               \
-                acc[i] = VFMA(VLOAD(xb + i * K + 16), w[2], acc[i]);                              \
-                acc[i] = VFMA(VLOAD(xb + i * K + 24), w[3], acc[i]);                              \
-            }                                                                                     \
-        }                                                                                         \
-        for (int i = 0; i < ROWS; i++) y[i * N + n] = hsum(acc[i]) + bias;                        \
-    }
-
 static inline void q4_1_block(const uint8_t *qs, const float *d, const float *m, int64_t n,
                               int64_t nb, int64_t b, vec w[4]) {
     dequant_q4_1(qs + (n * nb + b) * (BLOCK / 2), d[n * nb + b], m[n * nb + b], w);
@@ -115,14 +94,58 @@ static inline void q8_0_block(const uint8_t *qs, const float *d, const float *m,
     dequant_q8_0((const int8_t *)qs + (n * nb + b) * BLOCK, d[n * nb + b], w);
 }
 
+/* One tile: input rows i0 .. i0+R-1 times weight rows n0 .. n0+C-1, with R * C <= 8
+ * accumulators so the tile's independent FMA chains cover the FMA latency whatever M is (a
+ * decode row alone takes 1 x 8, a batch of 8 rows 8 x 1). R and C are constants in each
+ * instantiation, so the accumulators stay in registers. Each output's arithmetic is the same
+ * in every tile shape. */
+#define DEFINE_TILE(FMT, R, C)                                                                    \
+    static void FMT##_tile_##R##x##C(const float *x, int64_t K, const uint8_t *qs, const float *d, \
+                                     const float *m, int64_t n0, const float *bias, float *y,     \
+                                     int64_t N) {                                                 \
+        vec acc[R][C], w[4];                                                                      \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int c = 0; c < C; c++) acc[i][c] = VZERO();                                      \
+        const int64_t nb = K / BLOCK;                                                             \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            const float *xb = x + b * BLOCK;                                                      \
+            for (int c = 0; c < C; c++) {                                                         \
+                FMT##_block(qs, d, m, n0 + c, nb, b, w);                                          \
+                for (int i = 0; i < R; i++) {                                                     \
+                    acc[i][c] = VFMA(VLOAD(xb + i * K), w[0], acc[i][c]);                         \
+                    acc[i][c] = VFMA(VLOAD(xb + i * K + 8), w[1], acc[i][c]);                     \
+                    acc[i][c] = VFMA(VLOAD(xb + i * K + 16), w[2], acc[i][c]);                    \
+                    acc[i][c] = VFMA(VLOAD(xb + i * K + 24), w[3], acc[i][c]);                    \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int c = 0; c < C; c++)                                                           \
+                y[i * N + n0 + c] = hsum(acc[i][c]) + (bias ? bias[n0 + c] : 0.0f);               \
+    }
+
+typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, const float *, const float *,
+                        int64_t, const float *, float *, int64_t);
+
+/* Columns per tile for R rows: the widest of 8, 4, 2, 1 with R * C <= 8. */
+static inline int tile_cols(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1; }
+
 #define DEFINE_FORMAT(FMT)                                                                        \
-    DEFINE_ROWS(FMT, 1) DEFINE_ROWS(FMT, 2) DEFINE_ROWS(FMT, 3) DEFINE_ROWS(FMT, 4)               \
-    DEFINE_ROWS(FMT, 5) DEFINE_ROWS(FMT, 6) DEFINE_ROWS(FMT, 7) DEFINE_ROWS(FMT, 8)               \
-    typedef void (*FMT##_rows_fn)(const float *, int64_t, const uint8_t *, const float *,         \
-                                  const float *, int64_t, float, float *, int64_t);               \
-    static const FMT##_rows_fn FMT##_rows[MAX_ROWS + 1] = {                                       \
-        0, FMT##_rows1, FMT##_rows2, FMT##_rows3, FMT##_rows4,                                    \
-        FMT##_rows5, FMT##_rows6, FMT##_rows7, FMT##_rows8};                                      \
+    DEFINE_TILE(FMT, 1, 8) DEFINE_TILE(FMT, 1, 4) DEFINE_TILE(FMT, 1, 2) DEFINE_TILE(FMT, 1, 1)   \
+    DEFINE_TILE(FMT, 2, 4) DEFINE_TILE(FMT, 2, 2) DEFINE_TILE(FMT, 2, 1)                          \
+    DEFINE_TILE(FMT, 3, 2) DEFINE_TILE(FMT, 3, 1) DEFINE_TILE(FMT, 4, 2) DEFINE_TILE(FMT, 4, 1)   \
+    DEFINE_TILE(FMT, 5, 1) DEFINE_TILE(FMT, 6, 1) DEFINE_TILE(FMT, 7, 1) DEFINE_TILE(FMT, 8, 1)   \
+    /* [rows][log2 cols] */                                                                       \
+    static const tile_fn FMT##_tiles[MAX_ROWS + 1][4] = {                                         \
+        {0, 0, 0, 0},                                                                             \
+        {FMT##_tile_1x1, FMT##_tile_1x2, FMT##_tile_1x4, FMT##_tile_1x8},                         \
+        {FMT##_tile_2x1, FMT##_tile_2x2, FMT##_tile_2x4, 0},                                      \
+        {FMT##_tile_3x1, FMT##_tile_3x2, 0, 0},                                                   \
+        {FMT##_tile_4x1, FMT##_tile_4x2, 0, 0},                                                   \
+        {FMT##_tile_5x1, 0, 0, 0},                                                                \
+        {FMT##_tile_6x1, 0, 0, 0},                                                                \
+        {FMT##_tile_7x1, 0, 0, 0},                                                                \
+        {FMT##_tile_8x1, 0, 0, 0}};                                                               \
     void sr_linear_##FMT(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, \
                          const float *m, int64_t N, const float *bias, float *y, int threads) {   \
         /* Columns in strips of 16 so a strip's packed rows stay in L1 across row groups. */      \
@@ -132,9 +155,13 @@ static inline void q8_0_block(const uint8_t *qs, const float *d, const float *m,
             const int64_t n_end = (s + 1) * 16 < N ? (s + 1) * 16 : N;                            \
             for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {                                        \
                 const int64_t rows = M - i0 < MAX_ROWS ? M - i0 : MAX_ROWS;                       \
-                for (int64_t n = s * 16; n < n_end; n++)                                          \
-                    FMT##_rows[rows](x + i0 * K, K, qs, d, m, n, bias ? bias[n] : 0.0f,           \
-                                     y + i0 * N, N);                                              \
+                int64_t n = s * 16;                                                               \
+                for (int lc = 3; lc >= 0; lc--) {                                                 \
+                    const int cols = 1 << lc;                                                     \
+                    if (cols > tile_cols(rows)) continue;                                         \
+                    for (; n + cols <= n_end; n += cols)                                          \
+                        FMT##_tiles[rows][lc](x + i0 * K, K, qs, d, m, n, bias, y + i0 * N, N);   \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     }
