@@ -2,9 +2,8 @@
 
 Handles the renames a fused module needs (q/k/v -> qkv_proj shards), hands packed GGUF weights
 (`PackedWeight`) to the modules that run them packed (`load_packed`) and dequantizes them for
-any other parameter, and reports every
-mismatch by tensor name: a checkpoint tensor the model does not consume, a parameter the
-checkpoint lacks, a shape that differs.
+any other parameter, and reports every mismatch by tensor name: a checkpoint tensor the model
+does not consume, a parameter the checkpoint lacks, a shape that differs.
 """
 
 from __future__ import annotations

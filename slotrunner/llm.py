@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from slotrunner.core_runner.cpu.packed import should_pack
 from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, parse_dtype
+from slotrunner.core_runner.cpu.packed import should_pack
 from slotrunner.core_runner.engine.engine import LLMEngine
 from slotrunner.core_runner.engine.intake import IntakeContext, PromptType
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
@@ -46,7 +46,9 @@ class LLM:
         quantized_weights: what happens to a GGUF file's Q4_0/Q4_1/Q8_0 matrices. "auto" keeps
             them packed on a CPU with float32 (a native kernel dequantizes in registers: the
             same float32 weights, a fraction of the bytes to read per step) and dequantizes them
-            elsewhere; "packed" insists on packing; "dequantized" always dequantizes to `dtype`.
+            elsewhere; "packed" raises ValueError where packing cannot run (GPU, not float32, no
+            C compiler); "dequantized" always dequantizes to `dtype`. Checkpoints without
+            quantized matrices load the same under every mode.
     """
 
     def __init__(

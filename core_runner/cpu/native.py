@@ -69,7 +69,11 @@ def load_library() -> ctypes.CDLL:
             if error is not None:
                 errors.append(f"{compiler} {' '.join(flags)}: {error}")
                 continue
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as exc:  # e.g. a cached build from another system image
+            errors.append(f"loading {target}: {exc}")
+            continue
         for fmt in LINEAR_FORMATS:
             fn = getattr(lib, f"sr_linear_{fmt}")
             fn.argtypes, fn.restype = LINEAR_ARGTYPES, None
@@ -80,9 +84,12 @@ def load_library() -> ctypes.CDLL:
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     """Compile into `target` (atomically: concurrent builds cannot see a half-written file);
     returns the compiler's complaint, or None on success."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write the cache {target.parent} ({exc}); set $SLOTRUNNER_CACHE to a writable folder"
     try:
         done = subprocess.run(
             [compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120

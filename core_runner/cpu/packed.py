@@ -15,7 +15,9 @@ that order is the same for every row whatever the batch (the kernel is batch-inv
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,6 +95,12 @@ class PackedWeight:
         n = sum(p.shape[0] for p in parts)
         return PackedWeight(parts[0].format, (n, ks.pop()), torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins)
 
+    @functools.cached_property
+    def _kernel(self) -> tuple[Any, int, int, int | None]:
+        """The kernel for this format and the weight's data pointers (the tensors never move)."""
+        fn = getattr(load_library(), f"sr_linear_{self.format}")
+        return fn, self.qs.data_ptr(), self.scales.data_ptr(), None if self.mins is None else self.mins.data_ptr()
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
@@ -105,17 +113,14 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         raise ValueError(f"packed_linear takes float32 CPU input [..., {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
         raise ValueError(f"packed_linear bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if x2.shape[0]:
-        fn = getattr(load_library(), f"sr_linear_{weight.format}")
-        mins = weight.mins.data_ptr() if weight.mins is not None else None
-        fn(
-            x2.data_ptr(), x2.shape[0], k, weight.qs.data_ptr(), weight.scales.data_ptr(), mins, n,
-            bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
-        )
-    return y.reshape(*lead, n)
+    rows = x2.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    if rows:
+        fn, qs, scales, mins = weight._kernel
+        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+        fn(x2.data_ptr(), rows, k, qs, scales, mins, n, bias_ptr, y.data_ptr(), torch.get_num_threads())
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 def packed_linear_ref(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
