@@ -1,7 +1,10 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W kept in GGUF block formats, dequantized in
- * registers. One weight row at a time is dequantized (a block of 32 values = four 8-wide vectors)
- * and multiplied into up to 8 input rows at once, so a decode batch reads each packed weight
- * byte once.
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W kept in GGUF block formats.
+ *
+ * Two paths, one arithmetic. Few input rows (decode): weight blocks are dequantized in
+ * registers (32 values = four 8-wide vectors) and multiplied into tiles of R input rows x C
+ * weight rows, so a decode batch reads each packed weight byte once. Many rows (prefill, from
+ * PANEL_MIN_ROWS): a panel of weight rows is dequantized once into float32 and reused by every
+ * row chunk that fits in L2.
  *
  * Formats (row-major over N, blocks of 32 along K):
  *   Q4_1: qs uint8 [N, K/2] in ggml order (byte j of a block holds value j in its low nibble and
@@ -15,7 +18,11 @@
  * one request does not depend on the batch it runs in.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -130,6 +137,71 @@ typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, const float *, 
 /* Columns per tile for R rows: the widest of 8, 4, 2, 1 with R * C <= 8. */
 static inline int tile_cols(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1; }
 
+/* The panel path, for many input rows (prefill): PANEL weight rows are dequantized once into a
+ * float32 panel, then tiles of 4 input rows x 3 weight rows (12 accumulators, 7 loads per 12
+ * FMAs) multiply it. Each output sees the same products in the same order as in the register
+ * tiles above (the panel holds the very values the registers would), so the path a call takes
+ * changes its speed, never its result. */
+#define PANEL 12
+#define PANEL_MIN_ROWS 32
+
+#define DEFINE_PANEL_TILE(R, C)                                                                   \
+    static void panel_tile_##R##x##C(const float *x, int64_t K, const float *panel, int64_t n0,   \
+                                     const float *bias, float *y, int64_t N) {                    \
+        vec acc[R][C];                                                                            \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int c = 0; c < C; c++) acc[i][c] = VZERO();                                      \
+        for (int64_t k = 0; k < K; k += 8) {                                                      \
+            vec w[C];                                                                             \
+            for (int c = 0; c < C; c++) w[c] = VLOAD(panel + c * K + k);                          \
+            for (int i = 0; i < R; i++) {                                                         \
+                vec xv = VLOAD(x + i * K + k);                                                    \
+                for (int c = 0; c < C; c++) acc[i][c] = VFMA(xv, w[c], acc[i][c]);                \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int c = 0; c < C; c++)                                                           \
+                y[i * N + n0 + c] = hsum(acc[i][c]) + (bias ? bias[n0 + c] : 0.0f);               \
+    }
+
+DEFINE_PANEL_TILE(1, 1) DEFINE_PANEL_TILE(2, 1) DEFINE_PANEL_TILE(3, 1) DEFINE_PANEL_TILE(4, 1)
+DEFINE_PANEL_TILE(1, 3) DEFINE_PANEL_TILE(2, 3) DEFINE_PANEL_TILE(3, 3) DEFINE_PANEL_TILE(4, 3)
+
+typedef void (*panel_tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
+                              int64_t);
+static const panel_tile_fn panel_tiles[5][2] = {
+    {0, 0},
+    {panel_tile_1x1, panel_tile_1x3},
+    {panel_tile_2x1, panel_tile_2x3},
+    {panel_tile_3x1, panel_tile_3x3},
+    {panel_tile_4x1, panel_tile_4x3}};
+
+static void panel_strip(const float *x, int64_t M, int64_t K, const float *panel, int64_t n0,
+                        int64_t cols, const float *bias, float *y, int64_t N) {
+    for (int64_t i0 = 0; i0 < M; i0 += 4) {
+        const int64_t rows = M - i0 < 4 ? M - i0 : 4;
+        int64_t c = 0;
+        for (; c + 3 <= cols; c += 3)
+            panel_tiles[rows][1](x + i0 * K, K, panel + c * K, n0 + c, bias, y + i0 * N, N);
+        for (; c < cols; c++)
+            panel_tiles[rows][0](x + i0 * K, K, panel + c * K, n0 + c, bias, y + i0 * N, N);
+    }
+}
+
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Input rows per chunk of the panel path: inputs of a chunk (rows x K floats) fit in 192 KB. */
+static inline int64_t chunk_rows(int64_t K) {
+    const int64_t rows = (192 * 1024 / 4) / K / 4 * 4;
+    return rows > 4 ? rows : 4;
+}
+
 #define DEFINE_FORMAT(FMT)                                                                        \
     DEFINE_TILE(FMT, 1, 8) DEFINE_TILE(FMT, 1, 4) DEFINE_TILE(FMT, 1, 2) DEFINE_TILE(FMT, 1, 1)   \
     DEFINE_TILE(FMT, 2, 4) DEFINE_TILE(FMT, 2, 2) DEFINE_TILE(FMT, 2, 1)                          \
@@ -146,8 +218,37 @@ static inline int tile_cols(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4
         {FMT##_tile_6x1, 0, 0, 0},                                                                \
         {FMT##_tile_7x1, 0, 0, 0},                                                                \
         {FMT##_tile_8x1, 0, 0, 0}};                                                               \
+    static void FMT##_dequant_rows(const uint8_t *qs, const float *d, const float *m, int64_t n0, \
+                                   int64_t cols, int64_t K, float *panel) {                       \
+        const int64_t nb = K / BLOCK;                                                             \
+        vec w[4];                                                                                 \
+        for (int64_t c = 0; c < cols; c++)                                                        \
+            for (int64_t b = 0; b < nb; b++) {                                                    \
+                FMT##_block(qs, d, m, n0 + c, nb, b, w);                                          \
+                for (int j = 0; j < 4; j++) memcpy(panel + c * K + b * BLOCK + j * 8, &w[j], 32); \
+            }                                                                                     \
+    }                                                                                             \
     void sr_linear_##FMT(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, \
                          const float *m, int64_t N, const float *bias, float *y, int threads) {   \
+        float *panels = M >= PANEL_MIN_ROWS ? malloc(sizeof(float) * PANEL * K * threads) : 0; \
+        if (panels) {                                                                             \
+            const int64_t strips = (N + PANEL - 1) / PANEL, chunk = chunk_rows(K);                \
+            _Pragma("omp parallel num_threads(threads) if(threads > 1)")                          \
+            {                                                                                     \
+                float *panel = panels + PANEL * K * thread_index();                               \
+                for (int64_t c0 = 0; c0 < M; c0 += chunk) {                                       \
+                    const int64_t rows = M - c0 < chunk ? M - c0 : chunk;                         \
+                    _Pragma("omp for schedule(static)")                                           \
+                    for (int64_t s = 0; s < strips; s++) {                                        \
+                        const int64_t cols = N - s * PANEL < PANEL ? N - s * PANEL : PANEL;       \
+                        FMT##_dequant_rows(qs, d, m, s * PANEL, cols, K, panel);                  \
+                        panel_strip(x + c0 * K, rows, K, panel, s * PANEL, cols, bias, y + c0 * N, N); \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            free(panels);                                                                         \
+            return;                                                                               \
+        }                                                                                         \
         /* Columns in strips of 16 so a strip's packed rows stay in L1 across row groups. */      \
         const int64_t strips = (N + 15) / 16;                                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")         \

@@ -55,6 +55,24 @@ def test_kernel_matches_reference(ggml_type: str, m: int, n: int, k: int) -> Non
 
 
 @needs_kernel
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m,n,k", [(32, 13, 64), (45, 25, 96), (100, 29, 1024)])
+def test_many_rows_take_the_panel_path_with_the_same_arithmetic(ggml_type: str, m: int, n: int, k: int) -> None:
+    """From 32 rows the kernel dequantizes panels of weight rows once and tiles them (in row
+    chunks that fit L2: 48 rows at k=1024); each output must still be bit-identical to the
+    same row run alone through the register path."""
+    raw, _ = _quantized(ggml_type, n, k, seed=m)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (n, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(n)
+    full = packed_linear(x, weight, bias)
+    torch.testing.assert_close(full, packed_linear_ref(x, weight, bias), atol=1e-5, rtol=1e-5)
+    for i in (0, 3, m // 2, m - 1):
+        assert torch.equal(packed_linear(x[i : i + 1], weight, bias), full[i : i + 1]), i
+    assert torch.equal(packed_linear(x[1:9], weight, bias), full[1:9])
+
+
+@needs_kernel
 def test_leading_dims_and_empty_input() -> None:
     raw, _ = _quantized("Q4_1", 24, 64)
     weight = PackedWeight.from_ggml(raw, "Q4_1", (24, 64))
@@ -129,6 +147,18 @@ def test_should_pack_modes(monkeypatch) -> None:
     assert should_pack("auto", cpu, torch.float32) is False
     with pytest.raises(ValueError, match="no C compiler.*use quantized_weights='dequantized'"):
         should_pack("packed", cpu, torch.float32)
+
+
+@needs_kernel
+def test_avx2_machines_get_the_avx2_build() -> None:
+    """The portable build gives the same bits but is several times slower: a CPU with AVX2 and
+    FMA must not fall back to it silently (e.g. because -march=native stopped compiling)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    expected = 8 if {"avx2", "fma"} <= set(flags) else 0
+    assert native.load_library().sr_simd_width() == expected
 
 
 def test_missing_compiler_is_explained(monkeypatch, tmp_path) -> None:
