@@ -3,8 +3,9 @@
 The default decoder keeps nothing per request beyond the runner's tables; RWKV keeps, per
 request and layer, the last token's normalised hidden state (for the token shift of the time
 mix and of the channel mix) and the running WKV sums. That state lives here, one row per slot,
-allocated once; each step hands the model the pools and the batch's slot indices, and the model
-reads and advances the rows in place.
+allocated once in `initialize_cache` (after `cache_bytes` told the engine how much to leave
+beside the KV cache); each step hands the model the pools and the batch's slot indices, and the
+model reads and advances the rows in place.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from slotrunner.model_states.interface import ModelInputs, ModelState
+from slotrunner.model_states.interface import CacheSpec, ModelInputs, ModelState
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
@@ -59,14 +60,23 @@ class RwkvModelState(ModelState):
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)
-        args = model.args
+        self.args = model.args
         self.scratch_row = config.max_num_seqs  # dummy runs write here, never into a live slot
-        rows = config.max_num_seqs + 1
+        self.num_rows = config.max_num_seqs + 1
+
+    def cache_bytes(self, dtype: torch.dtype) -> int:
+        """What `initialize_cache` allocates, so the KV cache is sized after it."""
+        args, rows = self.args, self.num_rows
+        shifts = 2 * args.num_layers * rows * args.hidden_size * torch.empty((), dtype=dtype).element_size()
+        return shifts + args.num_layers * 3 * rows * args.attention_hidden_size * 4  # wkv: float32
+
+    def initialize_cache(self, spec: CacheSpec) -> None:
+        args, rows = self.args, self.num_rows
         self.state = RwkvState(
-            attn_shift=torch.zeros(args.num_layers, rows, args.hidden_size, dtype=config.dtype, device=device),
-            ffn_shift=torch.zeros(args.num_layers, rows, args.hidden_size, dtype=config.dtype, device=device),
+            attn_shift=torch.zeros(args.num_layers, rows, args.hidden_size, dtype=spec.dtype, device=spec.device),
+            ffn_shift=torch.zeros(args.num_layers, rows, args.hidden_size, dtype=spec.dtype, device=spec.device),
             # The sums grow with the sequence: float32 whatever the model dtype.
-            wkv=torch.zeros(args.num_layers, 3, rows, args.attention_hidden_size, dtype=torch.float32, device=device),
+            wkv=torch.zeros(args.num_layers, 3, rows, args.attention_hidden_size, dtype=torch.float32, device=spec.device),
         )
 
     def add_request(self, slot: int, new_request: NewRequestData) -> None:

@@ -77,3 +77,12 @@ def test_rwkv_parallel_samples_recompute_the_prompt(tmp_path):
         single = llm.generate(prompt, SamplingParams(seed=100 + i, **sp), use_tqdm=False)[0].outputs[0]
         assert sample.token_ids == single.token_ids, f"sample {i} differs from the single request with seed {100 + i}"
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples should differ"
+
+
+def test_rwkv_reports_its_state_before_the_kv_cache_is_sized(tmp_path):
+    """cache_bytes is what initialize_cache allocates, so the KV cache leaves room for it."""
+    llm = tiny_case("RwkvForCausalLM", tmp_path).make_llm(max_num_seqs=3)
+    state = llm.engine.runner.model_state
+    pools = (state.state.attn_shift, state.state.ffn_shift, state.state.wkv)
+    assert state.cache_bytes(llm.config.dtype) == sum(t.numel() * t.element_size() for t in pools) > 0
+    assert state.state.wkv.shape[2] == 3 + 1  # a row per slot and the scratch row
