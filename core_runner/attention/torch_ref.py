@@ -1,6 +1,7 @@
 """TorchRefBackend: the reference attention backend, plain torch on any device.
 
-It is the specification the Triton backend is tested against, and the backend used on CPU.
+It is the specification the Triton backend is tested against, and the CPU's attention:
+`CpuBackend` (`core_runner/cpu/attention.py`) runs it with decode rows done natively.
 Each batch row is handled on its own -- a row's output never depends on the other rows, which
 keeps seeded sampling batch-invariant: gather its keys through its block-table row, mask
 causally (and by sliding window), attend. What does not depend on the layer (which cache
@@ -48,6 +49,21 @@ class _StepPlan:
             k_start += seq_len
         self.key_slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long, device=device)  # [sum seq_len]
         self._masks: dict[int | None, list[torch.Tensor | None]] = {}
+        self._decode: dict[int | None, tuple[torch.Tensor, frozenset[int], int]] = {}
+
+    def decode_rows(self, sliding_window: int | None) -> tuple[torch.Tensor, frozenset[int], int]:
+        """The rows with one query token that sees every key: int64 [rows, 3] (token index, start
+        of its keys in `key_slots`, number of keys), their indices in `self.rows`, and their
+        longest number of keys."""
+        if sliding_window not in self._decode:
+            picked = [
+                i for i, (r, allowed) in enumerate(zip(self.rows, self.masks(sliding_window)))
+                if r.q_end - r.q_start == 1 and allowed is None
+            ]
+            table = [(self.rows[i].q_start, self.rows[i].k_start, self.rows[i].seq_len) for i in picked]
+            longest = max((seq_len for _, _, seq_len in table), default=0)
+            self._decode[sliding_window] = (torch.tensor(table, dtype=torch.int64).reshape(-1, 3), frozenset(picked), longest)
+        return self._decode[sliding_window]
 
     def masks(self, sliding_window: int | None) -> list[torch.Tensor | None]:
         """Per row: the bool mask [num_q, seq_len] of allowed keys, or None when every key is
@@ -68,7 +84,7 @@ class _StepPlan:
         return self._masks[sliding_window]
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+def step_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
     # Cached on the step's (frozen) metadata object: every layer of the step reuses it.
     plan = meta.__dict__.get("_torch_ref_plan")
     if plan is None:
@@ -129,10 +145,14 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     position_bias: torch.Tensor | None = None,  # [num_heads, num_distances], see AttentionBackend
+    out: torch.Tensor | None = None,  # written in place when given
+    skip_rows: frozenset[int] = frozenset(),  # rows (indices in the step plan) left to the caller
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    plan = _plan(meta, block_size, q.device)
-    out = torch.empty_like(q)
+    plan = step_plan(meta, block_size, q.device)
+    out = torch.empty_like(q) if out is None else out
+    if len(skip_rows) == len(plan.rows):
+        return out
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     # One gather per layer for all rows' keys, as [kv_heads, sum seq_len, dim]; rows slice it.
     k_all = flat[0].index_select(0, plan.key_slots).transpose(0, 1)
@@ -140,7 +160,9 @@ def paged_attention_ref(
     masks = plan.masks(spec.sliding_window)
     group = spec.num_heads // spec.num_kv_heads
     fp32 = q.dtype == torch.float32 and kv_cache.dtype == torch.float32
-    for r, allowed in zip(plan.rows, masks):
+    for i, (r, allowed) in enumerate(zip(plan.rows, masks)):
+        if i in skip_rows:
+            continue
         kh = k_all[:, r.k_start : r.k_start + r.seq_len]  # [kv_heads, seq_len, dim]
         vh = v_all[:, r.k_start : r.k_start + r.seq_len]
         num_q = r.q_end - r.q_start

@@ -382,6 +382,15 @@ class TritonBackend(AttentionBackend):
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
-    """The Triton backend where Triton kernels run (CUDA, or the interpreter when forced), the
+    """The Triton backend where Triton kernels run (CUDA, or the interpreter when forced); on a
+    CPU the reference with native decode rows (`CpuBackend`) when the native kernels build; the
     torch reference elsewhere."""
-    return TritonBackend() if use_triton(device) else TorchRefBackend()
+    if use_triton(device):
+        return TritonBackend()
+    if device.type == "cpu":
+        from slotrunner.core_runner.cpu.attention import CpuBackend
+        from slotrunner.core_runner.cpu.native import native_unavailable_reason
+
+        if native_unavailable_reason() is None:
+            return CpuBackend()
+    return TorchRefBackend()

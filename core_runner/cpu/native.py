@@ -1,4 +1,4 @@
-"""Build and load the native CPU kernels (`packed_linear.c`) on first use.
+"""Build and load the native CPU kernels (`packed_linear.c`, `decode_attention.c`) on first use.
 
 The source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for the
 host CPU (`-march=native`), and cached under `$SLOTRUNNER_CACHE` (default
@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("packed_linear.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.c", "decode_attention.c"))
 # Tried in order: with OpenMP threads; without OpenMP (Apple clang), one thread; without
 # -march=native, for compilers that reject it (portable C, no SIMD intrinsics).
 _FLAG_SETS = (
@@ -30,6 +30,12 @@ _FLAG_SETS = (
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 LINEAR_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
 LINEAR_FORMATS = ("q4_1", "q8_0")
+# function -> (argument types, result type)
+SIGNATURES = {
+    **{f"sr_linear_{fmt}": (LINEAR_ARGTYPES, None) for fmt in LINEAR_FORMATS},
+    "sr_decode_attention": ([_PTR] * 5 + [_I64] * 4 + [ctypes.c_float, _I64, _PTR, ctypes.c_int], ctypes.c_int),
+    "sr_simd_width": ([], ctypes.c_int),
+}
 
 
 class NativeKernelError(RuntimeError):
@@ -59,11 +65,11 @@ def load_library() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise NativeKernelError(f"no C compiler: {compiler!r} is not on PATH (set $CC, or install gcc)")
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     errors = []
     for flags in _FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), _cpu_signature().encode()]))
-        target = cache_dir() / f"packed_linear-{key.hexdigest()[:16]}.so"
+        key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(flags).encode(), _cpu_signature().encode()]))
+        target = cache_dir() / f"slotrunner_cpu-{key.hexdigest()[:16]}.so"
         if not target.exists():
             error = _compile(compiler, flags, target)
             if error is not None:
@@ -74,11 +80,11 @@ def load_library() -> ctypes.CDLL:
         except OSError as exc:  # e.g. a cached build from another system image
             errors.append(f"loading {target}: {exc}")
             continue
-        for fmt in LINEAR_FORMATS:
-            fn = getattr(lib, f"sr_linear_{fmt}")
-            fn.argtypes, fn.restype = LINEAR_ARGTYPES, None
+        for name, (argtypes, restype) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
         return lib
-    raise NativeKernelError("compiling " + SOURCE.name + " failed: " + " | ".join(errors))
+    raise NativeKernelError(f"compiling {', '.join(p.name for p in SOURCES)} failed: " + " | ".join(errors))
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
@@ -92,7 +98,7 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
         return f"cannot write the cache {target.parent} ({exc}); set $SLOTRUNNER_CACHE to a writable folder"
     try:
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             return (done.stderr.strip().splitlines() or ["exit status %d" % done.returncode])[-1]

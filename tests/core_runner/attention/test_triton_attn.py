@@ -204,9 +204,15 @@ def test_triton_batch_invariant(run_interpreted):
 
 
 def test_default_backend_on_cpu():
+    from slotrunner.core_runner.cpu.attention import CpuBackend
+    from slotrunner.core_runner.cpu.native import native_unavailable_reason
+
     cpu = torch.device("cpu")
-    expected = TritonBackend if use_triton(cpu) else TorchRefBackend
-    assert isinstance(default_backend(cpu), expected)
+    if use_triton(cpu):
+        expected = TritonBackend
+    else:
+        expected = CpuBackend if native_unavailable_reason() is None else TorchRefBackend
+    assert type(default_backend(cpu)) is expected
 
 
 def test_tile_config_rejects_small_tiles():

@@ -182,7 +182,7 @@ def test_failed_compile_falls_back_and_reports(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("SLOTRUNNER_CACHE", str(tmp_path / "cache"))
     native.load_library.cache_clear()
     try:
-        with pytest.raises(native.NativeKernelError, match="compiling packed_linear.c failed: .*fake-cc: error: unsupported"):
+        with pytest.raises(native.NativeKernelError, match="compiling packed_linear.c, decode_attention.c failed: .*fake-cc: error: unsupported"):
             native.load_library()
     finally:
         native.load_library.cache_clear()
