@@ -1,13 +1,14 @@
 """Weights kept in their GGUF block formats and multiplied by a native CPU kernel.
 
 A decode step on a CPU reads every weight once per step, and reading float32 weights is what
-bounds it. `PackedWeight` keeps a quantized GGUF tensor as its blocks (Q4_0 and Q4_1 at 5 bits a
-weight, Q8_0 at 8.5) and `packed_linear` dequantizes them in registers inside the matmul
+bounds it. `PackedWeight` keeps a quantized GGUF tensor as its blocks (Q4_0 and Q4_1 at 6 bits a
+weight once their float16 scales are widened to float32, Q8_0 at 9) and `packed_linear`
+dequantizes them in registers inside the matmul
 (`packed_linear.c`). The values are exactly the float32 weights gguf's `dequantize` gives, so
 only the order of the fp32 sums differs from a dense matmul over the dequantized tensor, and
 that order is the same for every row whatever the batch (the kernel is batch-invariant).
 
-    packed = PackedWeight.from_ggml(raw_blocks, GGMLQuantizationType.Q4_1, (n, k))
+    packed = PackedWeight.from_ggml(raw_blocks, "Q4_1", (n, k))  # raw_blocks: uint8 [n, row bytes]
     y = packed_linear(x, packed, bias)  # == F.linear(x, packed.dequantize(), bias) within fp32 noise
 
 `packed_linear_ref` is the torch reference the kernel is tested against.
