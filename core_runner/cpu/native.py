@@ -59,12 +59,21 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-@functools.cache
 def load_library() -> ctypes.CDLL:
-    """The compiled kernels, built on first call. Raises NativeKernelError saying why not."""
+    """The compiled kernels, built on first call. Raises NativeKernelError saying why not (the
+    answer, either way, is kept for the process: a failing build is not retried per call)."""
+    lib = _build_and_load()
+    if isinstance(lib, str):
+        raise NativeKernelError(lib)
+    return lib
+
+
+@functools.cache
+def _build_and_load() -> ctypes.CDLL | str:
+    """The library, or why there is none."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise NativeKernelError(f"no C compiler: {compiler!r} is not on PATH (set $CC, or install gcc)")
+        return f"no C compiler: {compiler!r} is not on PATH (set $CC, or install gcc)"
     sources = [path.read_bytes() for path in SOURCES]
     errors = []
     for flags in _FLAG_SETS:
@@ -84,7 +93,7 @@ def load_library() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         return lib
-    raise NativeKernelError(f"compiling {', '.join(p.name for p in SOURCES)} failed: " + " | ".join(errors))
+    return f"compiling {', '.join(p.name for p in SOURCES)} failed: " + " | ".join(errors)
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:

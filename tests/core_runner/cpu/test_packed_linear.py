@@ -164,25 +164,31 @@ def test_avx2_machines_get_the_avx2_build() -> None:
 def test_missing_compiler_is_explained(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     monkeypatch.setenv("SLOTRUNNER_CACHE", str(tmp_path))
-    native.load_library.cache_clear()
+    native._build_and_load.cache_clear()
     try:
         with pytest.raises(native.NativeKernelError, match="no C compiler: 'no-such-compiler-xyz' is not on PATH"):
             native.load_library()
         assert "no C compiler" in native.native_unavailable_reason()
     finally:
-        native.load_library.cache_clear()
+        native._build_and_load.cache_clear()
 
 
 def test_failed_compile_falls_back_and_reports(monkeypatch, tmp_path) -> None:
-    """A compiler that fails every flag set: the error lists each attempt's complaint."""
+    """A compiler that fails every flag set: the error lists each attempt's complaint, and the
+    process does not try again on every later call."""
     fake = tmp_path / "fake-cc"
-    fake.write_text("#!/bin/sh\necho 'fake-cc: error: unsupported' >&2\nexit 1\n")
+    calls = tmp_path / "calls"
+    fake.write_text(f"#!/bin/sh\necho run >> {calls}\necho 'fake-cc: error: unsupported' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("SLOTRUNNER_CACHE", str(tmp_path / "cache"))
-    native.load_library.cache_clear()
+    native._build_and_load.cache_clear()
     try:
         with pytest.raises(native.NativeKernelError, match="compiling packed_linear.c, decode_attention.c failed: .*fake-cc: error: unsupported"):
             native.load_library()
+        attempts = len(calls.read_text().splitlines())
+        assert attempts == len(native._FLAG_SETS)
+        assert native.native_unavailable_reason() is not None
+        assert len(calls.read_text().splitlines()) == attempts  # the failure is remembered, not rebuilt
     finally:
-        native.load_library.cache_clear()
+        native._build_and_load.cache_clear()
