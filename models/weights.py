@@ -84,7 +84,9 @@ class WeightLoader:
                 raise WeightLoadError(f"checkpoint tensor {name!r} has shape {shape}, the model expects {expected}{hint}")
             module = self.modules.get(name.rpartition(".")[0])
             if isinstance(tensor, PackedWeight):
-                if name.endswith(".weight") and hasattr(module, "load_packed"):
+                # An embedding keeps a packed copy only to serve as the tied output head.
+                head = not isinstance(module, nn.Embedding) or tied
+                if name.endswith(".weight") and hasattr(module, "load_packed") and head:
                     module.load_packed(tensor)
                     loaded.add(name)
                     continue
