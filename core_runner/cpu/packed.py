@@ -26,8 +26,13 @@ import torch
 from slotrunner.core_runner.cpu.native import NativeKernelError, load_library, native_unavailable_reason
 
 BLOCK = 32
-# GGML type name -> (packed format, bytes per block of 32)
-_GGML_BLOCKS = {"Q4_0": ("q4_1", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+# GGML type name -> (packed format, values per stored block, bytes per stored block)
+_GGML_BLOCKS = {
+    "Q4_0": ("q4_1", 32, 18),
+    "Q4_1": ("q4_1", 32, 20),
+    "Q4_K": ("q4_1", 256, 144),  # 8 sub-blocks of 32, each scale and min exact in float32
+    "Q8_0": ("q8_0", 32, 34),
+}
 PACKABLE_GGML_TYPES = tuple(_GGML_BLOCKS)
 QUANTIZED_WEIGHT_MODES = ("auto", "packed", "dequantized")
 
@@ -37,7 +42,8 @@ class PackedWeight:
     """An [n, k] weight in blocks of 32 along k.
 
     q4_1: `qs` uint8 [n, k/2], ggml nibble order (byte j of a block: value j low, value j+16
-          high); w = scales * q + mins. Q4_0 is stored as q4_1 with mins = -8 * scales (exact).
+          high); w = scales * q + mins. Q4_0 is stored as q4_1 with mins = -8 * scales, Q4_K
+          with each sub-block's scale and min worked out (both exact).
     q8_0: `qs` int8 [n, k]; w = scales * q, and `mins` is None.
     `scales` and `mins` are float32 [n, k/32] (the file's float16, converted exactly).
     """
@@ -50,13 +56,15 @@ class PackedWeight:
 
     @classmethod
     def from_ggml(cls, raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> PackedWeight:
-        """Repack a GGUF tensor's raw bytes ([n, row bytes] uint8) of type Q4_0, Q4_1 or Q8_0."""
+        """Repack a GGUF tensor's raw bytes ([n, row bytes] uint8) of type Q4_0, Q4_1, Q4_K or Q8_0."""
         if ggml_type not in _GGML_BLOCKS:
             raise ValueError(f"GGML type {ggml_type} cannot be packed; packable: {', '.join(PACKABLE_GGML_TYPES)}")
         n, k = shape
-        fmt, block_bytes = _GGML_BLOCKS[ggml_type]
-        if k % BLOCK or raw.shape != (n, k // BLOCK * block_bytes) or raw.dtype != np.uint8:
+        fmt, block_values, block_bytes = _GGML_BLOCKS[ggml_type]
+        if k % block_values or raw.shape != (n, k // block_values * block_bytes) or raw.dtype != np.uint8:
             raise ValueError(f"{ggml_type} data of shape {raw.shape} does not hold an [{n}, {k}] tensor")
+        if ggml_type == "Q4_K":
+            return cls._from_q4_k(np.array(raw, dtype=np.uint8, copy=True).reshape(n, k // 256, 144), n, k)
         blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, k // BLOCK, block_bytes)
         scales = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()
         if ggml_type == "Q4_1":
@@ -69,6 +77,27 @@ class PackedWeight:
             mins = None
             qs = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
         return cls(fmt, (n, k), qs, scales.contiguous(), mins)
+
+    @classmethod
+    def _from_q4_k(cls, blocks: np.ndarray, n: int, k: int) -> PackedWeight:
+        """Q4_K super-blocks ([n, k/256, 144]: float16 d and dmin, twelve bytes of 6-bit
+        sub-block scales and mins, 128 bytes of nibbles) as q4_1 blocks of 32. A value is
+        (d * sc) * q - dmin * m: both products are exact in float32, so scales = d * sc and
+        mins = -(dmin * m) give gguf's values through the same single rounding."""
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, k/256, 1]
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        packed = blocks[..., 4:16].reshape(n, -1, 3, 4)  # the 6-bit scales and mins, ggml's packing
+        lo, hi, extra = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+        sc = np.concatenate([lo & 0x3F, (extra & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)  # [n, k/256, 8]
+        mn = np.concatenate([hi & 0x3F, (extra >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+        scales = (d * sc.astype(np.float32)).reshape(n, k // BLOCK)
+        mins = -(dmin * mn.astype(np.float32)).reshape(n, k // BLOCK)
+        # Nibbles: each 32 bytes hold sub-block 2g in their low halves, 2g + 1 in their high ones.
+        qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        values = (qs & 0x0F).reshape(n, k // BLOCK, BLOCK)
+        nibbles = values[..., :16] | (values[..., 16:] << 4)  # ggml's q4_1 order: j low, j + 16 high
+        t = torch.from_numpy
+        return cls("q4_1", (n, k), t(nibbles.reshape(n, k // 2).copy()), t(scales.copy()), t(mins.copy()))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [n, k] weight (the reference for the kernel's in-register dequantization)."""

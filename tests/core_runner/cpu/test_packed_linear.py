@@ -25,18 +25,26 @@ needs_kernel = pytest.mark.skipif(
 
 
 def _quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
-    """Random [n, k] weights quantized by gguf: the raw blocks and gguf's dequantization."""
+    """Random [n, k] weights quantized by gguf: the raw blocks and gguf's dequantization.
+    (gguf cannot quantize to Q4_K: its blocks are random bytes with sane float16 scales.)"""
     rng = np.random.default_rng(seed)
+    if ggml_type == "Q4_K":
+        blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+        blocks[..., 0:2] = (rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype(np.float16)).view(np.uint8)
+        blocks[..., 2:4] = (rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype(np.float16)).view(np.uint8)
+        raw = blocks.reshape(n, -1)
+        return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(n, k).copy())
     dense = (rng.standard_normal((n, k)) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1))).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[ggml_type]
     raw = gguf.quants.quantize(dense, qtype)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("ggml_type", TYPES + ("Q4_K",))
 def test_dequantize_equals_gguf_bit_for_bit(ggml_type: str) -> None:
-    raw, expected = _quantized(ggml_type, 40, 96)
-    weight = PackedWeight.from_ggml(raw, ggml_type, (40, 96))
+    k = 512 if ggml_type == "Q4_K" else 96  # Q4_K super-blocks hold 256 values
+    raw, expected = _quantized(ggml_type, 40, k)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (40, k))
     assert torch.equal(weight.dequantize(), expected)
     assert weight.nbytes * 3 < expected.numel() * 4  # under a third of float32's 4 bytes a weight
 
@@ -70,6 +78,15 @@ def test_many_rows_take_the_panel_path_with_the_same_arithmetic(ggml_type: str, 
     for i in (0, 3, m // 2, m - 1):
         assert torch.equal(packed_linear(x[i : i + 1], weight, bias), full[i : i + 1]), i
     assert torch.equal(packed_linear(x[1:9], weight, bias), full[1:9])
+
+
+@needs_kernel
+def test_q4_k_runs_as_q4_1() -> None:
+    raw, dense = _quantized("Q4_K", 21, 256, seed=5)
+    weight = PackedWeight.from_ggml(raw, "Q4_K", (21, 256))
+    assert weight.format == "q4_1"
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(packed_linear(x, weight), x @ dense.T, atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel
