@@ -261,6 +261,27 @@ def test_packed_and_dequantized_engines_agree(tmp_path, matrix_type: str) -> Non
                 assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
 
 
+@pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
+def test_packed_engine_is_batch_invariant_to_the_bit(tmp_path) -> None:
+    """Packed matmuls (register and panel paths) and native decode attention keep every row on
+    its own: a seeded request gives the same ids and the same logprobs, bit for bit, alone and
+    in a batch that mixes long prefills (panel path) with its decode steps."""
+    from slotrunner import LLM, SamplingParams
+
+    path = _write_tiny_llama(
+        tmp_path / "q.gguf", embedding_type=gguf.GGMLQuantizationType.Q8_0, matrix_type=gguf.GGMLQuantizationType.Q4_1
+    )
+    llm = LLM(path, device="cpu", dtype="float32", quantized_weights="packed", max_num_batched_tokens=64)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, logprobs=3)
+    probe = {"prompt_token_ids": [2, 3, 4, 5]}
+    alone = llm.generate(probe, params, use_tqdm=False)[0].outputs[0]
+    others = [{"prompt_token_ids": [(i * 7 + j) % 4 + 2 for j in range(40)]} for i in range(3)]  # 40-token prefills
+    batch = llm.generate([others[0], probe, *others[1:]], params, use_tqdm=False)[1].outputs[0]
+    assert batch.token_ids == alone.token_ids
+    for a, b in zip(batch.logprobs, alone.logprobs):
+        assert {t: p.logprob for t, p in a.items()} == {t: p.logprob for t, p in b.items()}
+
+
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_unpermute_inverts_llama_cpp_permute(num_heads: int) -> None:
     weight = torch.randn(num_heads * 8, 3)
