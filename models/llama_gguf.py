@@ -62,7 +62,7 @@ class GGUFCheckpoint:
     def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(hf_name, tensor)` in Hugging Face layout and `self.dtype`, one tensor at a time.
 
-        With `pack`, 2-D tensors stored as Q4_0, Q4_1, Q4_K or Q8_0 come as `PackedWeight` (their
+        With `pack`, 2-D tensors stored as Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 come as `PackedWeight` (their
         blocks, for the native CPU kernel) instead. Each call reads afresh (dequantizing takes
         about 2 s for the 135M default model on 2 cores), so peak memory is one float32 tensor
         beyond what the caller keeps.

@@ -21,7 +21,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantized-weights",
         default="auto",
         choices=("auto", "packed", "dequantized"),
-        help="GGUF Q4_0/Q4_1/Q4_K/Q8_0 matrices: kept packed for the native CPU kernel (auto: on CPU with float32) or dequantized",
+        help="GGUF Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 matrices: kept packed for the native CPU kernel (auto: on CPU with float32) or dequantized",
     )
 
 

@@ -43,10 +43,10 @@ class LLM:
             padded up to the next size, larger batches and prefill steps run eagerly.
         async_scheduling: schedule each step while the previous one runs on the device
             (default: on for CUDA, off on CPU).
-        quantized_weights: what happens to a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices. "auto" keeps
-            them packed on a CPU with float32 (a native kernel dequantizes in registers: the
-            same float32 weights, a fraction of the bytes to read per step) and dequantizes them
-            elsewhere; "packed" raises ValueError where packing cannot run (GPU, not float32, no
+        quantized_weights: what happens to a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 matrices.
+            "auto" keeps them packed on a CPU with float32 (a native kernel dequantizes in
+            registers: the same float32 weights, a fraction of the bytes to read per step) and
+            dequantizes them elsewhere; "packed" raises ValueError where packing cannot run (GPU, not float32, no
             C compiler); "dequantized" always dequantizes to `dtype`. Checkpoints without
             quantized matrices load the same under every mode.
     """

@@ -29,7 +29,7 @@ _FLAG_SETS = (
 )
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 LINEAR_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
-LINEAR_FORMATS = ("q4_1", "q8_0")
+LINEAR_FORMATS = ("q4_1", "q8_0", "q8_16")
 # function -> (argument types, result type)
 SIGNATURES = {
     **{f"sr_linear_{fmt}": (LINEAR_ARGTYPES, None) for fmt in LINEAR_FORMATS},

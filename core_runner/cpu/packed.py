@@ -1,8 +1,8 @@
 """Weights kept in their GGUF block formats and multiplied by a native CPU kernel.
 
 A decode step on a CPU reads every weight once per step, and reading float32 weights is what
-bounds it. `PackedWeight` keeps a quantized GGUF tensor as its blocks (Q4_0 and Q4_1 at 6 bits a
-weight once their float16 scales are widened to float32, Q8_0 at 9) and `packed_linear`
+bounds it. `PackedWeight` keeps a quantized GGUF tensor as its blocks (Q4_0, Q4_1 and Q4_K at
+6 bits a weight once their scales are widened to float32, Q8_0 at 9, Q6_K at 10) and `packed_linear`
 dequantizes them in registers inside the matmul
 (`packed_linear.c`). The values are exactly the float32 weights gguf's `dequantize` gives, so
 only the order of the fp32 sums differs from a dense matmul over the dequantized tensor, and
@@ -32,6 +32,7 @@ _GGML_BLOCKS = {
     "Q4_1": ("q4_1", 32, 20),
     "Q4_K": ("q4_1", 256, 144),  # 8 sub-blocks of 32, each scale and min exact in float32
     "Q8_0": ("q8_0", 32, 34),
+    "Q6_K": ("q8_16", 256, 210),  # 6-bit values as int8, one scale per sub-block of 16
 }
 PACKABLE_GGML_TYPES = tuple(_GGML_BLOCKS)
 QUANTIZED_WEIGHT_MODES = ("auto", "packed", "dequantized")
@@ -45,7 +46,9 @@ class PackedWeight:
           high); w = scales * q + mins. Q4_0 is stored as q4_1 with mins = -8 * scales, Q4_K
           with each sub-block's scale and min worked out (both exact).
     q8_0: `qs` int8 [n, k]; w = scales * q, and `mins` is None.
-    `scales` and `mins` are float32 [n, k/32] (the file's float16, converted exactly).
+    q8_16: as q8_0 with one scale per 16 values, `scales` [n, k/16] (Q6_K, exactly).
+    `scales` and `mins` are float32 [n, k/32] unless said otherwise (worked out exactly from
+    the file's float16 and integer scales).
     """
 
     format: str
@@ -56,7 +59,8 @@ class PackedWeight:
 
     @classmethod
     def from_ggml(cls, raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> PackedWeight:
-        """Repack a GGUF tensor's raw bytes ([n, row bytes] uint8) of type Q4_0, Q4_1, Q4_K or Q8_0."""
+        """Repack a GGUF tensor's raw bytes ([n, row bytes] uint8) of type Q4_0, Q4_1, Q4_K, Q6_K
+        or Q8_0."""
         if ggml_type not in _GGML_BLOCKS:
             raise ValueError(f"GGML type {ggml_type} cannot be packed; packable: {', '.join(PACKABLE_GGML_TYPES)}")
         n, k = shape
@@ -65,6 +69,8 @@ class PackedWeight:
             raise ValueError(f"{ggml_type} data of shape {raw.shape} does not hold an [{n}, {k}] tensor")
         if ggml_type == "Q4_K":
             return cls._from_q4_k(np.array(raw, dtype=np.uint8, copy=True).reshape(n, k // 256, 144), n, k)
+        if ggml_type == "Q6_K":
+            return cls._from_q6_k(np.array(raw, dtype=np.uint8, copy=True).reshape(n, k // 256, 210), n, k)
         blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, k // BLOCK, block_bytes)
         scales = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()
         if ggml_type == "Q4_1":
@@ -99,6 +105,22 @@ class PackedWeight:
         t = torch.from_numpy
         return cls("q4_1", (n, k), t(nibbles.reshape(n, k // 2).copy()), t(scales.copy()), t(mins.copy()))
 
+    @classmethod
+    def _from_q6_k(cls, blocks: np.ndarray, n: int, k: int) -> PackedWeight:
+        """Q6_K super-blocks ([n, k/256, 210]: 128 bytes of low nibbles, 64 of high bit pairs,
+        16 int8 sub-block scales, float16 d) as int8 values q - 32 with float32 scales d * sc
+        per 16 values. gguf computes (d * sc) * (q - 32) with d * sc exact, so one float32
+        multiply in the kernel gives its values."""
+        ql = blocks[..., :128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        ql = (ql & 0x0F).reshape(n, -1, 256)
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        qh = (qh & 0x03).reshape(n, -1, 256)
+        q = ((ql | (qh << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, k/256, 16]
+        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [n, k/256, 1]
+        scales = (d * sc).reshape(n, k // 16)
+        return cls("q8_16", (n, k), torch.from_numpy(q.copy()), torch.from_numpy(scales.copy()), None)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 [n, k] weight (the reference for the kernel's in-register dequantization)."""
         n, k = self.shape
@@ -106,8 +128,9 @@ class PackedWeight:
             qs = self.qs.view(n, k // BLOCK, BLOCK // 2)
             q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [n, blocks, 32]
             w = torch.addcmul(self.mins.unsqueeze(-1), self.scales.unsqueeze(-1), q)
-        else:
-            w = self.scales.unsqueeze(-1) * self.qs.view(n, k // BLOCK, BLOCK).float()
+        else:  # q8_0 and q8_16: one scale per 32 or per 16 values
+            group = k // self.scales.shape[1]
+            w = self.scales.unsqueeze(-1) * self.qs.view(n, k // group, group).float()
         return w.reshape(n, k)
 
     def select_rows(self, index: torch.Tensor) -> PackedWeight:

@@ -10,6 +10,7 @@
  *   Q4_1: qs uint8 [N, K/2] in ggml order (byte j of a block holds value j in its low nibble and
  *         value j + 16 in its high nibble), d and m float32 [N, K/32]; w = d * q + m.
  *   Q8_0: qs int8 [N, K], d float32 [N, K/32]; w = d * q.
+ *   Q8_16: qs int8 [N, K], d float32 [N, K/16]; w = d * q (Q6_K's sub-blocks of 16).
  * These are exactly the float32 values gguf's dequantize produces (d * q is exact in float32,
  * and a fused multiply-add rounds d * q + m once, as the unfused sum of an exact product does).
  *
@@ -67,6 +68,15 @@ static inline void dequant_q8_0(const int8_t *q, float d, vec w[4]) {
     w[2] = VMUL(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
     w[3] = VMUL(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
 }
+/* Int8 values with one scale per 16 (Q6_K's sub-blocks). */
+static inline void dequant_q8_16(const int8_t *q, const float *d, vec w[4]) {
+    __m128i a = _mm_loadu_si128((const __m128i *)q), b = _mm_loadu_si128((const __m128i *)(q + 16));
+    vec d0 = VSET1(d[0]), d1 = VSET1(d[1]);
+    w[0] = VMUL(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)));
+    w[1] = VMUL(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))));
+    w[2] = VMUL(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    w[3] = VMUL(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+}
 #else
 /* Portable fallback with the same lane structure (and so the same reduction order). */
 #include <math.h>
@@ -89,6 +99,9 @@ static inline void dequant_q4_1(const uint8_t *q, float d, float m, vec w[4]) {
 static inline void dequant_q8_0(const int8_t *q, float d, vec w[4]) {
     for (int j = 0; j < 32; j++) w[j / 8].v[j % 8] = d * (float)q[j];
 }
+static inline void dequant_q8_16(const int8_t *q, const float *d, vec w[4]) {
+    for (int j = 0; j < 32; j++) w[j / 8].v[j % 8] = d[j / 16] * (float)q[j];
+}
 #endif
 
 static inline void q4_1_block(const uint8_t *qs, const float *d, const float *m, int64_t n,
@@ -99,6 +112,11 @@ static inline void q8_0_block(const uint8_t *qs, const float *d, const float *m,
                               int64_t nb, int64_t b, vec w[4]) {
     (void)m;
     dequant_q8_0((const int8_t *)qs + (n * nb + b) * BLOCK, d[n * nb + b], w);
+}
+static inline void q8_16_block(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                               int64_t nb, int64_t b, vec w[4]) {
+    (void)m;
+    dequant_q8_16((const int8_t *)qs + (n * nb + b) * BLOCK, d + (n * nb + b) * 2, w);
 }
 
 /* One tile: input rows i0 .. i0+R-1 times weight rows n0 .. n0+C-1, with R * C <= 8
@@ -269,6 +287,7 @@ static inline int64_t chunk_rows(int64_t K) {
 
 DEFINE_FORMAT(q4_1)
 DEFINE_FORMAT(q8_0)
+DEFINE_FORMAT(q8_16)
 
 int sr_simd_width(void) {
 #ifdef __AVX2__

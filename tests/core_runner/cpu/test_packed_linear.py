@@ -26,7 +26,7 @@ needs_kernel = pytest.mark.skipif(
 
 def _quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
     """Random [n, k] weights quantized by gguf: the raw blocks and gguf's dequantization.
-    (gguf cannot quantize to Q4_K: its blocks are random bytes with sane float16 scales.)"""
+    (gguf cannot quantize to K-quants: their blocks are random bytes with sane float16 scales.)"""
     rng = np.random.default_rng(seed)
     if ggml_type == "Q4_K":
         blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
@@ -34,15 +34,20 @@ def _quantized(ggml_type: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarra
         blocks[..., 2:4] = (rng.uniform(1e-4, 2e-3, (n, k // 256, 1)).astype(np.float16)).view(np.uint8)
         raw = blocks.reshape(n, -1)
         return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(n, k).copy())
+    if ggml_type == "Q6_K":
+        blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+        blocks[..., 208:210] = (rng.uniform(1e-5, 2e-4, (n, k // 256, 1)).astype(np.float16)).view(np.uint8)
+        raw = blocks.reshape(n, -1)
+        return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, k).copy())
     dense = (rng.standard_normal((n, k)) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1))).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[ggml_type]
     raw = gguf.quants.quantize(dense, qtype)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
 
 
-@pytest.mark.parametrize("ggml_type", TYPES + ("Q4_K",))
+@pytest.mark.parametrize("ggml_type", TYPES + ("Q4_K", "Q6_K"))
 def test_dequantize_equals_gguf_bit_for_bit(ggml_type: str) -> None:
-    k = 512 if ggml_type == "Q4_K" else 96  # Q4_K super-blocks hold 256 values
+    k = 512 if ggml_type.endswith("_K") else 96  # K-quant super-blocks hold 256 values
     raw, expected = _quantized(ggml_type, 40, k)
     weight = PackedWeight.from_ggml(raw, ggml_type, (40, k))
     assert torch.equal(weight.dequantize(), expected)
@@ -81,12 +86,16 @@ def test_many_rows_take_the_panel_path_with_the_same_arithmetic(ggml_type: str, 
 
 
 @needs_kernel
-def test_q4_k_runs_as_q4_1() -> None:
-    raw, dense = _quantized("Q4_K", 21, 256, seed=5)
-    weight = PackedWeight.from_ggml(raw, "Q4_K", (21, 256))
-    assert weight.format == "q4_1"
-    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(packed_linear(x, weight), x @ dense.T, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("ggml_type,fmt", [("Q4_K", "q4_1"), ("Q6_K", "q8_16")])
+@pytest.mark.parametrize("m", [1, 9, 40])
+def test_k_quants_run_packed(ggml_type: str, fmt: str, m: int) -> None:
+    raw, dense = _quantized(ggml_type, 21, 256, seed=5)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (21, 256))
+    assert weight.format == fmt
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(2))
+    out = packed_linear(x, weight)
+    torch.testing.assert_close(out, x @ dense.T, atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed_linear(x[-1:], weight), out[-1:])  # batch-invariant here too
 
 
 @needs_kernel
@@ -136,8 +145,8 @@ def test_select_rows_and_cat() -> None:
 
 def test_bad_inputs_are_named() -> None:
     raw, _ = _quantized("Q8_0", 8, 64)
-    with pytest.raises(ValueError, match="GGML type Q6_K cannot be packed"):
-        PackedWeight.from_ggml(raw, "Q6_K", (8, 64))
+    with pytest.raises(ValueError, match="GGML type Q5_K cannot be packed"):
+        PackedWeight.from_ggml(raw, "Q5_K", (8, 64))
     with pytest.raises(ValueError, match=r"does not hold an \[8, 96\] tensor"):
         PackedWeight.from_ggml(raw, "Q8_0", (8, 96))
     weight = PackedWeight.from_ggml(raw, "Q8_0", (8, 64))
