@@ -262,6 +262,30 @@ def test_packed_and_dequantized_engines_agree(tmp_path, matrix_type: str) -> Non
 
 
 @pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
+@pytest.mark.parametrize("matrix_type", ["Q4_K", "Q6_K"])
+def test_k_quant_files_run_packed(tmp_path, matrix_type: str) -> None:
+    """A file with K-quant matrices (hidden 256: one super-block a row) loads packed and agrees
+    with the same file dequantized."""
+    from slotrunner import LLM, SamplingParams
+
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    path = _write_tiny_llama(tmp_path / "k.gguf", matrix_type=qtype, hidden=256)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    runs = {}
+    for mode in ("packed", "dequantized"):
+        llm = LLM(path, device="cpu", dtype="float32", quantized_weights=mode)
+        packed = [m.packed.format for m in llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None]
+        runs[mode] = packed, llm.generate({"prompt_token_ids": [2, 3, 4]}, params, use_tqdm=False)[0].outputs[0]
+    assert runs["packed"][0] == [{"Q4_K": "q4_1", "Q6_K": "q8_16"}[matrix_type]] * 5 and runs["dequantized"][0] == []
+    ours, ref = runs["packed"][1], runs["dequantized"][1]
+    assert ours.token_ids == ref.token_ids
+    for a, b in zip(ours.logprobs, ref.logprobs):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+@pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
 def test_packed_engine_is_batch_invariant_to_the_bit(tmp_path) -> None:
     """Packed matmuls (register and panel paths) and native decode attention keep every row on
     its own: a seeded request gives the same ids and the same logprobs, bit for bit, alone and
@@ -299,21 +323,21 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _tiny_hf_weights() -> dict[str, torch.Tensor]:
+def _tiny_hf_weights(hidden: int = 32) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     shapes = {
-        "model.embed_tokens.weight": (6, 32),
-        "model.layers.0.input_layernorm.weight": (32,),
-        "model.layers.0.self_attn.q_proj.weight": (32, 32),
-        "model.layers.0.self_attn.k_proj.weight": (16, 32),
-        "model.layers.0.self_attn.v_proj.weight": (16, 32),
-        "model.layers.0.self_attn.o_proj.weight": (32, 32),
-        "model.layers.0.post_attention_layernorm.weight": (32,),
-        "model.layers.0.mlp.gate_proj.weight": (64, 32),
-        "model.layers.0.mlp.up_proj.weight": (64, 32),
-        "model.layers.0.mlp.down_proj.weight": (32, 64),
-        "model.norm.weight": (32,),
-        "lm_head.weight": (6, 32),
+        "model.embed_tokens.weight": (6, hidden),
+        "model.layers.0.input_layernorm.weight": (hidden,),
+        "model.layers.0.self_attn.q_proj.weight": (hidden, hidden),
+        "model.layers.0.self_attn.k_proj.weight": (hidden // 2, hidden),
+        "model.layers.0.self_attn.v_proj.weight": (hidden // 2, hidden),
+        "model.layers.0.self_attn.o_proj.weight": (hidden, hidden),
+        "model.layers.0.post_attention_layernorm.weight": (hidden,),
+        "model.layers.0.mlp.gate_proj.weight": (2 * hidden, hidden),
+        "model.layers.0.mlp.up_proj.weight": (2 * hidden, hidden),
+        "model.layers.0.mlp.down_proj.weight": (hidden, 2 * hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (6, hidden),
     }
     return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
 
@@ -326,10 +350,12 @@ def _write_tiny_llama(
     tokenizer_model: str = "gpt2",
     head_count_kv: int = 2,
     matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    hidden: int = 32,
 ) -> str:
-    """A 1-layer Llama GGUF (hidden 32, 4 heads of 8, 2 KV heads) with a 6-token vocabulary:
-    byte-level BPE (`gpt2`), or SentencePiece (`llama`) with a chat template."""
-    hf = hf or _tiny_hf_weights()
+    """A 1-layer Llama GGUF (hidden 32, 4 heads of hidden / 4, 2 KV heads, feed-forward 2 x
+    hidden) with a 6-token vocabulary: byte-level BPE (`gpt2`), or SentencePiece (`llama`) with
+    a chat template. K-quant matrices (gguf cannot quantize to them) are random blocks."""
+    hf = hf or _tiny_hf_weights(hidden)
     to_gguf = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -342,8 +368,8 @@ def _write_tiny_llama(
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
-    writer.add_embedding_length(32)
-    writer.add_feed_forward_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
     writer.add_head_count(4)
     writer.add_head_count_kv(head_count_kv)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -378,7 +404,11 @@ def _write_tiny_llama(
                 writer.add_tensor(to_gguf[name], raw, raw_dtype=embedding_type)
             continue
         if values.ndim == 2 and name != "model.embed_tokens.weight" and matrix_type != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(to_gguf[name], gguf.quants.quantize(values, matrix_type), raw_dtype=matrix_type)
+            if matrix_type.name.endswith("_K"):
+                raw = _random_k_quant_blocks(matrix_type, *values.shape)
+            else:
+                raw = gguf.quants.quantize(values, matrix_type)
+            writer.add_tensor(to_gguf[name], raw, raw_dtype=matrix_type)
             continue
         writer.add_tensor(to_gguf[name], values)
     writer.write_header_to_file()
@@ -386,3 +416,16 @@ def _write_tiny_llama(
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def _random_k_quant_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> np.ndarray:
+    """Random Q4_K / Q6_K super-blocks with small float16 scales (the rest random bytes)."""
+    rng = np.random.default_rng(rows * 1000 + cols)
+    size = {gguf.GGMLQuantizationType.Q4_K: 144, gguf.GGMLQuantizationType.Q6_K: 210}[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scale = rng.uniform(1e-5, 1e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        blocks[..., 0:2], blocks[..., 2:4] = scale, scale
+    else:
+        blocks[..., 208:210] = scale
+    return blocks.reshape(rows, -1)
