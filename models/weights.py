@@ -84,9 +84,7 @@ class WeightLoader:
                 raise WeightLoadError(f"checkpoint tensor {name!r} has shape {shape}, the model expects {expected}{hint}")
             module = self.modules.get(name.rpartition(".")[0])
             if isinstance(tensor, PackedWeight):
-                # An embedding keeps a packed copy only to serve as the tied output head.
-                head = not isinstance(module, nn.Embedding) or tied
-                if name.endswith(".weight") and hasattr(module, "load_packed") and head:
+                if name.endswith(".weight") and hasattr(module, "load_packed"):
                     module.load_packed(tensor)
                     loaded.add(name)
                     continue

@@ -80,16 +80,22 @@ class MergedLinear(Linear):
 
 class VocabEmbedding(nn.Embedding):
     """Token embedding that also computes logits when the output head is tied to it. Loaded
-    packed, it keeps the dense table for lookups and the packed one for the head."""
+    packed, it keeps only the packed table: a lookup dequantizes the rows it reads (exactly the
+    float32 rows of the dense table), and a tied head multiplies it in the native kernel."""
 
     packed: PackedWeight | None = None
 
     def load_packed(self, weight: PackedWeight) -> None:
         if weight.shape != tuple(self.weight.shape):
             raise ValueError(f"shape {weight.shape} does not match expected {tuple(self.weight.shape)}")
-        with torch.no_grad():
-            self.weight.copy_(weight.dequantize())
         self.packed = weight
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        if self.packed is None:
+            return super().forward(input_ids)
+        rows = self.packed.select_rows(input_ids.reshape(-1)).dequantize()
+        return rows.view(*input_ids.shape, rows.shape[-1])
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
         if self.packed is not None:

@@ -58,10 +58,12 @@ def test_merged_linear_mixed_shards_fall_back_to_dense() -> None:
     assert layer.packed is None and layer.weight.shape == (32, 64)
 
 
-def test_tied_embedding_keeps_lookup_table_and_packed_head() -> None:
+def test_packed_embedding_looks_up_and_serves_as_head() -> None:
     emb = VocabEmbedding(40, 64)
     weight = _packed("Q8_0", 40, 64, 4)
     emb.load_packed(weight)
-    assert torch.equal(emb(torch.tensor([3, 39])), weight.dequantize()[[3, 39]])
+    assert emb.weight.numel() == 0  # only the packed table is kept
+    ids = torch.tensor([[3, 39, 3], [0, 7, 21]])
+    assert torch.equal(emb(ids), weight.dequantize()[ids])  # the dense table's rows, exactly
     hidden = torch.randn(2, 64)
     torch.testing.assert_close(emb.as_head(hidden), hidden @ weight.dequantize().T, atol=1e-5, rtol=1e-5)
