@@ -38,16 +38,15 @@ class CpuBackend(TorchRefBackend):
         )
         if not native:
             return paged_attention_ref(spec, q, kv_cache, meta, position_bias)
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         plan = step_plan(meta, block_size, q.device)
         rows, picked, longest = plan.decode_rows(spec.sliding_window)
         q = q.contiguous()
         out = paged_attention_ref(spec, q, kv_cache, meta, out=torch.empty_like(q), skip_rows=picked)
         if picked:
             cache = kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous()
-            half = num_blocks * block_size * num_kv_heads * head_dim
             status = load_library().sr_decode_attention(
-                q.data_ptr(), cache.data_ptr(), cache.data_ptr() + half * 4, plan.key_slots.data_ptr(), rows.data_ptr(),
+                q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), plan.key_slots.data_ptr(), rows.data_ptr(),
                 rows.shape[0], spec.num_heads, num_kv_heads, head_dim, spec.scale, longest,
                 out.data_ptr(), torch.get_num_threads(),
             )

@@ -71,19 +71,17 @@ class GGUFFile:
     _buffer: mmap.mmap = field(repr=False, compare=False)
 
     def read_blocks(self, name: str) -> np.ndarray:
-        """A copy of one tensor's stored bytes as uint8 [rows, bytes per row] (quantized blocks
-        as they are; `TensorInfo.tensor_type` says how to read them)."""
+        """One tensor's stored bytes as uint8 [rows, bytes per row]: a read-only view of the
+        memory map (quantized blocks as they are; `TensorInfo.tensor_type` says how to read
+        them). Copy what must outlive the file."""
         info = self.tensors[name]
         raw = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return raw.reshape(-1, info.nbytes // math.prod(info.shape[:-1])).copy()
+        return raw.reshape(math.prod(info.shape[:-1]), -1)
 
     def read_tensor(self, name: str) -> np.ndarray:
         """Dequantize one tensor to a fresh, writable float32 array of `TensorInfo.shape`."""
         info = self.tensors[name]
-        block_size, type_size = GGML_QUANT_SIZES[info.tensor_type]
-        raw = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        row_bytes = info.shape[-1] // block_size * type_size
-        values = dequantize(raw.reshape(-1, row_bytes), info.tensor_type)  # [rows, shape[-1]]
+        values = dequantize(self.read_blocks(name), info.tensor_type)  # [rows, shape[-1]]
         if not values.flags.writeable or values.dtype != np.float32:  # F32 is a view of the map
             values = values.astype(np.float32, copy=True)
         return values.reshape(info.shape)

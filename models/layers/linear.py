@@ -10,6 +10,14 @@ from torch import nn
 from slotrunner.core_runner.cpu.packed import PackedWeight, packed_linear
 
 
+def _take_packed(module: nn.Module, weight: PackedWeight, expected: tuple[int, int]) -> None:
+    """Keep `weight` as the module's packed weight and release its dense one."""
+    if weight.shape != expected:
+        raise ValueError(f"shape {weight.shape} does not match expected {expected}")
+    module.packed = weight
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose weight the loader may hand over packed (`load_packed`); the product then
     runs through the native packed kernel and the dense weight is released."""
@@ -17,10 +25,7 @@ class Linear(nn.Linear):
     packed: PackedWeight | None = None
 
     def load_packed(self, weight: PackedWeight) -> None:
-        if weight.shape != (self.out_features, self.in_features):
-            raise ValueError(f"shape {weight.shape} does not match expected {(self.out_features, self.in_features)}")
-        self.packed = weight
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        _take_packed(self, weight, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -86,10 +91,7 @@ class VocabEmbedding(nn.Embedding):
     packed: PackedWeight | None = None
 
     def load_packed(self, weight: PackedWeight) -> None:
-        if weight.shape != tuple(self.weight.shape):
-            raise ValueError(f"shape {weight.shape} does not match expected {tuple(self.weight.shape)}")
-        self.packed = weight
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        _take_packed(self, weight, (self.num_embeddings, self.embedding_dim))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
         if self.packed is None:
