@@ -2,21 +2,13 @@
 
 The public face is small: `LLM`, `SamplingParams` and the output records. Everything else lives
 in `slotrunner.core_runner` (architecture-agnostic machinery), `slotrunner.model_states`
-(per-family runner-side state), `slotrunner.models` and `slotrunner.registry`.
+(per-family runner-side state), `slotrunner.models` and `slotrunner.registry`. In the repository
+those four are top-level folders; the installed package (editable or wheel, see setup.py) maps
+them into this namespace, and that mapping is the only way they resolve.
 """
 
-from pathlib import Path as _Path
-
-# In a source checkout the four sibling folders (core_runner/, model_states/, models/,
-# registry/) sit next to this package rather than inside it; an installed wheel has them inside.
-# Adding the checkout root to the package path makes `slotrunner.core_runner` resolve the same
-# way in both cases (including `python -m slotrunner` run from the repository root).
-_root = _Path(__file__).resolve().parent.parent
-if not (_Path(__file__).resolve().parent / "core_runner").is_dir() and (_root / "core_runner").is_dir():
-    __path__.append(str(_root))  # noqa: F821 - __path__ is defined for packages
-
-from slotrunner.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from slotrunner.sampling_params import SamplingParams  # noqa: E402
+from slotrunner.outputs import CompletionOutput, Logprob, RequestOutput
+from slotrunner.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
