@@ -47,7 +47,10 @@ class EngineConfig:
     max_num_seqs: int  # live requests (slots) at once
     max_num_batched_tokens: int  # token budget of one step (chunked prefill splits longer prompts)
     block_size: int  # tokens per KV-cache block
-    num_kv_blocks: int  # blocks in the paged KV cache, shared by all requests
+    # Blocks in the paged KV cache, shared by all requests. None while the engine is being built:
+    # the cache is sized after the family's ModelState says what its own state takes, so a
+    # ModelState's config has None here and learns the size from initialize_cache's CacheSpec.
+    num_kv_blocks: int | None
     vocab_size: int  # rows of the logits; sizes the sampler's per-slot tables
     seed: int = 0  # engine seed: draws the Gumbel seed of requests that give none
     enforce_eager: bool = False  # never replay CUDA graphs
@@ -59,9 +62,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "num_kv_blocks" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_kv_blocks * self.block_size < self.max_model_len:
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
                 f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"

@@ -3,8 +3,9 @@
 The decoder is an ordinary request to the runner: its prompt is the decoder prompt, its
 self-attention uses the paged KV cache. What the family adds:
 
-- intake (`process_prompt`): split a prompt into the decoder prompt (the request's tokens)
-  and the encoder input (`EncoderInputs`: token ids, or audio features for the audio subclass);
+- intake (`process_prompt`, in encoder_decoder_intake.py): split a prompt into the decoder
+  prompt (the request's tokens) and the encoder input (`EncoderInputs`: token ids, or audio
+  features for the audio subclass);
 - `add_request` stashes the encoder input for the slot; `preprocess_state` runs the encoder
   for the slots admitted since the last step and writes every decoder layer's cross-attention
   K/V into the slot's row of a per-slot cache allocated once in `initialize_cache`;
@@ -20,62 +21,27 @@ load_weights: `hf_config`, `encode(encoder_input) -> [encoder_len, hidden]` for 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from slotrunner.core_runner.engine.intake import (
-    FamilyInputs,
-    IntakeContext,
-    ProcessedPrompt,
-    PromptType,
-    check_fields,
-    text_to_token_ids,
-    validate_token_ids,
+from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType
+from slotrunner.core_runner.runner.model_state import CacheSpec, ModelInputs, ModelState
+from slotrunner.model_states.encoder_decoder_intake import (
+    EncoderInputs,
+    max_encoder_len,
+    process_audio_encoder_prompt,
+    process_text_encoder_prompt,
 )
-from slotrunner.model_states.interface import CacheSpec, ModelInputs, ModelState
 from slotrunner.models.layers.cross_attention import CrossAttnMetadata, cross_attention_layers, cross_kv_shape
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
-    from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+    from slotrunner.core_runner.runner.scheduler_output import NewRequestData
     from slotrunner.core_runner.runner.input_batch import InputBatch
-
-
-@dataclass(frozen=True)
-class EncoderInputs(FamilyInputs):
-    """One request's encoder input, kept with the request (a re-admission encodes it again)."""
-
-    token_ids: tuple[int, ...] | None = None  # text encoders
-    features: torch.Tensor | None = None  # [num_mel_bins, num_frames] float32 on the host: audio encoders
-
-    def __post_init__(self) -> None:
-        assert (self.token_ids is None) != (self.features is None), "exactly one of token_ids and features"
-
-    def as_tensor(self, device: torch.device) -> torch.Tensor:
-        if self.token_ids is not None:
-            return torch.tensor(self.token_ids, dtype=torch.int64, device=device)  # [encoder_len]
-        return self.features.to(device)  # [num_mel_bins, num_frames]
-
-
-# -- limits read from the HF config (intake and the cache sizes must agree) ------------------
-
-def max_encoder_len(hf_config: Any, max_model_len: int) -> int:
-    """Encoder positions one request may use. A learned position table bounds it
-    (`max_source_positions`: Whisper, after its stride-2 convolution; `max_position_embeddings`:
-    BART); relative positions (T5) have no table, so max_model_len bounds them."""
-    for key in ("max_source_positions", "max_position_embeddings"):
-        value = getattr(hf_config, key, None)
-        if value:
-            return int(value)
-    return max_model_len
 
 
 def max_decoder_len(hf_config: Any) -> int | None:
@@ -85,77 +51,6 @@ def max_decoder_len(hf_config: Any) -> int | None:
         if value:
             return int(value)
     return None
-
-
-def decoder_start_token_id(hf_config: Any) -> int:
-    """The token every decoder prompt starts with (T5 uses its pad token)."""
-    start = getattr(hf_config, "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(hf_config, "pad_token_id", None)
-    if start is None:
-        raise ValueError("the model's config names no decoder_start_token_id (nor a pad_token_id to use instead)")
-    return int(start)
-
-
-# -- intake ---------------------------------------------------------------------------------
-
-_PART_FIELDS = frozenset({"prompt", "prompt_token_ids"})
-_EXPLICIT_FIELDS = frozenset({"encoder_prompt", "decoder_prompt"})
-
-
-def _part_token_ids(part: Any, ctx: IntakeContext, what: str, add_special_tokens: bool) -> tuple[str | None, list[int]]:
-    """One side of an encoder-decoder prompt: text, {"prompt": text} or {"prompt_token_ids": [...]}."""
-    if isinstance(part, Mapping) and "multi_modal_data" in part:
-        raise ValueError(f"{what} has 'multi_modal_data', but this model takes text only (no audio or images)")
-    fields = check_fields(part, _PART_FIELDS)
-    text, token_ids = fields.get("prompt"), fields.get("prompt_token_ids")
-    if text is None and token_ids is None:
-        raise ValueError(f"{what} needs 'prompt' (text) or 'prompt_token_ids'")
-    if token_ids is None:
-        token_ids = text_to_token_ids(text, ctx, add_special_tokens=add_special_tokens)
-    return text, token_ids
-
-
-def split_prompt(prompt: PromptType) -> tuple[Any, Any]:
-    """(encoder part, decoder part or None) of vLLM's encoder-decoder prompt forms:
-    {"encoder_prompt": ..., "decoder_prompt": ...}, or a plain prompt that is the encoder's."""
-    if isinstance(prompt, Mapping) and set(prompt) & _EXPLICIT_FIELDS:
-        check_fields(prompt, _EXPLICIT_FIELDS)
-        if prompt.get("encoder_prompt") is None:
-            raise ValueError("missing encoder input: the prompt has 'decoder_prompt' but no 'encoder_prompt'")
-        return prompt["encoder_prompt"], prompt.get("decoder_prompt")
-    return prompt, None
-
-
-def _is_empty(part: Any) -> bool:
-    """No decoder prompt: None, "", or {"prompt": ""} / {"prompt_token_ids": []}."""
-    if isinstance(part, Mapping):
-        values = [part.get(k) for k in _PART_FIELDS]
-        return set(part) <= _PART_FIELDS and all(v is None or (hasattr(v, "__len__") and len(v) == 0) for v in values)
-    return part is None or part == ""
-
-
-def decoder_token_ids(part: Any, ctx: IntakeContext) -> tuple[str | None, list[int]]:
-    """The decoder prompt: absent -> [decoder start]; otherwise its tokens (text is tokenized
-    without special tokens: it is a prefix to continue), with the start token put first when
-    missing, as transformers' generate does."""
-    start = decoder_start_token_id(ctx.hf_config)
-    if _is_empty(part):
-        return None, [start]
-    text, token_ids = _part_token_ids(part, ctx, "decoder_prompt", add_special_tokens=False)
-    if isinstance(token_ids, (list, tuple)) and list(token_ids[:1]) != [start]:
-        token_ids = [start, *token_ids]
-    return text, validate_token_ids(token_ids, ctx, what="decoder_prompt")
-
-
-def encoder_token_ids(part: Any, ctx: IntakeContext) -> list[int]:
-    _, token_ids = _part_token_ids(part, ctx, "encoder_prompt", add_special_tokens=True)
-    # The decoder's max_model_len does not apply to the encoder; its own limit does.
-    token_ids = validate_token_ids(token_ids, dataclasses.replace(ctx, max_model_len=sys.maxsize), what="encoder_prompt")
-    limit = max_encoder_len(ctx.hf_config, ctx.max_model_len)
-    if len(token_ids) > limit:
-        raise ValueError(f"encoder_prompt has {len(token_ids)} tokens; this model's encoder takes at most {limit}")
-    return token_ids
 
 
 # -- the family state -----------------------------------------------------------------------
@@ -175,12 +70,7 @@ class EncoderDecoderModelState(ModelState):
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
-        if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
-            raise ValueError("the prompt has 'multi_modal_data', but this model takes text only (no audio or images)")
-        encoder_part, decoder_part = split_prompt(prompt)
-        encoder_ids = encoder_token_ids(encoder_part, ctx)
-        text, decoder_ids = decoder_token_ids(decoder_part, ctx)
-        return ProcessedPrompt(text, decoder_ids, EncoderInputs(token_ids=tuple(encoder_ids)))
+        return process_text_encoder_prompt(prompt, ctx)
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)
@@ -271,84 +161,12 @@ class EncoderDecoderModelState(ModelState):
 
 # -- audio encoders -------------------------------------------------------------------------
 
-_AUDIO_FIELDS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
-
-
-def _waveform(audio: Any) -> tuple[np.ndarray, int]:
-    if not (isinstance(audio, (tuple, list)) and len(audio) == 2):
-        raise ValueError("multi_modal_data['audio'] must be a (waveform, sample_rate) pair")
-    waveform, sample_rate = audio
-    if isinstance(waveform, torch.Tensor):
-        waveform = waveform.detach().cpu().numpy()
-    try:
-        waveform = np.asarray(waveform, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise ValueError("the audio waveform must be a 1-D array of floats") from None
-    if waveform.ndim != 1:
-        raise ValueError(f"the audio waveform must be 1-D (mono), got shape {tuple(waveform.shape)}")
-    if waveform.size == 0:
-        raise ValueError("the audio waveform is empty")
-    if not np.isfinite(waveform).all():
-        raise ValueError("the audio waveform holds NaN or infinite samples")
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
-        raise ValueError(f"the audio sample rate must be a positive int, got {sample_rate!r}")
-    return waveform, int(sample_rate)
-
-
-def audio_features(audio: Any, ctx: IntakeContext) -> torch.Tensor:  # [num_mel_bins, num_frames]
-    """Log-mel features by the feature extractor saved with the model, checked against the
-    encoder's fixed input length (2 * max_source_positions frames)."""
-    extractor = getattr(ctx.processor, "feature_extractor", ctx.processor)
-    if extractor is None:
-        raise ValueError("this model needs its feature extractor (preprocessor_config.json beside the weights) to read audio")
-    waveform, sample_rate = _waveform(audio)
-    if sample_rate != extractor.sampling_rate:
-        raise ValueError(f"audio is sampled at {sample_rate} Hz; this model takes {extractor.sampling_rate} Hz: resample it first")
-    if waveform.size > extractor.n_samples:
-        raise ValueError(
-            f"audio has {waveform.size} samples ({waveform.size / sample_rate:.2f} s); this model's encoder takes at "
-            f"most {extractor.n_samples} ({extractor.n_samples / sample_rate:.2f} s): split it into chunks"
-        )
-    features = extractor(waveform, sampling_rate=sample_rate, return_tensors="np")["input_features"][0]
-    expected = 2 * int(ctx.hf_config.max_source_positions)
-    if features.shape[-1] != expected:
-        raise ValueError(
-            f"the feature extractor gives {features.shape[-1]} frames but the encoder takes exactly {expected}: "
-            "preprocessor_config.json does not match this model"
-        )
-    return torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
-
-
 class AudioEncoderDecoderModelState(EncoderDecoderModelState):
-    """Speech encoder-decoders (Whisper): the encoder input is audio, the prompt the decoder's.
-
-    Prompt forms: {"prompt": decoder prefix, "multi_modal_data": {"audio": (waveform, rate)}}
-    ("prompt_token_ids" for the prefix works too; no prefix: the decoder start token), or
-    {"encoder_prompt": {"multi_modal_data": {"audio": ...}}, "decoder_prompt": ...}.
-    """
+    """Speech encoder-decoders (Whisper): the encoder input is audio, the prompt the decoder's
+    (the prompt forms: `process_audio_encoder_prompt`)."""
 
     family = "encoder-decoder (audio)"
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
-        if isinstance(prompt, Mapping) and set(prompt) & _EXPLICIT_FIELDS:
-            encoder_part, decoder_part = split_prompt(prompt)
-            encoder_fields = check_fields(encoder_part, _AUDIO_FIELDS)
-            if encoder_fields.get("prompt") or encoder_fields.get("prompt_token_ids"):
-                raise ValueError("this model's encoder takes audio, not text: put the text in 'decoder_prompt'")
-        else:
-            encoder_fields = check_fields(prompt, _AUDIO_FIELDS)
-            decoder_fields = {k: v for k, v in encoder_fields.items() if k != "multi_modal_data"}
-            decoder_part = decoder_fields or None
-        mm = encoder_fields.get("multi_modal_data")
-        if mm is None:
-            raise ValueError(
-                "missing encoder input: this model transcribes audio; give "
-                "{'multi_modal_data': {'audio': (waveform, sample_rate)}}"
-            )
-        if not isinstance(mm, Mapping) or set(mm) != {"audio"}:
-            got = sorted(mm) if isinstance(mm, Mapping) else type(mm).__name__
-            raise ValueError(f"multi_modal_data must hold exactly one 'audio' item; got {got}")
-        features = audio_features(mm["audio"], ctx)
-        text, decoder_ids = decoder_token_ids(decoder_part, ctx)
-        return ProcessedPrompt(text, decoder_ids, EncoderInputs(features=features))
+        return process_audio_encoder_prompt(prompt, ctx)

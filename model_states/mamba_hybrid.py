@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from slotrunner.model_states.interface import CacheSpec, ModelInputs, ModelState
+from slotrunner.core_runner.runner.model_state import CacheSpec, ModelInputs, ModelState
 from slotrunner.models.layers.mamba.metadata import MambaMetadata
 from slotrunner.models.layers.mamba.mixer import MambaMixer2
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
-    from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+    from slotrunner.core_runner.runner.scheduler_output import NewRequestData
     from slotrunner.core_runner.runner.input_batch import InputBatch
 
 

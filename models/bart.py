@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
-from slotrunner.models.layers.attention import Attention
+from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.cross_attention import CrossAttention
 from slotrunner.models.layers.dense_attention import dense_attention
 from slotrunner.models.layers.hf_act import hf_activation

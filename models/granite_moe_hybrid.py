@@ -21,7 +21,7 @@ from torch import nn
 
 from slotrunner.models.bamba import mixer_args
 from slotrunner.models.layers.activation import GatedAct
-from slotrunner.models.layers.attention import Attention
+from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.mamba.mixer import MambaMixer2
 from slotrunner.models.layers.moe import StackedExperts, softmax_topk
 from slotrunner.models.layers.norm import RMSNorm

@@ -14,7 +14,7 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.models.layers.activation import GatedAct
-from slotrunner.models.layers.attention import Attention
+from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.linear import Linear, MergedLinear, VocabEmbedding
 from slotrunner.models.layers.mrope import MRotaryEmbedding
 from slotrunner.models.layers.norm import RMSNorm

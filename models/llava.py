@@ -14,7 +14,7 @@ from torch import nn
 
 from slotrunner.models.layers.clip import CLIPVisionTower
 from slotrunner.models.layers.media import ImageHandler, MediaItem
-from slotrunner.models.layers.multimodal_lm import MultimodalLM, build_language_model
+from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
 from slotrunner.models.layers.tower_ops import Act
 
 

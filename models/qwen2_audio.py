@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from slotrunner.models.layers.media import AudioHandler, MediaItem
-from slotrunner.models.layers.multimodal_lm import MultimodalLM, build_language_model
+from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
 from slotrunner.models.layers.qwen2_audio_encoder import Qwen2AudioEncoder, audio_output_lengths
 
 

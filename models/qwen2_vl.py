@@ -15,7 +15,7 @@ import torch
 
 from slotrunner.models.layers.media import ImageHandler, MediaItem
 from slotrunner.models.layers.mrope import qwen2_vl_prompt_positions
-from slotrunner.models.layers.multimodal_lm import MultimodalLM, build_language_model
+from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
 from slotrunner.models.layers.qwen2_vl_vision import Qwen2VLVisionTower
 
 

@@ -1,15 +1,16 @@
 """The model registry: which model class and which ModelState serve an HF architecture.
 
-Resolution order for the ModelState (ARCHITECTURE.md): an explicit registry entry, then the
-model's own declaration (a `model_state_cls` class attribute), then what the config says the
-model is (cross-attention -> encoder-decoder, recurrent layers -> Mamba hybrid, a vision or
-audio tower -> multimodal), else the default decoder.
+Resolution order for the ModelState: the registry entry (every in-tree entry names one), then
+the model's own declaration (a `model_state_cls` class attribute), else the default decoder.
+The config is never sniffed for a family. The model class is then checked against what the
+ModelState requires of its model (`ModelState.model_protocol`).
 
 Out-of-tree code calls `register_model(...)`, usually from a function exposed in the
 `slotrunner.plugins` entry-point group; plugins are discovered on the first lookup. A plugin
 that fails to load is logged and skipped: it cannot take the other architectures down. Its
 classes are imported only when its architecture is resolved, and checked then (a model class
-that lacks `compute_logits` / `load_weights`, a ModelState that is not one), so a mistake
+that lacks `compute_logits` / `load_weights` or a member its family's protocol requires, a
+ModelState that is not one), so a mistake
 surfaces as a message naming the registered class, not as an error inside a step.
 """
 
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from slotrunner.registry.table import FAMILY_STATES, GGUF_READERS, IN_TREE, ArchEntry
+import torch
+
+from slotrunner.registry.table import DEFAULT, GGUF_READERS, IN_TREE, ArchEntry
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +86,24 @@ def check_model_class(architecture: str, model_cls: Any) -> None:
 
 
 def check_model_state_class(architecture: str, state_cls: Any) -> None:
-    from slotrunner.model_states.interface import ModelState
+    from slotrunner.core_runner.runner.model_state import ModelState
 
     if not (isinstance(state_cls, type) and issubclass(state_cls, ModelState)):
         raise TypeError(f"model_state_cls for {architecture!r} must subclass ModelState, got {state_cls!r}")
+
+
+def check_model_protocol(architecture: str, model_cls: type, state_cls: type) -> None:
+    """The family's ModelState calls its model through `state_cls.model_protocol`: a member the
+    model class lacks is named here, not discovered inside a step."""
+    from slotrunner.core_runner.runner.model_state import missing_members
+
+    protocol = state_cls.model_protocol
+    missing = missing_members(protocol, model_cls) if protocol is not None else []
+    if missing:
+        raise TypeError(
+            f"{model_cls.__qualname__} (model class of {architecture!r}) lacks {', '.join(missing)}, which "
+            f"{state_cls.__name__} requires of its model ({protocol.__qualname__}; see docs/adding_a_model.md)"
+        )
 
 
 def register_model(
@@ -182,17 +200,6 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
     return (_import(builder, architecture, "tiny config") if isinstance(builder, str) else builder)(**overrides)
 
 
-def _family_from_config(hf_config: Any) -> str:
-    if getattr(hf_config, "is_encoder_decoder", False):
-        return "encoder_decoder"
-    layer_kinds = set(getattr(hf_config, "layer_types", None) or ()) | set(getattr(hf_config, "layers_block_type", None) or ())
-    if layer_kinds & {"mamba", "mamba2", "linear_attention", "hybrid", "M"} or getattr(hf_config, "model_type", "").startswith("mamba"):
-        return "mamba_hybrid"
-    if any(getattr(hf_config, k, None) is not None for k in ("vision_config", "audio_config")):
-        return "multimodal"
-    return "default"
-
-
 def resolve(hf_config: Any, architecture: str | None = None) -> ResolvedArch:
     """Pick the model class and ModelState class for an HF config (its first architecture,
     unless `architecture` names one)."""
@@ -213,13 +220,8 @@ def resolve(hf_config: Any, architecture: str | None = None) -> ResolvedArch:
         state_cls = model_cls.model_state_cls
         check_model_state_class(architecture, state_cls)
     else:
-        family = _family_from_config(hf_config)
-        try:
-            state_cls = _import(FAMILY_STATES[family])
-        except ImportError:
-            raise UnknownArchitectureError(
-                f"architecture {architecture!r} belongs to the {family} family, which this version does not implement"
-            ) from None
+        state_cls = _import(DEFAULT)
+    check_model_protocol(architecture, model_cls, state_cls)
     return ResolvedArch(architecture, model_cls, state_cls)
 
 
@@ -254,3 +256,30 @@ def gguf_reader(gguf_architecture: str | None) -> Any | None:
     """The reader of GGUF files of `gguf_architecture`, or None when none is registered."""
     ref = GGUF_READERS.get(gguf_architecture) if gguf_architecture is not None else None
     return _import(ref, gguf_architecture, "GGUF reader") if ref is not None else None
+
+
+def read_gguf(path: str | os.PathLike[str], dtype: torch.dtype, pack: bool = False) -> Any:
+    """Read a GGUF file's config, tokenizer and tensor table (not the data) through the reader
+    registered for its `general.architecture`; the result has `.config`, `.tokenizer` and
+    `.weights()`. With `pack`, `.weights()` yields the quantized matrices it can as
+    `PackedWeight` (blocks for the native CPU kernel, `core_runner/cpu/packed.py`).
+
+        checkpoint = read_gguf(default_model_path(), torch.bfloat16)  # config + tokenizer, ~0.5 s
+        for hf_name, tensor in checkpoint.weights():  # dequantized one at a time
+            ...
+
+    Raises FileNotFoundError for a missing file and ValueError naming the file for one that is
+    not GGUF, is truncated or corrupt, has an architecture no reader handles, or stores an
+    unsupported tensor type.
+    """
+    from slotrunner.core_runner.loader.gguf_file import open_gguf
+
+    path = os.fspath(path)
+    gguf = open_gguf(path)
+    arch = gguf.metadata.get("general.architecture")
+    reader = gguf_reader(arch)
+    if reader is None:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_architectures())}."
+        )
+    return reader(gguf, path, dtype, pack=pack)

@@ -27,32 +27,18 @@ class RecordedRun:
 class LogitsRecorder:
     """The hidden state of every (request, position) an engine computes, in any batch.
 
-    It reads the step's InputBatch where every family hands it over (`prepare_inputs`, called
-    once per forward) and the model's output through a forward hook; a position computed again
-    after a preemption keeps its latest value. Forwards must run eagerly (a CUDA-graph replay
-    calls no hook): CPU, or an engine built with enforce_eager=True.
+    The runner shows it each step's InputBatch and hidden states (`ModelRunner.add_step_observer`,
+    eager or CUDA-graph steps alike); a position computed again after a preemption keeps its
+    latest value.
     """
 
     def __init__(self, llm: Any) -> None:
         runner = llm.engine.runner
         self.model = runner.model
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
-        self._batch: Any = None
-        self._state = runner.model_state
-        self._prepare_inputs = self._state.prepare_inputs
-        self._own = "prepare_inputs" in vars(self._state)  # already wrapped by someone else
+        self._remove = runner.add_step_observer(self._observe)
 
-        def capture(batch: Any) -> Any:
-            self._batch = batch
-            return self._prepare_inputs(batch)
-
-        self._state.prepare_inputs = capture
-        self._handle = self.model.register_forward_hook(self._hook)
-
-    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], hidden: torch.Tensor) -> None:
-        batch, self._batch = self._batch, None
-        if batch is None:  # a dummy forward (warm-up): no request behind it
-            return
+    def _observe(self, batch: Any, hidden: torch.Tensor) -> None:
         positions = batch.positions.tolist()
         qsl = batch.query_start_loc_np
         for row, req_id in enumerate(batch.req_ids):
@@ -65,11 +51,7 @@ class LogitsRecorder:
             return self.model.compute_logits(torch.stack([self.rows[k] for k in keys])).float()
 
     def close(self) -> None:
-        self._handle.remove()
-        if self._own:
-            self._state.prepare_inputs = self._prepare_inputs
-        else:
-            del self._state.prepare_inputs  # the class's method again
+        self._remove()
 
 
 def run_batch(llm: Any, prompts: Sequence[Any], params: Sequence[Any]) -> list[RecordedRun]:
@@ -82,10 +64,7 @@ def run_batch(llm: Any, prompts: Sequence[Any], params: Sequence[Any]) -> list[R
             tokens, logits = out.outputs[0].token_ids, recorder.logits(out.request_id)
             # The last sampled token is never fed back, so its position has no row.
             expected = len(out.prompt_token_ids) + len(tokens) - 1
-            assert logits.shape[0] == expected, (
-                f"recorded {logits.shape[0]} positions, expected {expected} (a forward replayed from a CUDA graph "
-                "calls no hook: build the engine with enforce_eager=True)"
-            )
+            assert logits.shape[0] == expected, f"recorded {logits.shape[0]} positions, expected {expected}"
             runs.append(RecordedRun(list(out.prompt_token_ids), list(tokens), logits))
     finally:
         recorder.close()

@@ -8,19 +8,11 @@ from typing import Any
 
 import torch
 
-from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, parse_dtype
-from slotrunner.core_runner.cpu.packed import should_pack
-from slotrunner.core_runner.engine.engine import LLMEngine
-from slotrunner.core_runner.engine.intake import IntakeContext, PromptType
-from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
-from slotrunner.core_runner.loader.source import open_model
-from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
-from slotrunner.core_runner.runner.model_runner import ModelRunner
+from slotrunner.builder import EngineArgs, build_engine
+from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES
+from slotrunner.core_runner.engine.intake import PromptType
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
-
-_CPU_KV_CACHE_BYTES = 2 << 30  # default KV-cache budget on CPU
-_GPU_MEMORY_UTILIZATION = 0.85  # fraction of free GPU memory (after loading) given to the KV cache
 
 
 class LLM:
@@ -69,60 +61,26 @@ class LLM:
         async_scheduling: bool | None = None,
         quantized_weights: str = "auto",
     ) -> None:
-        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        torch_dtype = parse_dtype(dtype, dev)
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
-        if model is None:
-            # Imported here: the gguf package is only needed for GGUF files.
-            from slotrunner.core_runner.loader.gguf_loader import default_model_path
-
-            model = default_model_path()
-        pack = should_pack(quantized_weights, dev, torch_dtype)
-        source = open_model(model, torch_dtype, load_format, pack=pack)
-        hf_config = source.hf_config
-        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        # Decoder length limit: max_position_embeddings, or max_target_positions (Whisper).
-        model_max = (
-            getattr(text_config, "max_position_embeddings", None)
-            or getattr(text_config, "max_target_positions", None)
-            or 2048
-        )
-        if max_model_len is None:
-            max_model_len = model_max
-        elif max_model_len > model_max:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
-        nn_model, arch = load_model(hf_config, source.weights, torch_dtype, dev, load_format, seed)
-        config_args = dict(
-            model=source.path,
-            device=dev,
-            dtype=torch_dtype,
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            device=device,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 2048),
+            max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
-            vocab_size=text_config.vocab_size,
+            num_kv_blocks=num_kv_blocks,
+            load_format=load_format,
             seed=seed,
             enforce_eager=enforce_eager,
-            cuda_graph_sizes=tuple(cuda_graph_sizes),
+            cuda_graph_sizes=cuda_graph_sizes,
             async_scheduling=async_scheduling,
+            quantized_weights=quantized_weights,
         )
-        if num_kv_blocks is None:
-            # The family's own state (Mamba pools, cross-attention caches) comes out of the same
-            # memory: ask a throwaway ModelState for its size before giving the rest to the KV cache.
-            wanted = max_num_seqs * -(-max_model_len // block_size)
-            probe = arch.model_state_cls(EngineConfig(**config_args, num_kv_blocks=wanted), nn_model, dev)
-            reserved = probe.cache_bytes(torch_dtype)
-            del probe  # its small tables must not count against the free memory measured next
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            num_kv_blocks = _default_num_blocks(nn_model, block_size, torch_dtype, dev, max_num_seqs, max_model_len, reserved)
-        self.config = EngineConfig(**config_args, num_kv_blocks=num_kv_blocks)
-        self.architecture = arch.architecture
-        self.tokenizer = source.tokenizer
-        runner = ModelRunner(self.config, nn_model, arch.model_state_cls)
-        intake = IntakeContext(self.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len)
-        self.engine = LLMEngine(self.config, runner, intake, source.eos_token_ids)
+        self.engine = build_engine(args)
+        self.config = self.engine.config
+        self.architecture = self.engine.architecture
+        self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
         self.last_stream_output: RequestOutput | None = None
 
@@ -247,27 +205,3 @@ def _conversations(messages: Any) -> list[Sequence[Mapping[str, Any]]]:
         return list(messages)
     raise ValueError("chat takes a conversation (a list of message dicts) or a list of conversations")
 
-
-def _default_num_blocks(
-    model: torch.nn.Module,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_num_seqs: int,
-    max_model_len: int,
-    reserved_bytes: int = 0,  # the family state's share of the budget (ModelState.cache_bytes)
-) -> int:
-    per_block = kv_bytes_per_block(model, block_size, dtype)
-    wanted = max_num_seqs * -(-max_model_len // block_size)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * _GPU_MEMORY_UTILIZATION)
-    else:
-        budget = _CPU_KV_CACHE_BYTES
-    budget -= reserved_bytes
-    if budget < per_block * -(-max_model_len // block_size):
-        raise ValueError(
-            f"after the model's per-request state ({reserved_bytes / 2**30:.2f} GiB for max_num_seqs={max_num_seqs}) "
-            f"the KV cache cannot hold one request of max_model_len={max_model_len}: lower max_num_seqs or max_model_len"
-        )
-    return max(1, min(wanted, budget // max(per_block, 1)))

@@ -24,7 +24,8 @@ def smollm2_hf_dir(tmp_path_factory):
     transformers' own GGUF loading tensor for tensor."""
     import torch
 
-    from slotrunner.core_runner.loader.gguf_loader import default_model_path, read_gguf
+    from slotrunner.core_runner.loader.gguf_loader import default_model_path
+    from slotrunner.registry import read_gguf
 
     try:
         path = default_model_path()

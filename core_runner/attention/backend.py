@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slotrunner.core_runner.runner.input_batch import InputBatch
-
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -26,20 +24,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each new K/V goes in the flat cache
 
-    @classmethod
-    def from_batch(cls, batch: InputBatch) -> AttentionMetadata:
-        return cls(
-            num_reqs=batch.num_reqs,
-            num_tokens=batch.num_tokens,
-            query_start_loc=batch.query_start_loc,
-            query_start_loc_np=batch.query_start_loc_np,
-            seq_lens=batch.seq_lens,
-            seq_lens_np=batch.seq_lens_np,
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-            block_tables=batch.block_tables,
-            slot_mapping=batch.slot_mapping,
-        )
+
+@dataclass(frozen=True)
+class FamilyAttnMetadata:
+    """Base for family attention metadata that the common attention metadata lacks
+    (cross-attention lengths, Mamba prefill flags, state indices). A family's ModelState builds it
+    in `prepare_attn`; the family's layers read it from the forward context as `ctx.family_attn`."""
 
 
 @dataclass(frozen=True)

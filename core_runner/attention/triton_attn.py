@@ -375,22 +375,7 @@ class TritonBackend(AttentionBackend):
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        assert use_triton(q.device), f"TritonBackend cannot run on {q.device}: pick one with default_backend()"
+        assert use_triton(q.device), f"TritonBackend cannot run on {q.device}: the runner picks one with select_attn_backend()"
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         write_kv_triton(kv_cache, k, v, meta.slot_mapping, out)
         return paged_attention(spec, q, kv_cache, meta, position_bias, out, self.tiles)
-
-
-def default_backend(device: torch.device) -> AttentionBackend:
-    """The Triton backend where Triton kernels run (CUDA, or the interpreter when forced); on a
-    CPU the reference with native decode rows (`CpuBackend`) when the native kernels build; the
-    torch reference elsewhere."""
-    if use_triton(device):
-        return TritonBackend()
-    if device.type == "cpu":
-        from slotrunner.core_runner.cpu.attention import CpuBackend
-        from slotrunner.core_runner.cpu.native import native_unavailable_reason
-
-        if native_unavailable_reason() is None:
-            return CpuBackend()
-    return TorchRefBackend()

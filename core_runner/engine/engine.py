@@ -10,7 +10,7 @@ from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, chec
 from slotrunner.core_runner.engine.output_processor import RequestGroup, RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
-from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.async_output import AsyncOutput
 from slotrunner.core_runner.runner.model_runner import ModelRunner
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
@@ -21,8 +21,16 @@ from slotrunner.sampling_params import SamplingParams
 class LLMEngine:
     """Synchronous engine: each `step()` is one scheduler step and one model step."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, intake: IntakeContext, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        intake: IntakeContext,
+        eos_token_ids: tuple[int, ...],
+        architecture: str | None = None,  # the resolved HF architecture, for messages and users
+    ) -> None:
         self.config = config
+        self.architecture = architecture
         self.runner = runner
         self.intake = intake
         self.tokenizer = intake.tokenizer

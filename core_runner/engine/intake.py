@@ -36,6 +36,9 @@ class IntakeContext:
     hf_config: Any
     vocab_size: int
     max_model_len: int
+    # The model class resolved for hf_config, once per engine: a family's intake reads its class
+    # attributes (the multimodal family: `media_handler_cls`) instead of resolving per request.
+    model_cls: type | None = None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections import deque
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.engine.block_manager import BlockManager
 from slotrunner.core_runner.engine.request import Request, RequestStatus
-from slotrunner.core_runner.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from slotrunner.core_runner.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
 
 

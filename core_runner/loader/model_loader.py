@@ -1,4 +1,4 @@
-"""Building a model: resolve its architecture, construct it, and fill its weights."""
+"""Building a model: construct its class (the registry resolved it) and fill its weights."""
 
 from __future__ import annotations
 
@@ -7,19 +7,16 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from slotrunner.registry import ResolvedArch, resolve
-
 LOAD_FORMATS = ("auto", "dummy")
 
 
-def build_model(hf_config: object, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ResolvedArch]:
-    arch = resolve(hf_config)
+def build_model(model_cls: Callable[[object], nn.Module], hf_config: object, dtype: torch.dtype, device: torch.device) -> nn.Module:
     with torch.device(device):
-        model = arch.model_cls(hf_config)
+        model = model_cls(hf_config)
     # Parameters take the requested dtype; buffers (RoPE tables) stay float32 on purpose.
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    return model.eval().requires_grad_(False), arch
+    return model.eval().requires_grad_(False)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -42,19 +39,20 @@ def random_init(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(
+    model_cls: Callable[[object], nn.Module],
     hf_config: object,
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
-) -> tuple[nn.Module, ResolvedArch]:
-    """Build the model for `hf_config` and fill it from `weights()` (or randomly: "dummy")."""
+) -> nn.Module:
+    """Build `model_cls(hf_config)` and fill it from `weights()` (or randomly: "dummy")."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
-    model, arch = build_model(hf_config, dtype, device)
+    model = build_model(model_cls, hf_config, dtype, device)
     if load_format == "dummy":
         random_init(model, seed)
     else:
         load_weights(model, weights())
-    return model, arch
+    return model

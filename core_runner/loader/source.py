@@ -32,16 +32,24 @@ class ModelSource:
     processor: Any | None = None  # HF processor / feature extractor for media or audio inputs
 
 
-def open_model(path: str | Path, dtype: torch.dtype, load_format: str = "auto", pack: bool = False) -> ModelSource:
+# Reads a GGUF file through its architecture's reader: (path, dtype, pack) -> checkpoint with
+# `.config`, `.tokenizer`, `.weights()`. The registry provides it (`slotrunner.registry.read_gguf`):
+# the loader knows file formats, not architectures.
+GgufReader = Callable[..., Any]
+
+
+def open_model(
+    path: str | Path, dtype: torch.dtype, load_format: str = "auto", pack: bool = False, read_gguf: GgufReader | None = None
+) -> ModelSource:
     """Open a checkpoint: config, tokenizer, processor, and a `weights()` reader. `pack` keeps a
-    GGUF file's quantized matrices packed (see `should_pack` in `core_runner/cpu/packed.py`)."""
+    GGUF file's quantized matrices packed (see `should_pack` in `core_runner/cpu/packed.py`);
+    a GGUF file needs `read_gguf`."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
     gguf = _gguf_file(p)
     if gguf is not None:
-        from slotrunner.core_runner.loader.gguf_loader import read_gguf
-
+        assert read_gguf is not None, "open_model needs read_gguf (slotrunner.registry.read_gguf) for a GGUF file"
         ckpt = read_gguf(str(gguf), dtype, pack=pack)
         return ModelSource(str(gguf), ckpt.config, ckpt.weights, ckpt.tokenizer, _as_ids(ckpt.config.eos_token_id))
     hf_config = load_hf_config(p)

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
-from slotrunner.core_runner.runner.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
-from slotrunner.model_states.interface import ModelState
+from slotrunner.core_runner.runner.model_state import ModelState
 
 class CudaGraphs:
     def __init__(

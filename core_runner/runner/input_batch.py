@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slotrunner.core_runner.attention.backend import AttentionMetadata
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
 
 
@@ -50,3 +51,18 @@ class InputBatch:
     @property
     def max_seq_len(self) -> int:
         return int(self.seq_lens_np.max()) if self.num_reqs else 0
+
+    def attn_metadata(self) -> AttentionMetadata:
+        """The common attention metadata of this step (what every backend reads)."""
+        return AttentionMetadata(
+            num_reqs=self.num_reqs,
+            num_tokens=self.num_tokens,
+            query_start_loc=self.query_start_loc,
+            query_start_loc_np=self.query_start_loc_np,
+            seq_lens=self.seq_lens,
+            seq_lens_np=self.seq_lens_np,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+        )

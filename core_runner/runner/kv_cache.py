@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import kv_cache_shape
-from slotrunner.models.layers.attention import Attention
+from slotrunner.core_runner.attention.layer import Attention
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -2,25 +2,25 @@
 
 Only code common to every model lives here. The runner never names an architecture and never
 probes the model for features: what a family needs beyond the common tables comes from its
-ModelState hooks, called in the order ARCHITECTURE.md lists.
+ModelState hooks, called in the order `core_runner/runner/model_state.py` lists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from slotrunner.core_runner.attention.backend import AttentionMetadata
-from slotrunner.core_runner.attention.triton_attn import default_backend
 from slotrunner.core_runner.config import EngineConfig
-from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.attn_backend import select_attn_backend
 from slotrunner.core_runner.runner.async_output import AsyncOutput, done
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
-from slotrunner.core_runner.runner.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
 from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, copy_kv_blocks
@@ -30,7 +30,7 @@ from slotrunner.core_runner.runner.request_state import RequestState
 from slotrunner.core_runner.sample.logprobs import LogprobsTensors, prompt_logprobs_chunked
 from slotrunner.core_runner.sample.sampler import Sampler, SamplerOutput, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates
-from slotrunner.model_states.interface import CacheSpec, ModelState
+from slotrunner.core_runner.runner.model_state import CacheSpec, ModelState
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,19 @@ class _ExecutedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, model_state_cls: type[ModelState]) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, model_state: ModelState) -> None:
+        assert config.num_kv_blocks is not None, "size the KV cache before building the runner"
         self.config = config
         self.device = config.device
         self.model = model
-        self.model_state = model_state_cls(config, model, self.device)
+        self.model_state = model_state
         self.req_state = RequestState(config.max_num_seqs, config.max_model_len, self.device)
         self.block_tables = BlockTables(
             config.max_num_seqs, config.max_num_blocks_per_req, config.block_size, self.device
         )
         self.sampling_states = SamplingStates(config.max_num_seqs, config.vocab_size, self.device)
         self.sampler = Sampler()
-        self.attn_backend = default_backend(self.device)
+        self.attn_backend = select_attn_backend(self.device)
         self.input_buffers = InputBuffers(
             config.max_num_seqs, config.max_num_batched_tokens, config.max_num_blocks_per_req, self.device
         )
@@ -64,12 +65,21 @@ class ModelRunner:
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: CudaGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and model_state_cls.supports_cuda_graphs:
+        if self.device.type == "cuda" and not config.enforce_eager and model_state.supports_cuda_graphs:
             self.cuda_graphs = CudaGraphs(
                 model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len
             )
             self.cuda_graphs.capture()
         self._executed: _ExecutedStep | None = None
+        # Called after every forward with (batch, hidden [num_tokens, hidden]): the conformance
+        # harness records hidden states here, graphs or not. Empty in serving.
+        self._step_observers: list[Callable[[InputBatch, torch.Tensor], None]] = []
+
+    def add_step_observer(self, observe: Callable[[InputBatch, torch.Tensor], None]) -> Callable[[], None]:
+        """Call `observe(batch, hidden)` after each forward; returns a function that removes it.
+        An observer must not change anything it is shown."""
+        self._step_observers.append(observe)
+        return lambda: self._step_observers.remove(observe)
 
     # -- step, part 1 -----------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -78,18 +88,24 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return
-        batch = self._prepare_batch(sched)
+        graph_size = self._graph_size(sched)  # the one place that decides graph or eager
+        batch = self._prepare_batch(sched, graph_size)
         ms = self.model_state
         ms.preprocess_state(batch)
         family_attn = ms.prepare_attn(batch)
         inputs_embeds = ms.prepare_inputs_embeds(batch)
         extra = ms.prepare_inputs(batch)
-        if self.cuda_graphs is not None and batch.num_reqs_padded in self.cuda_graphs.sizes and batch.max_query_len == 1:
+        if graph_size is not None:
+            # The hooks above ran for their in-place writes to the persistent buffers the graph
+            # captured (supports_cuda_graphs); what they return is those same buffers.
+            assert inputs_embeds is None, f"{type(ms).__name__} supports CUDA graphs but returned inputs_embeds for a decode step"
             hidden = self.cuda_graphs.run(batch)
         else:
-            ctx = ForwardContext(self.attn_backend, AttentionMetadata.from_batch(batch), family_attn)
+            ctx = ForwardContext(self.attn_backend, batch.attn_metadata(), family_attn)
             with torch.inference_mode(), forward_context(ctx):
                 hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
+        for observe in self._step_observers:
+            observe(batch, hidden)
         num_samples = np.array([sched.num_samples.get(r, 1) for r in batch.req_ids], dtype=np.int64)
         self._executed = _ExecutedStep(batch, hidden, num_samples)
 
@@ -203,6 +219,12 @@ class ModelRunner:
             offset += n
         return result
 
+    def discard_step(self) -> None:
+        """Forget a step that execute_model began and sample_tokens will not finish (the engine
+        recovers from an exception in either): the next execute_model starts clean. The slots
+        of the step's requests are freed through the next SchedulerOutput, as for any finish."""
+        self._executed = None
+
     # -- helpers ----------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -222,16 +244,19 @@ class ModelRunner:
             self.req_state.num_computed_tokens_np[slot] = cached.num_computed_tokens
         self.block_tables.commit()
 
-    def _prepare_batch(self, sched: SchedulerOutput) -> InputBatch:
+    def _graph_size(self, sched: SchedulerOutput) -> int | None:
+        """The captured batch size a decode-only step replays at, or None: run eagerly."""
+        if self.cuda_graphs is None or any(n != 1 for n in sched.num_scheduled_tokens.values()):
+            return None
+        return self.cuda_graphs.padded_size(len(sched.num_scheduled_tokens))
+
+    def _prepare_batch(self, sched: SchedulerOutput, graph_size: int | None) -> InputBatch:
         req_ids = list(sched.num_scheduled_tokens)
         slots = self.req_state.req_id_to_slot
         idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        padded = None
-        if self.cuda_graphs is not None and (num_scheduled_np == 1).all():
-            padded = self.cuda_graphs.padded_size(len(req_ids))  # decode-only: replay a graph
         return prepare_inputs(
-            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers, padded, padded
+            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers, graph_size, graph_size
         )
 
 

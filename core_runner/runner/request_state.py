@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData
 
 
 class RequestState:
@@ -16,12 +16,11 @@ class RequestState:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
-        self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
         self.req_id_to_slot: dict[str, int] = {}
-        self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
-        # Pop from the end: the lowest free slot is reused first, which keeps live slots dense.
+        # A stack: slots are handed out lowest first at start, and a freed slot is the next one
+        # reused (LIFO), so a light load keeps touching the same few rows of every table.
         self.free_slots: list[int] = list(range(max_num_reqs - 1, -1, -1))
 
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64, device=device)  # [slots, max_model_len]
@@ -41,7 +40,6 @@ class RequestState:
         assert req.prefill_len < self.max_model_len, f"request {req.req_id}: prefill of {req.prefill_len} tokens leaves no room"
         slot = self.free_slots.pop()
         self.req_id_to_slot[req.req_id] = slot
-        self.slot_to_req_id[slot] = req.req_id
         n = req.prefill_len
         self.token_ids[slot, :n] = torch.tensor(req.prefill_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         self.prompt_len_np[slot] = req.prompt_len
@@ -55,7 +53,6 @@ class RequestState:
         slot = self.req_id_to_slot.pop(req_id, None)
         if slot is None:
             return None
-        self.slot_to_req_id[slot] = None
         self.num_tokens_np[slot] = 0
         self.free_slots.append(slot)
         return slot

@@ -8,11 +8,21 @@ the host which stages run: a stage no row uses costs nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What a slot's sampling row is built from (the runner passes its NewRequestData)."""
+
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    bad_words_token_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class SamplingStates:
         self.restricted_np = np.zeros(max_num_reqs, dtype=bool)  # allowed_token_ids
         self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs  # suppressed until min_tokens
 
-    def add_request(self, slot: int, req: NewRequestData) -> None:
+    def add_request(self, slot: int, req: SamplingRequest) -> None:
         p = req.sampling_params
         self.temperature_np[slot] = 0.0 if p.greedy else p.temperature
         self.top_k_np[slot] = max(p.top_k, 0)

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec
-from slotrunner.core_runner.runner.forward_context import get_forward_context
+from slotrunner.core_runner.attention.forward_context import get_forward_context
 from slotrunner.core_runner.triton_utils import use_triton
-from slotrunner.model_states.interface import FamilyAttnMetadata
+from slotrunner.core_runner.runner.model_state import FamilyAttnMetadata
 from slotrunner.models.layers.dense_attention import dense_attention
 
 

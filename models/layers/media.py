@@ -1,9 +1,10 @@
 """Media items at intake: reading a user's images and audio, and the per-architecture
-MediaHandler that turns them into the tensors the model's tower takes.
+MediaHandler that turns them into the tensors the model's tower takes (a `MediaItem`,
+models/layers/media_item.py: the one piece a step sees).
 
-A multimodal model class names its handler (`media_handler_cls`); the multimodal ModelState
-uses it at intake, where every mistake must become a clear ValueError. What a user may give as
-one item of `multi_modal_data`:
+A multimodal model class names its handler (`media_handler_cls`); the multimodal family's
+intake (model_states/multimodal_intake.py) uses it, and every mistake must become a clear
+ValueError. What a user may give as one item of `multi_modal_data`:
 
 - "image": a PIL image, a path, encoded bytes, or an HxWxC uint8 array -- preprocessed by the
   processor saved with the model; or pre-computed processor outputs for one image, as a dict
@@ -19,22 +20,13 @@ import abc
 import hashlib
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class MediaItem:
-    """One preprocessed media item of a request."""
-
-    modality: str  # "image" | "audio"
-    data: Mapping[str, torch.Tensor]  # the processor's tensors for this item alone, batch dim first
-    num_tokens: int  # placeholder tokens it fills = rows of its embedding
-    content_hash: str  # of `data`: identical media share one encoder run
+from slotrunner.models.layers.media_item import MediaItem
 
 
 def content_hash(modality: str, data: Mapping[str, torch.Tensor]) -> str:
@@ -78,6 +70,10 @@ class MediaHandler(abc.ABC):
     @abc.abstractmethod
     def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
         """Processor outputs (batched over items) for raw items, without text."""
+
+    def item(self, data: Mapping[str, torch.Tensor]) -> MediaItem:
+        """One item's checked tensors as the MediaItem the tower will encode."""
+        return MediaItem(self.modality, data, self.num_tokens(data), content_hash(self.modality, data))
 
     def check(self, data: Mapping[str, torch.Tensor], index: int) -> None:
         """Raise ValueError if one item's tensors cannot be what the tower takes. Override to

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotrunner.core_runner.runner.forward_context import get_forward_context
-from slotrunner.models.layers.attention import Attention
+from slotrunner.core_runner.attention.forward_context import get_forward_context
+from slotrunner.core_runner.attention.layer import Attention
 
 
 def relative_position_bucket(

@@ -30,7 +30,7 @@ from slotrunner.conformance import (
     single_thread,
     tiny_case,
 )
-from slotrunner.core_runner.runner.forward_context import get_forward_context
+from slotrunner.core_runner.attention.forward_context import get_forward_context
 from slotrunner.models.llama import LlamaForCausalLM
 
 ARCH = "LlamaForCausalLM"

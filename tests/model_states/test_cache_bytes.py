@@ -13,7 +13,7 @@ import torch
 from slotrunner import LLM
 from slotrunner.conformance import build_case
 from slotrunner.registry import tiny_config
-from slotrunner.llm import _default_num_blocks
+from slotrunner.builder import default_num_kv_blocks
 
 
 def _allocated_state_bytes(state) -> int:
@@ -34,13 +34,14 @@ def test_cache_bytes_equal_what_initialize_cache_allocates(arch, tmp_path):
 
 def test_kv_budget_leaves_room_for_the_family_state(tiny_llama_dir):
     from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
-    from slotrunner.llm import _CPU_KV_CACHE_BYTES
+    from slotrunner.builder import _CPU_KV_CACHE_BYTES
 
-    model = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, max_num_seqs=4).engine.runner.model
-    args = (16, torch.float32, torch.device("cpu"), 4, 64)  # block size, dtype, device, max_num_seqs, max_model_len
-    assert _default_num_blocks(model, *args) == 16  # 4 requests x 4 blocks: all of them fit
+    engine = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, max_num_seqs=4).engine
+    model, config = engine.runner.model, engine.config  # block size 16, float32, CPU
+    args = (config,)
+    assert default_num_kv_blocks(model, *args) == 16  # 4 requests x 4 blocks: all of them fit
     per_block = kv_bytes_per_block(model, 16, torch.float32)
     # The family state takes all but 10 blocks' worth of the budget: 10 blocks are left.
-    assert _default_num_blocks(model, *args, reserved_bytes=_CPU_KV_CACHE_BYTES - 10 * per_block) == 10
+    assert default_num_kv_blocks(model, *args, reserved_bytes=_CPU_KV_CACHE_BYTES - 10 * per_block) == 10
     with pytest.raises(ValueError, match="lower max_num_seqs or max_model_len"):
-        _default_num_blocks(model, *args, reserved_bytes=_CPU_KV_CACHE_BYTES - 3 * per_block)  # < one request
+        default_num_kv_blocks(model, *args, reserved_bytes=_CPU_KV_CACHE_BYTES - 3 * per_block)  # < one request

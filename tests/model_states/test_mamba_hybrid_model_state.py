@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slotrunner.model_states.interface import CacheSpec
+from slotrunner.core_runner.runner.model_state import CacheSpec
 from slotrunner.model_states.mamba_hybrid import MambaHybridModelState
 from slotrunner.models.bamba import BambaForCausalLM
 from slotrunner.models.llama import LlamaForCausalLM

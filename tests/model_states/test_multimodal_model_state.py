@@ -19,10 +19,11 @@ import torch
 from slotrunner import LLM, SamplingParams
 from slotrunner.conformance import perturb_constants
 from slotrunner.core_runner.engine.intake import IntakeContext
-from slotrunner.model_states.multimodal import EncoderCache, MultimodalInputs, MultimodalModelState
+from slotrunner.model_states.multimodal import EncoderCache, MultimodalModelState
+from slotrunner.model_states.multimodal_intake import MultimodalInputs
 from slotrunner.models.layers.mrope import MRotaryEmbedding, qwen2_vl_prompt_positions
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
-from slotrunner.registry import tiny_config
+from slotrunner.registry import resolve, tiny_config
 from slotrunner.registry import tiny_configs as tc
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -40,11 +41,16 @@ def png_bytes(img) -> bytes:
     return buf.getvalue()
 
 
+def context(tokenizer, processor, config) -> IntakeContext:
+    """What the engine's intake sees for `config`, with the model class resolved as LLM does."""
+    return IntakeContext(tokenizer, processor, config, 1000, 128, model_cls=resolve(config).model_cls)
+
+
 def intake(arch: str, make_processor) -> IntakeContext:
     """What the engine's intake sees for a tiny model of `arch` (no weights needed)."""
     config = tiny_config(arch)
     processor = make_processor(config)
-    return IntakeContext(processor.tokenizer, processor, config, 1000, 128)
+    return context(processor.tokenizer, processor, config)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +66,7 @@ def audio_ctx() -> IntakeContext:
 @pytest.fixture(scope="module")
 def qwen2_vl_ctx() -> IntakeContext:
     config = tiny_config("Qwen2VLForConditionalGeneration")
-    return IntakeContext(tc.qwen2_vl_tokenizer(), tc.qwen2_vl_image_processor(config), config, 1000, 128)
+    return context(tc.qwen2_vl_tokenizer(), tc.qwen2_vl_image_processor(config), config)
 
 
 def process(ctx: IntakeContext, prompt):
@@ -212,6 +218,22 @@ def test_bad_request_leaves_the_others_unaffected(llava_dir):
     assert [o.request_id for o in outs] == ["good"] and outs[0].outputs[0].token_ids == before[0]
     assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == before
     assert len(llm.engine.runner.model_state.cache) == 0
+
+
+def test_intake_does_not_resolve_the_model_per_request(llava_dir, monkeypatch):
+    """The engine resolves the model class once (IntakeContext.model_cls); intake used to call
+    registry.resolve for every multimodal request to find the media handler."""
+    import slotrunner.registry
+
+    llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("registry.resolve called at request intake")
+
+    monkeypatch.setattr(slotrunner.registry, "resolve", refuse)
+    prompt = {"prompt": "w10 <image> w11", "multi_modal_data": {"image": image(0)}}
+    (out,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_text_only_batches_pay_nothing(llava_dir):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from slotrunner import LLM, registry
-from slotrunner.model_states.interface import ModelState
+from slotrunner.core_runner.runner.model_state import ModelState
 from slotrunner.models.llama import LlamaForCausalLM
 from slotrunner.models.weights import WeightLoadError
 
@@ -140,12 +140,9 @@ def test_a_model_class_without_the_runner_methods_is_named(tmp_path, monkeypatch
 
 
 def test_a_model_state_missing_a_hook_is_named_where_it_is_defined(tmp_path, monkeypatch):
-    with pytest.raises(TypeError, match="Forgetful subclasses ModelState but does not implement: prepare_dummy_inputs"):
+    with pytest.raises(TypeError, match="Forgetful subclasses ModelState but does not implement: add_request"):
 
         class Forgetful(ModelState):
-            def add_request(self, slot, new_request):
-                pass
-
             def remove_request(self, slot):
                 pass
 
@@ -154,14 +151,13 @@ def test_a_model_state_missing_a_hook_is_named_where_it_is_defined(tmp_path, mon
 
     # Registered lazily, the same error comes when the architecture is resolved.
     write_plugin(tmp_path, monkeypatch, "forgetful_state", """
-        from slotrunner.model_states.interface import ModelState
+        from slotrunner.core_runner.runner.model_state import ModelState
         class ForgetfulState(ModelState):
-            def add_request(self, slot, new_request):
+            def remove_request(self, slot):
                 pass
     """, "forgetful_state:ForgetfulState")
     registry.register_model("ForgetfulLlama", LlamaForCausalLM, "forgetful_state:ForgetfulState")
-    with pytest.raises(TypeError, match="ForgetfulState subclasses ModelState but does not implement: "
-                                        "prepare_dummy_inputs, prepare_inputs, remove_request"):
+    with pytest.raises(TypeError, match="ForgetfulState subclasses ModelState but does not implement: add_request"):
         registry.resolve(LlamaConfig(architectures=["ForgetfulLlama"]))
 
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from slotrunner import registry
 from slotrunner.model_states.default import DefaultModelState
-from slotrunner.model_states.interface import ModelInputs, ModelState
+from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
 from slotrunner.models.llama import LlamaForCausalLM
 
 
@@ -65,7 +65,7 @@ def test_register_rejects_non_model_state():
         registry.resolve(config("LazyBad"))
 
 
-def test_resolution_order(monkeypatch):
+def test_resolution_order():
     class Declaring(LlamaForCausalLM):
         model_state_cls = OtherState
 
@@ -73,24 +73,44 @@ def test_resolution_order(monkeypatch):
     assert registry.resolve(config("Declaring")).model_state_cls is OtherState, "model declaration"
     registry.register_model("Explicit", Declaring, DefaultModelState)
     assert registry.resolve(config("Explicit")).model_state_cls is DefaultModelState, "registry entry first"
-    registry.register_model("EncDec", LlamaForCausalLM)
-    cfg = config("EncDec")
-    cfg.is_encoder_decoder = True
-    families = dict(registry.FAMILY_STATES, encoder_decoder=f"{__name__}:OtherState")
-    monkeypatch.setattr(registry, "FAMILY_STATES", families)
-    assert registry.resolve(cfg).model_state_cls is OtherState, "config traits pick the family"
-    families["encoder_decoder"] = "slotrunner.model_states.no_such_family:State"
-    with pytest.raises(registry.UnknownArchitectureError, match="encoder_decoder family"):
-        registry.resolve(cfg)
+    registry.register_model("Plain", LlamaForCausalLM)
+    cfg = config("Plain")
+    cfg.is_encoder_decoder = True  # the config is never sniffed for a family
+    assert registry.resolve(cfg).model_state_cls is DefaultModelState, "default"
+
+
+def test_in_tree_entries_name_their_model_state():
+    """Guards against an in-tree architecture depending on config sniffing for its family."""
+    assert all(entry.model_state for entry in registry.IN_TREE.values())
+
+
+def test_model_protocol_is_checked_at_resolve():
+    """A family's ModelState names what it needs of the model; a model class lacking a member is
+    refused when the architecture resolves, with the member's name, not inside a step."""
+    from typing import Protocol
+
+    class NeedsEncode(Protocol):
+        def encode(self, x): ...
+
+    class StrictState(DefaultModelState):
+        model_protocol = NeedsEncode
+
+    class WithEncode(LlamaForCausalLM):
+        def encode(self, x):
+            return x
+
+    registry.register_model("Lacking", LlamaForCausalLM, StrictState)
+    with pytest.raises(TypeError, match="lacks encode, which StrictState requires"):
+        registry.resolve(config("Lacking"))
+    registry.register_model("Having", WithEncode, StrictState)
+    assert registry.resolve(config("Having")).model_state_cls is StrictState
 
 
 def test_model_state_missing_hook_is_named():
-    with pytest.raises(TypeError, match="does not implement: prepare_dummy_inputs, prepare_inputs"):
+    """Every hook has a default except add_request, which carries the preemption rule."""
+    with pytest.raises(TypeError, match="does not implement: add_request"):
 
         class Incomplete(ModelState):
-            def add_request(self, slot, new_request):
-                pass
-
             def remove_request(self, slot):
                 pass
 

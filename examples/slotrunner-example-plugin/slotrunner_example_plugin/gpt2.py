@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
-from slotrunner.models.layers.attention import Attention
+from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.weights import WeightLoader
 

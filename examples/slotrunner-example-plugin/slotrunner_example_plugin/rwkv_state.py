@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from slotrunner.model_states.interface import CacheSpec, ModelInputs, ModelState
+from slotrunner.core_runner.runner.model_state import CacheSpec, ModelInputs, ModelState
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
-    from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+    from slotrunner.core_runner.runner.scheduler_output import NewRequestData
     from slotrunner.core_runner.runner.input_batch import InputBatch
 
 # The WKV exponent offset of an empty state: exp(offset - anything) underflows to 0.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slotrunner.model_states.interface import FamilyAttnMetadata
+from slotrunner.core_runner.runner.model_state import FamilyAttnMetadata
 
 
 @dataclass(frozen=True)

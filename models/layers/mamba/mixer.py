@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotrunner.core_runner.runner.forward_context import get_forward_context
+from slotrunner.core_runner.attention.forward_context import get_forward_context
 from slotrunner.models.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from slotrunner.models.layers.mamba.gated_norm import GatedRMSNorm
 from slotrunner.models.layers.mamba.metadata import MambaMetadata

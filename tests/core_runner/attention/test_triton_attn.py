@@ -27,7 +27,8 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
 from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
-from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend, default_backend
+from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend
+from slotrunner.core_runner.runner.attn_backend import select_attn_backend
 from slotrunner.core_runner.triton_utils import use_triton
 
 SMALL_TILES = TileConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16)
@@ -139,7 +140,7 @@ def compare(case: Case, device: str = "cpu") -> None:
 
 def check_against_reference() -> None:
     """Run in the interpreter subprocess: every case, failures collected with their names."""
-    assert use_triton(torch.device("cpu")) and isinstance(default_backend(torch.device("cpu")), TritonBackend)
+    assert use_triton(torch.device("cpu")) and isinstance(select_attn_backend(torch.device("cpu")), TritonBackend)
     failures = []
     for case in CASES:
         start = time.perf_counter()
@@ -212,7 +213,7 @@ def test_default_backend_on_cpu():
         expected = TritonBackend
     else:
         expected = CpuBackend if native_unavailable_reason() is None else TorchRefBackend
-    assert type(default_backend(cpu)) is expected
+    assert type(select_attn_backend(cpu)) is expected
 
 
 def test_tile_config_rejects_small_tiles():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
-from slotrunner.core_runner.engine.scheduler_output import SchedulerOutput
+from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
 from slotrunner.sampling_params import SamplingParams
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from slotrunner import LLM, SamplingParams
 from slotrunner.core_runner.loader.model_loader import load_model
+from slotrunner.registry import resolve
 from slotrunner.core_runner.loader.source import open_model
 from slotrunner.models.weights import WeightLoadError
 
@@ -93,11 +94,11 @@ def test_unexpected_tensor_is_named(tiny_llama_dir, tmp_path):
 
 def test_dtype_choice_and_random_weights(tiny_llama_dir):
     source = open_model(tiny_llama_dir, torch.bfloat16)
-    model, _ = load_model(source.hf_config, source.weights, torch.bfloat16, CPU)
+    model = load_model(resolve(source.hf_config).model_cls, source.hf_config, source.weights, torch.bfloat16, CPU)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     source = open_model(tiny_llama_dir, torch.float32)
-    dummy, _ = load_model(source.hf_config, source.weights, torch.float32, CPU, load_format="dummy")
-    real = dict(load_model(source.hf_config, source.weights, torch.float32, CPU)[0].named_parameters())
+    dummy = load_model(resolve(source.hf_config).model_cls, source.hf_config, source.weights, torch.float32, CPU, load_format="dummy")
+    real = dict(load_model(resolve(source.hf_config).model_cls, source.hf_config, source.weights, torch.float32, CPU).named_parameters())
     for name, p in dummy.named_parameters():
         assert torch.isfinite(p).all() and not torch.equal(p, real[name]), name
     out = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", max_model_len=32).generate(PROMPT, GREEDY, use_tqdm=False)

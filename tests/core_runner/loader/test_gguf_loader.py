@@ -17,7 +17,8 @@ gguf = pytest.importorskip("gguf")
 from slotrunner.core_runner.cpu.native import native_unavailable_reason  # noqa: E402
 from slotrunner.core_runner.cpu.packed import PackedWeight  # noqa: E402
 from slotrunner.core_runner.loader import gguf_loader  # noqa: E402
-from slotrunner.core_runner.loader.gguf_loader import default_model_path, read_gguf  # noqa: E402
+from slotrunner.core_runner.loader.gguf_loader import default_model_path  # noqa: E402
+from slotrunner.registry import read_gguf  # noqa: E402
 from slotrunner.models import llama_gguf  # noqa: E402
 from slotrunner.models.llama_gguf import GGUFCheckpoint, unpermute_rotary_rows  # noqa: E402
 

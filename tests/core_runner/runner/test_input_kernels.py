@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData
 from slotrunner.core_runner.runner import input_kernels as ik
 from slotrunner.core_runner.runner import sampled_token_kernels as sk
 from slotrunner.core_runner.runner.block_table import BlockTables

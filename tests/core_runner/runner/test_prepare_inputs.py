@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState

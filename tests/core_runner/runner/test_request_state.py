@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData
 from slotrunner.core_runner.runner.request_state import RequestState
 from slotrunner.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ def test_slot_reuse_after_finish():
     assert d == b, "the freed slot is reused"
     assert state.token_ids[d, :2].tolist() == [9, 8]
     assert state.num_tokens_np[d] == 2 and state.prefill_len_np[d] == 2
-    assert state.slot_to_req_id[d] == "d" and state.req_id_to_slot["a"] == a
+    assert state.req_id_to_slot["d"] == d and state.req_id_to_slot["a"] == a
 
 
 def test_resumed_request_keeps_prefill_len_above_prompt_len():

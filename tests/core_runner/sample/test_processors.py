@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData
 from slotrunner.core_runner.runner.request_state import RequestState
 from slotrunner.core_runner.sample.sampler import Sampler, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData
 from slotrunner.core_runner.sample.filters import apply_top_k_top_p_min_p
 from slotrunner.core_runner.sample.gumbel import gumbel_noise_ref, uniform_noise_ref
 from slotrunner.core_runner.sample.sampler import Sampler

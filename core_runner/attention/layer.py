@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
-from slotrunner.core_runner.runner.forward_context import get_forward_context
+from slotrunner.core_runner.attention.forward_context import get_forward_context
 
 
 class Attention(nn.Module):

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
-from slotrunner.model_states.interface import FamilyAttnMetadata
+from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, FamilyAttnMetadata
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from slotrunner.core_runner.attention.backend import FamilyAttnMetadata
 from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType, process_text_prompt
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
-    from slotrunner.core_runner.engine.scheduler_output import NewRequestData
+    from slotrunner.core_runner.runner.scheduler_output import NewRequestData
     from slotrunner.core_runner.runner.input_batch import InputBatch
 
 
@@ -53,13 +54,6 @@ class ModelInputs:
 
 
 @dataclass(frozen=True)
-class FamilyAttnMetadata:
-    """Base for family attention metadata that the common attention metadata lacks
-    (cross-attention lengths, Mamba prefill flags, state indices). Layers of the family read it
-    from the forward context as `ctx.family_attn`."""
-
-
-@dataclass(frozen=True)
 class CacheSpec:
     """What `initialize_cache` learns about the allocated KV cache."""
 
@@ -72,8 +66,9 @@ class CacheSpec:
 class ModelState(abc.ABC):
     """Runner-side state of one model family, one row per slot.
 
-    Subclasses must implement the four abstract hooks; the others default to doing nothing and
-    are overridden where the family needs them.
+    Subclasses implement `add_request` (it carries the preemption rule: everything a slot holds
+    must be rebuilt from NewRequestData alone); every other hook defaults to doing nothing and is
+    overridden where the family needs it.
     """
 
     # Human-readable family name, shown by `python -m slotrunner models`.
@@ -89,6 +84,10 @@ class ModelState(abc.ABC):
     # (persistent buffers the hooks rewrite in place): a graph replays the capture's tensors,
     # not the step's.
     supports_cuda_graphs: ClassVar[bool] = False
+    # What the family requires of its model beyond forward / compute_logits / load_weights: a
+    # `typing.Protocol` declared beside the state. The registry checks a model class against it
+    # when the architecture is resolved, naming any missing member (`missing_members`).
+    model_protocol: ClassVar[type | None] = None
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         """Called once, after the model is built and loaded. Allocate per-slot tables sized by
@@ -132,7 +131,6 @@ class ModelState(abc.ABC):
         (recurrent state reset, positions recomputed). Runs on the host before inputs are built;
         may stage small device writes but must not run the model."""
 
-    @abc.abstractmethod
     def remove_request(self, slot: int) -> None:
         """Called when the request in `slot` finishes, is aborted or is preempted. Free family
         state; the slot may be handed to another request in the same step."""
@@ -151,21 +149,30 @@ class ModelState(abc.ABC):
         placeholder positions, or None to let the model embed `batch.input_ids` itself."""
         return None
 
-    @abc.abstractmethod
     def prepare_inputs(self, batch: InputBatch) -> ModelInputs:
-        """Called every forward: typed extra model inputs for this batch."""
+        """Called every forward: typed extra model inputs for this batch (default: none)."""
+        return ModelInputs()
 
     def prepare_dummy_attn(self, num_reqs: int) -> FamilyAttnMetadata | None:
         """Called for CUDA-graph capture of a decode batch of `num_reqs` rows: the family
         attention metadata over the persistent buffers `prepare_attn` rewrites every step."""
         return None
 
-    @abc.abstractmethod
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> ModelInputs:
         """Called for warm-up and CUDA-graph capture: extra inputs of the right shapes, with no
-        live requests behind them."""
+        live requests behind them (default: none, as `prepare_inputs`)."""
+        return ModelInputs()
 
     def postprocess_state(self, batch: InputBatch, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> None:
         """Called after sampling. `num_sampled` [num_reqs] tokens were sampled per row, of which
         `num_rejected` [num_reqs] were rejected drafts: advance recurrent state by accepted tokens
         only. Runs on device; must not synchronize."""
+
+
+def missing_members(protocol: type, cls: type) -> list[str]:
+    """Members `protocol` declares (methods, properties, annotated attributes) that `cls` lacks.
+    Checked on the class, before any instance exists: an attribute a model sets only in its
+    `__init__` must be declared as a class attribute (or property) to pass."""
+    declared = set(getattr(protocol, "__annotations__", {}))
+    declared |= {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return sorted(n for n in declared if not hasattr(cls, n))

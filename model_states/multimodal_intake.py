@@ -1,0 +1,199 @@
+"""Multimodal intake: a prompt with `multi_modal_data` -> token ids with placeholder spans and media items.
+
+The model class's MediaHandler (`media_handler_cls`, read from `IntakeContext.model_cls`, which
+the engine resolves once) reads each item; the processor saved with the model preprocesses it
+and, for a text prompt, expands each placeholder into one token per embedding row. Each item
+becomes a `MediaItem` with its placeholder span and a content hash. Every mistake raises
+ValueError here, per request, before the request is queued.
+
+`MultimodalInputs` travels with the request (`NewRequestData.family_inputs`) to
+`MultimodalModelState.add_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from slotrunner.core_runner.engine.intake import (
+    TEXT_FIELDS,
+    FamilyInputs,
+    IntakeContext,
+    ProcessedPrompt,
+    PromptType,
+    check_fields,
+    text_to_token_ids,
+    validate_token_ids,
+)
+from slotrunner.models.layers.media import MediaHandler
+from slotrunner.models.layers.media_item import MediaItem
+
+MEDIA_FIELD = "multi_modal_data"
+
+
+@dataclass(frozen=True)
+class MultimodalInputs(FamilyInputs):
+    """A request's media: item k fills prompt positions offsets[k] .. offsets[k] + num_tokens."""
+
+    items: tuple[MediaItem, ...]
+    offsets: tuple[int, ...]
+
+
+def process_multimodal_prompt(prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
+    """Text or token ids, plus the model's media in `multi_modal_data`; no media: a plain prompt."""
+    fields = check_fields(prompt, TEXT_FIELDS | {MEDIA_FIELD})
+    handler = media_handler(ctx)
+    text, token_ids = fields.get("prompt"), fields.get("prompt_token_ids")
+    if text is None and token_ids is None:
+        raise ValueError("prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    read = [handler.read(item, i) for i, item in enumerate(_media_list(fields.get(MEDIA_FIELD), handler))]
+    precomputed = [isinstance(r, dict) for r in read]
+    if not all(precomputed) and ctx.processor is None:
+        raise ValueError(
+            f"this model has no processor saved with it (preprocessor_config.json or processor_config.json): "
+            f"give each {handler.modality} as pre-computed tensors {list(handler.data_keys)}"
+        )
+    if read and token_ids is None and not any(precomputed) and _is_full_processor(ctx.processor):
+        token_ids, datas = _process_text(text, read, handler, ctx)
+    else:
+        if token_ids is None:
+            token_ids = text_to_token_ids(text, ctx)
+        token_ids = validate_token_ids(token_ids, ctx) if not read else _int_list(token_ids)
+        datas = _preprocess(read, handler, ctx.processor)
+        token_ids = _expand(token_ids, handler, [handler.num_tokens(d) for d in datas])
+    items = tuple(handler.item(d) for d in datas)
+    offsets = _placeholder_offsets(token_ids, handler, items)
+    token_ids = validate_token_ids(token_ids, ctx)
+    return ProcessedPrompt(text, token_ids, MultimodalInputs(items, offsets) if items else None)
+
+
+def media_handler(ctx: IntakeContext) -> MediaHandler:
+    """The MediaHandler of the engine's model class (resolved once, carried by the context)."""
+    model_cls = ctx.model_cls
+    assert model_cls is not None, "IntakeContext.model_cls is unset: multimodal intake reads the model's media_handler_cls"
+    handler_cls = getattr(model_cls, "media_handler_cls", None)
+    assert handler_cls is not None, f"{model_cls.__name__} is served by the multimodal family but names no media_handler_cls"
+    return handler_cls(ctx.hf_config)
+
+
+def _media_list(mm: Any, handler: MediaHandler) -> list[Any]:
+    if mm is None:
+        return []
+    if not isinstance(mm, Mapping):
+        example = f"{{'{handler.modality}': item or [items]}}"
+        raise ValueError(f"'{MEDIA_FIELD}' must be a dict like {example}, got {type(mm).__name__}")
+    unknown = set(mm) - {handler.modality}
+    if unknown:
+        named = ", ".join(sorted(map(str, unknown)))
+        raise ValueError(f"this model takes no {named} input; '{MEDIA_FIELD}' takes '{handler.modality}'")
+    items = mm.get(handler.modality)
+    if items is None:
+        return []
+    is_list = isinstance(items, (list, tuple)) and not _is_waveform_with_rate(items)
+    return list(items) if is_list else [items]
+
+
+def _is_waveform_with_rate(x: Any) -> bool:
+    """(waveform, sampling_rate) is one audio item, not a list of two."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (int, float)) and not isinstance(x[1], bool)
+
+
+def _is_full_processor(processor: Any) -> bool:
+    """A transformers processor that also tokenizes (and so expands placeholders in text)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    return isinstance(processor, ProcessorMixin) and getattr(processor, "tokenizer", None) is not None
+
+
+def _int_list(token_ids: Any) -> list[int]:
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError("prompt_token_ids must be a list of ints")
+    token_ids = list(token_ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise ValueError("prompt_token_ids must be a list of ints")
+    return token_ids
+
+
+def _process_text(
+    text: Any, read: list[Any], handler: MediaHandler, ctx: IntakeContext
+) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
+    """Tokenize, expand placeholders and preprocess in one call to the model's processor."""
+    processor = ctx.processor
+    if not isinstance(text, str) or not text:
+        raise ValueError("'prompt' must be a non-empty string")
+    mark = processor.tokenizer.convert_ids_to_tokens(handler.placeholder_id)
+    if text.count(mark) != len(read):
+        raise ValueError(
+            f"prompt has {text.count(mark)} {mark!r} placeholder(s) for {len(read)} {handler.modality}(s): "
+            f"write one {mark!r} where each {handler.modality} goes"
+        )
+    media = handler.processor_inputs(read, processor)
+    kwargs = {handler.processor_kwarg: media, **handler.processor_kwargs(processor)}
+    try:
+        out = processor(text=[text], return_tensors="pt", **kwargs)
+    except (ValueError, TypeError, OSError, IndexError) as e:
+        raise ValueError(f"the model's processor rejected the prompt or its {handler.modality}(s): {e}") from None
+    datas = handler.split(out, len(read))
+    for i, d in enumerate(datas):
+        handler.check(d, i)
+    return out["input_ids"][0].tolist(), datas
+
+
+def _preprocess(read: list[Any], handler: MediaHandler, processor: Any) -> list[dict[str, torch.Tensor]]:
+    """Each item's tensors: raw items through the processor's media part, pre-computed as given."""
+    raw = [i for i, r in enumerate(read) if not isinstance(r, dict)]
+    datas: list[Any] = list(read)
+    if raw:
+        media = handler.processor_inputs([read[i] for i in raw], processor)
+        try:
+            out = handler.preprocess(media, processor)
+        except (ValueError, TypeError, OSError, IndexError) as e:
+            raise ValueError(f"the model's processor rejected the {handler.modality}(s): {e}") from None
+        for i, d in zip(raw, handler.split(out, len(raw))):
+            datas[i] = d
+    for i, d in enumerate(datas):
+        handler.check(d, i)
+    return datas
+
+
+def _expand(token_ids: list[int], handler: MediaHandler, counts: list[int]) -> list[int]:
+    """Token ids with one placeholder per item expanded to the item's token count; ids that
+    already hold every placeholder token are kept."""
+    pid = handler.placeholder_id
+    found = token_ids.count(pid)
+    if not counts or found == sum(counts):
+        return token_ids
+    if found != len(counts):
+        what = handler.modality
+        raise ValueError(
+            f"prompt has {found} {what} placeholder token(s) (id {pid}) for {len(counts)} {what}(s) of {counts} "
+            f"tokens: give one placeholder per {what}, or exactly {sum(counts)} (already expanded)"
+        )
+    out: list[int] = []
+    it = iter(counts)
+    for t in token_ids:
+        out.extend([pid] * next(it) if t == pid else [t])
+    return out
+
+
+def _placeholder_offsets(token_ids: list[int], handler: MediaHandler, items: Sequence[MediaItem]) -> tuple[int, ...]:
+    """Where each item's span starts: items fill the placeholder tokens in order, each a run."""
+    what, pid = handler.modality, handler.placeholder_id
+    where = np.flatnonzero(np.asarray(token_ids) == pid)
+    if not items and where.size:
+        raise ValueError(f"prompt holds {where.size} {what} placeholder token(s) (id {pid}) but no {what} was given")
+    needed = sum(it.num_tokens for it in items)
+    if where.size != needed:
+        raise ValueError(f"prompt holds {where.size} {what} placeholder tokens (id {pid}); its {what}(s) fill {needed}")
+    offsets, k = [], 0
+    for i, item in enumerate(items):
+        run = where[k : k + item.num_tokens]
+        if run[-1] - run[0] != item.num_tokens - 1:
+            raise ValueError(f"the placeholder tokens of {what} {i} are not contiguous")
+        offsets.append(int(run[0]))
+        k += item.num_tokens
+    return tuple(offsets)
