@@ -22,7 +22,7 @@ load_weights: `hf_config`, `encode(encoder_input) -> [encoder_len, hidden]` for 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -55,10 +55,23 @@ def max_decoder_len(hf_config: Any) -> int | None:
 
 # -- the family state -----------------------------------------------------------------------
 
+class EncoderDecoderModel(Protocol):
+    """What EncoderDecoderModelState requires of the model, checked when the architecture is
+    resolved (`model_protocol`). Besides these the model keeps its `hf_config` and has
+    `CrossAttention` layers, whose caches the state allocates."""
+
+    def encode(self, encoder_input: torch.Tensor) -> torch.Tensor:  # token ids [n] or features -> [encoder_len, hidden]
+        ...
+
+    def store_cross_kv(self, slot: int, encoder_hidden: torch.Tensor) -> None:  # writes the slot's cross K/V
+        ...
+
+
 class EncoderDecoderModelState(ModelState):
     """Text encoder-decoders (BART, T5): the encoder input is a token prompt."""
 
     family = "encoder-decoder"
+    model_protocol = EncoderDecoderModel
     # Decoder K/V depend on the encoder input through cross-attention: blocks keyed by decoder
     # tokens alone must not be shared. (Forked parallel samples could share them -- same
     # encoder input -- but decoder prompts are a few tokens and the encoder runs per slot

@@ -13,7 +13,8 @@ M-RoPE models (`model.uses_mrope`): `add_request` computes the prompt's [3, prom
 positions and its delta; `prepare_inputs` hands the model `mrope_positions` [3, num_tokens] --
 stored positions inside the prompt, `position + delta` on all axes after it.
 
-The family's model contract is documented in models/multimodal_lm.py.
+What the state calls on its model is `MultimodalModel` below (models/multimodal_lm.py is the
+in-tree base that provides it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -30,12 +31,32 @@ from torch import nn
 from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType
 from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
 from slotrunner.model_states.multimodal_intake import MultimodalInputs, process_multimodal_prompt
+from slotrunner.models.layers.media import MediaHandler
 from slotrunner.models.layers.media_item import MediaItem
 
 if TYPE_CHECKING:
     from slotrunner.core_runner.config import EngineConfig
     from slotrunner.core_runner.runner.scheduler_output import NewRequestData
     from slotrunner.core_runner.runner.input_batch import InputBatch
+
+
+class MultimodalModel(Protocol):
+    """What MultimodalModelState and its intake require of the model, checked when the
+    architecture is resolved (`model_protocol`)."""
+
+    media_handler_cls: ClassVar[type[MediaHandler]]  # how intake reads the model's media
+    uses_mrope: ClassVar[bool]  # forward takes mrope_positions [3, num_tokens]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        ...
+
+    def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:  # one [item.num_tokens, hidden] each
+        ...
+
+    def mrope_prompt_positions(
+        self, prompt_len: int, items: Sequence[MediaItem], offsets: Sequence[int]
+    ) -> tuple[torch.Tensor, int]:  # ([3, prompt_len] positions, delta after the prompt); only with uses_mrope
+        ...
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,7 @@ class _SlotMedia:
 
 class MultimodalModelState(ModelState):
     family = "multimodal"
+    model_protocol = MultimodalModel
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)

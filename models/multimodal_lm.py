@@ -1,7 +1,8 @@
 """MultimodalLM: the shell of a model that feeds media embeddings into a Llama-family language model.
 
 A subclass builds its towers and projector beside `self.language_model` and implements
-`encode_media`. What the multimodal ModelState relies on (the family's model contract):
+`encode_media`. What the multimodal ModelState relies on (the family's model contract, declared
+as the `MultimodalModel` protocol in model_states/multimodal.py and checked at resolve time):
 
 - `media_handler_cls`: how intake reads the media (see layers/media.py);
 - `uses_mrope`: forward takes `mrope_positions` [3, num_tokens], and `mrope_prompt_positions`
@@ -72,6 +73,12 @@ class MultimodalLM(nn.Module):
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
         """One embedding [item.num_tokens, hidden] per item, in order; items may be batched."""
         raise NotImplementedError
+
+    def mrope_prompt_positions(
+        self, prompt_len: int, items: Sequence[MediaItem], offsets: Sequence[int]
+    ) -> tuple[torch.Tensor, int]:
+        """[3, prompt_len] positions and the delta after the prompt; called only with uses_mrope."""
+        raise NotImplementedError(f"{type(self).__name__} sets uses_mrope but does not compute M-RoPE positions")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
         return self.language_model.compute_logits(hidden)

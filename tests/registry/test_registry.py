@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from slotrunner import registry
@@ -144,3 +145,29 @@ def test_plugin_entry_point_is_discovered(tmp_path, monkeypatch):
     assert "PluginLlama" in registry.supported_architectures()
     assert registry.resolve(config("PluginLlama")).model_cls is LlamaForCausalLM
     sys.modules.pop("my_plugin", None)
+
+
+def test_in_tree_families_declare_their_model_protocol():
+    """The encoder-decoder and multimodal states name what they call on their models, and every
+    in-tree model of those families passes the check (a missing method fails at resolve)."""
+    from slotrunner.model_states.encoder_decoder import EncoderDecoderModel, EncoderDecoderModelState
+    from slotrunner.model_states.multimodal import MultimodalModel, MultimodalModelState
+
+    assert EncoderDecoderModelState.model_protocol is EncoderDecoderModel
+    assert MultimodalModelState.model_protocol is MultimodalModel
+    for arch in registry.IN_TREE:
+        registry.resolve(registry.tiny_config(arch), arch)
+
+    class NoStore(torch.nn.Module):
+        def compute_logits(self, hidden):
+            return hidden
+
+        def load_weights(self, weights):
+            return set()
+
+        def encode(self, x):
+            return x
+
+    registry.register_model("NoStore", NoStore, EncoderDecoderModelState)
+    with pytest.raises(TypeError, match="lacks store_cross_kv, which EncoderDecoderModelState requires"):
+        registry.resolve(config("NoStore"))
