@@ -8,15 +8,14 @@ MLP. Checkpoint names follow transformers: `model.layers.{i}.mamba.*` or `.self_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
+from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention, LlamaMLP
-from slotrunner.models.weights import WeightLoader
+from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
 
 
 def mixer_args(c: object) -> Mamba2MixerArgs:
@@ -47,56 +46,15 @@ class BambaDecoderLayer(nn.Module):
         return self.feed_forward(x), residual
 
 
-class BambaModel(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
-        args = LlamaArgs.from_hf(c)
-        mamba = mixer_args(c)
-        attn_layers = set(getattr(c, "attn_layer_indices", None) or ())
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(args, mamba, i, i in attn_layers) for i in range(c.num_hidden_layers)
-        )
-        self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+class BambaForCausalLM(CausalLM):
+    merged = QKV_SHARDS | GATE_UP_SHARDS
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.final_layernorm(x, residual)
-        return x
-
-
-class BambaForCausalLM(nn.Module):
     def __init__(self, hf_config: object) -> None:
-        super().__init__()
-        self.model = BambaModel(hf_config)
-        if bool(getattr(hf_config, "tie_word_embeddings", False)):
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden.to(weight.dtype), weight)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = WeightLoader(self, merged={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-            ".feed_forward.gate_proj.": (".feed_forward.gate_up_proj.", "gate"),
-            ".feed_forward.up_proj.": (".feed_forward.gate_up_proj.", "up"),
-        })  # fmt: skip
-        return loader.load(weights)
+        c = hf_config
+        args, mamba = LlamaArgs.from_hf(c), mixer_args(c)
+        attn_layers = set(getattr(c, "attn_layer_indices", None) or ())
+        layers = (BambaDecoderLayer(args, mamba, i, i in attn_layers) for i in range(c.num_hidden_layers))
+        norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        names = StackNames(final_norm="final_layernorm")
+        stack = DecoderStack(names, c.vocab_size, c.hidden_size, layers, norm, residual_in_norm=True)
+        super().__init__(stack, args.tie_word_embeddings)

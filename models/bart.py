@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
@@ -24,6 +23,8 @@ from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.cross_attention import CrossAttention
 from slotrunner.models.layers.dense_attention import dense_attention
 from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.linear import Linear
+from slotrunner.models.layers.lm_head import vocab_logits
 from slotrunner.models.layers.weight_aliases import resolve_aliases, share_equal_parameters
 from slotrunner.models.weights import WeightLoader
 
@@ -215,7 +216,7 @@ class BartForConditionalGeneration(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.model = BartModel(hf_config)
-        self.lm_head = nn.Linear(hf_config.d_model, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.d_model, hf_config.vocab_size, bias=False)
         # A buffer in transformers, but stored in checkpoints: loaded like a weight.
         self.final_logits_bias = nn.Parameter(torch.zeros(1, hf_config.vocab_size))
 
@@ -234,7 +235,7 @@ class BartForConditionalGeneration(nn.Module):
         return self.model.decoder(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, d_model] -> [rows, vocab]
-        return F.linear(hidden, self.lm_head.weight) + self.final_logits_bias
+        return vocab_logits(hidden, self.lm_head) + self.final_logits_bias
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         enc, dec, shared = "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "model.shared.weight"

@@ -17,18 +17,18 @@ Checkpoint names: `model.layers.{i}.mamba.*`, `.self_attn.*`, `.feed_forward.*`,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.hf_act import hf_activation
-from slotrunner.models.layers.linear import MergedLinear
+from slotrunner.models.layers.linear import Linear, MergedLinear
+from slotrunner.models.layers.lm_head import LogitScale
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention
-from slotrunner.models.weights import WeightLoader
+from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
 
 
 def _intermediate(c: object) -> int:
@@ -45,8 +45,8 @@ def mup_vector(c: object) -> torch.Tensor:  # [in_proj out features]
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, c.ssm_multipliers)])
 
 
-class ScaledLinear(nn.Linear):
-    """nn.Linear whose output is multiplied per feature by a fixed (non-checkpoint) vector."""
+class ScaledLinear(Linear):
+    """Linear whose output is multiplied per feature by a fixed (non-checkpoint) vector."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scale: torch.Tensor) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -92,7 +92,7 @@ class FalconH1Mixer(MambaMixer2):
         self.norm = FalconOutputGate(
             a.intermediate_size, a.n_groups, a.norm_eps, bool(c.mamba_rms_norm), bool(c.mamba_norm_before_gate)
         )
-        self.out_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=bool(c.projectors_bias))
+        self.out_proj = Linear(a.intermediate_size, a.hidden_size, bias=bool(c.projectors_bias))
 
 
 class FalconH1Attention(LlamaAttention):
@@ -115,7 +115,7 @@ class FalconH1MLP(nn.Module):
         sizes = {"gate": c.intermediate_size, "up": c.intermediate_size}
         self.gate_up_proj = MergedLinear(c.hidden_size, sizes, bias=bias)
         self.act = hf_activation(c.hidden_act)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=bias)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=bias)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in c.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,52 +145,18 @@ class FalconH1DecoderLayer(nn.Module):
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 
-class FalconH1Model(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
-        args = LlamaArgs.from_hf(c)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(FalconH1DecoderLayer(c, args, i) for i in range(c.num_hidden_layers))
-        self.final_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.embedding_multiplier = float(c.embedding_multiplier)
+class FalconH1ForCausalLM(CausalLM):
+    """Given `inputs_embeds` are taken as they are: `embedding_multiplier` scales lookups only."""
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
-    ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embedding_multiplier if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.final_layernorm(h)
+    merged = QKV_SHARDS | GATE_UP_SHARDS
 
-
-class FalconH1ForCausalLM(nn.Module):
     def __init__(self, hf_config: object) -> None:
-        super().__init__()
-        self.model = FalconH1Model(hf_config)
-        if bool(getattr(hf_config, "tie_word_embeddings", False)):
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.lm_head_multiplier = float(hf_config.lm_head_multiplier)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]; embedding_multiplier not applied
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden.to(weight.dtype), weight) * self.lm_head_multiplier
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = WeightLoader(self, merged={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-            ".feed_forward.gate_proj.": (".feed_forward.gate_up_proj.", "gate"),
-            ".feed_forward.up_proj.": (".feed_forward.gate_up_proj.", "up"),
-        })  # fmt: skip
-        return loader.load(weights)
+        c = hf_config
+        args = LlamaArgs.from_hf(c)
+        layers = (FalconH1DecoderLayer(c, args, i) for i in range(c.num_hidden_layers))
+        norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        names = StackNames(final_norm="final_layernorm")
+        stack = DecoderStack(
+            names, c.vocab_size, c.hidden_size, layers, norm, embedding_multiplier=float(c.embedding_multiplier)
+        )
+        super().__init__(stack, args.tie_word_embeddings, LogitScale(multiplier=float(c.lm_head_multiplier)))

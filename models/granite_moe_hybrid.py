@@ -20,13 +20,16 @@ import torch
 from torch import nn
 
 from slotrunner.models.bamba import mixer_args
+from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.core_runner.attention.layer import Attention
+from slotrunner.models.layers.linear import Linear
+from slotrunner.models.layers.lm_head import LogitScale
 from slotrunner.models.layers.mamba.mixer import MambaMixer2
 from slotrunner.models.layers.moe import StackedExperts, softmax_topk
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention
-from slotrunner.models.weights import WeightLoader
+from slotrunner.models.weights import QKV_SHARDS
 
 
 class GraniteAttention(LlamaAttention):
@@ -68,9 +71,9 @@ class GraniteMoE(nn.Module):
 class SharedMLP(nn.Module):
     def __init__(self, c: object) -> None:
         super().__init__()
-        self.input_linear = nn.Linear(c.hidden_size, 2 * c.shared_intermediate_size, bias=False)
+        self.input_linear = Linear(c.hidden_size, 2 * c.shared_intermediate_size, bias=False)
         self.act = GatedAct(c.hidden_act)
-        self.output_linear = nn.Linear(c.shared_intermediate_size, c.hidden_size, bias=False)
+        self.output_linear = Linear(c.shared_intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_linear(self.act(self.input_linear(x)))
@@ -102,53 +105,26 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return h + out * self.residual_multiplier
 
 
-class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
+class GraniteMoeHybridForCausalLM(CausalLM):
+    merged = QKV_SHARDS
+
+    def __init__(self, hf_config: object) -> None:
+        c = hf_config
         args = LlamaArgs.from_hf(c)
         kinds = list(c.layer_types)
         unknown = set(kinds) - {"linear_attention", "full_attention", "mamba", "attention"}
         if unknown:
             raise ValueError(f"GraniteMoeHybrid: layer types {sorted(unknown)} are not supported")
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
+        layers = (
             GraniteMoeHybridDecoderLayer(c, args, i, kinds[i] in ("full_attention", "attention"))
             for i in range(c.num_hidden_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.embedding_multiplier = float(c.embedding_multiplier)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
-    ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h = h * self.embedding_multiplier
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
-
-
-class GraniteMoeHybridForCausalLM(nn.Module):
-    def __init__(self, hf_config: object) -> None:
-        super().__init__()
-        self.model = GraniteMoeHybridModel(hf_config)
-        if bool(getattr(hf_config, "tie_word_embeddings", False)):
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.logits_scaling = float(hf_config.logits_scaling)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden.to(weight.dtype), weight) / self.logits_scaling
+        norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        stack = DecoderStack(
+            StackNames(), c.vocab_size, c.hidden_size, layers, norm,
+            embedding_multiplier=float(c.embedding_multiplier), multiply_inputs_embeds=True,
+        )  # fmt: skip
+        super().__init__(stack, args.tie_word_embeddings, LogitScale(divisor=float(c.logits_scaling)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         renames = {
@@ -163,9 +139,4 @@ class GraniteMoeHybridForCausalLM(nn.Module):
                         name = name[: -len(old)] + new
                 yield name, tensor
 
-        loader = WeightLoader(self, merged={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-        })  # fmt: skip
-        return loader.load(renamed())
+        return super().load_weights(renamed())

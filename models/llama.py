@@ -6,7 +6,6 @@ Qwen2, q/k RMSNorm for Qwen3, sliding windows for Mistral and `layer_types`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +14,12 @@ from torch import nn
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.core_runner.attention.layer import Attention
-from slotrunner.models.layers.linear import Linear, MergedLinear, VocabEmbedding
+from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
+from slotrunner.models.layers.linear import Linear, MergedLinear
 from slotrunner.models.layers.mrope import MRotaryEmbedding
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
-from slotrunner.models.weights import WeightLoader
+from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
 
 
 @dataclass(frozen=True)
@@ -152,61 +152,20 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Serves LlamaForCausalLM and MistralForCausalLM; Qwen2/Qwen3 subclasses set two flags."""
 
     qkv_bias: bool | None = None  # None: follow the config's `attention_bias`
     qk_norm: bool = False
+    merged = QKV_SHARDS | GATE_UP_SHARDS
 
     def __init__(self, hf_config: object) -> None:
-        super().__init__()
-        self.args = LlamaArgs.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
-        self.model = LlamaModel(self.args)
-        if self.args.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        if self.lm_head is None:
-            return self.model.embed_tokens.as_head(hidden)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = WeightLoader(self, merged={
-            ".q_proj.": (".qkv_proj.", "q"),
-            ".k_proj.": (".qkv_proj.", "k"),
-            ".v_proj.": (".qkv_proj.", "v"),
-            ".gate_proj.": (".gate_up_proj.", "gate"),
-            ".up_proj.": (".gate_up_proj.", "up"),
-        })
-        return loader.load(weights)
+        args = LlamaArgs.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        layers = (LlamaDecoderLayer(args, i) for i in range(args.num_layers))
+        norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        stack = DecoderStack(StackNames(), args.vocab_size, args.hidden_size, layers, norm, residual_in_norm=True)
+        super().__init__(stack, args.tie_word_embeddings)
+        self.args = args
 
 
 class MistralForCausalLM(LlamaForCausalLM):

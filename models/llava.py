@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from slotrunner.models.layers.clip import CLIPVisionTower
+from slotrunner.models.layers.hf_act import Act
 from slotrunner.models.layers.media import ImageHandler, MediaItem
 from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
-from slotrunner.models.layers.tower_ops import Act
+from slotrunner.models.weights import QKV_SHARDS
 
 
 def _feature_layers(hf_config: Any) -> list[int]:
@@ -92,4 +93,4 @@ class LlavaForConditionalGeneration(MultimodalLM):
         return list(self.multi_modal_projector(features).unbind(0))
 
     def tower_merged_weights(self) -> dict[str, tuple[str, str]]:
-        return {f".self_attn.{p}_proj.": (".self_attn.qkv_proj.", p) for p in "qkv"}
+        return QKV_SHARDS

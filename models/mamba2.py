@@ -11,9 +11,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from slotrunner.models.causal_lm import MAMBA_NAMES, CausalLM, DecoderStack
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2, parse_time_step_limit
 from slotrunner.models.layers.norm import RMSNorm
-from slotrunner.models.weights import WeightLoader
 
 
 def mixer_args(c: object) -> Mamba2MixerArgs:
@@ -41,50 +41,25 @@ class Mamba2Block(nn.Module):
         self.mixer = MambaMixer2(args, layer_idx)
         self.residual_in_fp32 = residual_in_fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         residual = x.float() if self.residual_in_fp32 else x
         return residual + self.mixer(self.norm(x.to(self.norm.weight.dtype)))
 
 
-class Mamba2Backbone(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
+class Mamba2ForCausalLM(CausalLM):
+    """Positions go unused: the state carries the order."""
+
+    def __init__(self, hf_config: object) -> None:
+        c = hf_config
         args = mixer_args(c)
         residual_in_fp32 = bool(getattr(c, "residual_in_fp32", True))
-        self.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Mamba2Block(args, i, residual_in_fp32) for i in range(c.num_hidden_layers))
-        self.norm_f = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
-
-    def forward(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
-        x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm_f(x)
-
-
-class Mamba2ForCausalLM(nn.Module):
-    def __init__(self, hf_config: object) -> None:
-        super().__init__()
-        self.backbone = Mamba2Backbone(hf_config)
-        if bool(getattr(hf_config, "tie_word_embeddings", False)):
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]; unused: the state carries the order
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.backbone(input_ids, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        weight = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden.to(weight.dtype), weight)
+        layers = (Mamba2Block(args, i, residual_in_fp32) for i in range(c.num_hidden_layers))
+        norm = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
+        stack = DecoderStack(MAMBA_NAMES, c.vocab_size, c.hidden_size, layers, norm)
+        super().__init__(stack, bool(getattr(c, "tie_word_embeddings", False)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return WeightLoader(self).load(_renamed(weights))
+        return super().load_weights(_renamed(weights))
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

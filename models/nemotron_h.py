@@ -22,14 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotrunner.models.causal_lm import MAMBA_NAMES, CausalLM, DecoderStack
 from slotrunner.models.granite_moe_hybrid import GraniteAttention
 from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.moe import StackedExperts, sigmoid_topk, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.rotary import RopeConfig
 from slotrunner.models.llama import LlamaArgs
-from slotrunner.models.weights import WeightLoader
+from slotrunner.models.weights import QKV_SHARDS
 
 _KINDS = {
     "linear_attention": "mamba",
@@ -85,8 +87,8 @@ def attention_args(c: object) -> LlamaArgs:
 class NemotronHMLP(nn.Module):
     def __init__(self, c: object, intermediate_size: int) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(c.hidden_size, intermediate_size, bias=bool(c.mlp_bias))
-        self.down_proj = nn.Linear(intermediate_size, c.hidden_size, bias=bool(c.mlp_bias))
+        self.up_proj = Linear(c.hidden_size, intermediate_size, bias=bool(c.mlp_bias))
+        self.down_proj = Linear(intermediate_size, c.hidden_size, bias=bool(c.mlp_bias))
         self.act = hf_activation(c.mlp_hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,49 +150,21 @@ class NemotronHBlock(nn.Module):
         return h + x
 
 
-class NemotronHModel(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
+class NemotronHForCausalLM(CausalLM):
+    merged = QKV_SHARDS  # not gate/up: the MLPs' `up_proj` stays a plain Linear
+
+    def __init__(self, hf_config: object) -> None:
+        c = hf_config
         unknown = set(c.layers_block_type) - set(_KINDS)
         if unknown:
             raise ValueError(
                 f"NemotronH: block types {sorted(unknown)} are not supported (supported: {sorted(_KINDS)})"
             )
         args = attention_args(c)
-        self.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(c, args, i) for i in range(len(c.layers_block_type)))
-        self.norm_f = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
-    ) -> torch.Tensor:
-        h = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm_f(h)
-
-
-class NemotronHForCausalLM(nn.Module):
-    def __init__(self, hf_config: object) -> None:
-        super().__init__()
-        self.backbone = NemotronHModel(hf_config)
-        self.num_experts = getattr(hf_config, "n_routed_experts", 0)
-        if bool(getattr(hf_config, "tie_word_embeddings", False)):
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.backbone(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        weight = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden.to(weight.dtype), weight)
+        layers = (NemotronHBlock(c, args, i) for i in range(len(c.layers_block_type)))
+        norm = RMSNorm(c.hidden_size, c.layer_norm_epsilon)
+        super().__init__(DecoderStack(MAMBA_NAMES, c.vocab_size, c.hidden_size, layers, norm), args.tie_word_embeddings)
+        self.num_experts = getattr(c, "n_routed_experts", 0)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
@@ -200,9 +174,4 @@ class NemotronHForCausalLM(nn.Module):
                 yield name.replace(".mixer.experts.down_proj", ".mixer.experts.w_out"), tensor
 
         per_expert = {"up_proj.weight": ("w_in", 0), "down_proj.weight": ("w_out", 0)}
-        loader = WeightLoader(self, merged={
-            ".mixer.q_proj.": (".mixer.qkv_proj.", "q"),
-            ".mixer.k_proj.": (".mixer.qkv_proj.", "k"),
-            ".mixer.v_proj.": (".mixer.qkv_proj.", "v"),
-        })  # fmt: skip
-        return loader.load(stack_per_expert(renamed(), ".mixer.experts.", per_expert, self.num_experts))
+        return super().load_weights(stack_per_expert(renamed(), ".mixer.experts.", per_expert, self.num_experts))

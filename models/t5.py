@@ -12,13 +12,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.models.layers.cross_attention import CrossAttention
 from slotrunner.models.layers.dense_attention import dense_attention
 from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.linear import Linear
+from slotrunner.models.layers.lm_head import vocab_logits
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.relative_position import BiasedAttention, RelativePositionBias
 from slotrunner.models.layers.weight_aliases import resolve_aliases, share_equal_parameters
@@ -200,7 +201,7 @@ class T5ForConditionalGeneration(nn.Module):
         self.args = T5Args.from_hf(hf_config)
         self.encoder = T5Stack(self.args, is_decoder=False)
         self.decoder = T5Stack(self.args, is_decoder=True)
-        self.lm_head = nn.Linear(self.args.d_model, self.args.vocab_size, bias=False)
+        self.lm_head = Linear(self.args.d_model, self.args.vocab_size, bias=False)
 
     def encode(self, token_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, d_model]
         enc = self.encoder
@@ -223,7 +224,7 @@ class T5ForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, d_model] -> [rows, vocab]
         if self.args.scale_decoder_outputs:
             hidden = hidden * self.args.d_model**-0.5
-        return F.linear(hidden, self.lm_head.weight)
+        return vocab_logits(hidden, self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         enc, dec = "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"

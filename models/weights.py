@@ -18,6 +18,14 @@ from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.models.layers.linear import MergedLinear
 
 
+# WeightLoader's `merged` maps for the usual fusions: checkpoint q/k/v -> one `qkv_proj`, gate/up
+# -> one `gate_up_proj` (MergedLinear shards). A name matches anywhere in a tensor's name, so
+# they serve `model.layers.{i}.self_attn.*` and `backbone.layers.{i}.mixer.*` alike; combine
+# them with `|`. (A model whose other modules say `up_proj`, NemotronH's MLPs, takes QKV alone.)
+QKV_SHARDS: dict[str, tuple[str, str]] = {f".{p}_proj.": (".qkv_proj.", p) for p in ("q", "k", "v")}
+GATE_UP_SHARDS: dict[str, tuple[str, str]] = {f".{p}_proj.": (".gate_up_proj.", p) for p in ("gate", "up")}
+
+
 class WeightLoadError(ValueError):
     pass
 

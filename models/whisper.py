@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.models.bart import DecoderLayer, EncoderLayer, stack_args, store_cross_kv
+from slotrunner.models.layers.linear import Linear
+from slotrunner.models.layers.lm_head import vocab_logits
 from slotrunner.models.layers.weight_aliases import resolve_aliases, share_equal_parameters
 from slotrunner.models.weights import WeightLoader
 
@@ -70,7 +72,7 @@ class WhisperForConditionalGeneration(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.model = WhisperModel(hf_config)
-        self.proj_out = nn.Linear(hf_config.d_model, hf_config.vocab_size, bias=False)
+        self.proj_out = Linear(hf_config.d_model, hf_config.vocab_size, bias=False)
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # [mel, frames] -> [positions, d_model]
         return self.model.encoder(features)
@@ -87,7 +89,7 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.model.decoder(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, d_model] -> [rows, vocab]
-        return F.linear(hidden, self.proj_out.weight)
+        return vocab_logits(hidden, self.proj_out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         embed = "model.decoder.embed_tokens.weight"

@@ -1,4 +1,6 @@
-"""Gated activations on a fused [gate | up] projection: act(gate) * up.
+"""Gated activations on a fused [gate | up] projection: act(gate) * up, for any activation of
+the one name table (`hf_act.py`); the kernel computes the three of `_KERNEL_ACTS`, the
+reference every other.
 
 `_gated_act_kernel` (Triton, one program per token row and block of channels) -> `gated_act()`
 (dispatch) -> `gated_act_ref()` (the torch specification, and what runs where Triton does not).
@@ -14,12 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
+from slotrunner.models.layers.hf_act import gelu_tanh, hf_activation
 
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-_ACT_IDS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}  # the kernel's ACT constexpr
+# The kernel's ACT constexpr, by the table's function: every name of one function runs it.
+_KERNEL_ACTS = {F.silu: 0, F.gelu: 1, gelu_tanh: 2}
 _BLOCK = 1024
 
 
@@ -28,7 +31,7 @@ def gated_act_ref(
     act: str,
 ) -> torch.Tensor:  # [..., d]
     gate, up = x.chunk(2, dim=-1)
-    return _ACTS[act](gate) * up
+    return hf_activation(act)(gate) * up
 
 
 if HAS_TRITON:
@@ -72,12 +75,12 @@ if HAS_TRITON:
 
 def gated_act(
     x: torch.Tensor,  # [..., 2 * d]: gate | up
-    act: str,  # a key of _ACTS
+    act: str,  # a name of hf_act's table
 ) -> torch.Tensor:  # [..., d], new
-    """act(gate) * up in one launch where Triton runs, the torch reference elsewhere."""
-    assert act in _ACTS, f"activation {act!r} not in {sorted(_ACTS)}"
+    """act(gate) * up in one launch where Triton runs and knows `act`, the torch reference elsewhere."""
     assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} is not gate | up"
-    if not use_triton(x.device) or x.numel() == 0:
+    kernel_act = _KERNEL_ACTS.get(hf_activation(act))
+    if kernel_act is None or not use_triton(x.device) or x.numel() == 0:
         return gated_act_ref(x, act)
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
@@ -89,7 +92,7 @@ def gated_act(
         x2.stride(0),
         out,
         d,
-        ACT=_ACT_IDS[act],
+        ACT=kernel_act,
         LIBDEVICE=not TRITON_INTERPRET,
         BLOCK=block,
         enable_fp_fusion=False,  # no fma: each product rounded
@@ -102,8 +105,7 @@ class GatedAct(nn.Module):
 
     def __init__(self, act: str) -> None:
         super().__init__()
-        if act not in _ACTS:
-            raise ValueError(f"activation {act!r} is not supported (supported: {sorted(_ACTS)})")
+        hf_activation(act)  # ValueError here, at build time, for a name the table lacks
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from slotrunner.models.layers.linear import MergedLinear
-from slotrunner.models.layers.tower_ops import Act, tower_attention
+from slotrunner.models.layers.tower_ops import TowerMLP, tower_attention
 
 
 class CLIPAttention(nn.Module):
@@ -27,24 +27,13 @@ class CLIPAttention(nn.Module):
         return self.out_proj(tower_attention(q, k, v, self.head_dim**-0.5))
 
 
-class CLIPMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = Act(act)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class CLIPEncoderLayer(nn.Module):
     def __init__(self, c: Any) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.self_attn = CLIPAttention(c.hidden_size, c.num_attention_heads)
         self.layer_norm2 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.mlp = CLIPMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        self.mlp = TowerMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

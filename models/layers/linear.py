@@ -1,6 +1,7 @@
 """Linear layers: `Linear` (whose weight may stay packed in GGUF blocks on a CPU), the fused
 `MergedLinear` (qkv, gate_up: several checkpoint tensors in one weight) and `VocabEmbedding`
-(an embedding that can also serve as the tied output head)."""
+(the token embedding, packed or dense; `lm_head.py` multiplies by its table when the output
+head is tied to it)."""
 
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ class MergedLinear(Linear):
 
 
 class VocabEmbedding(nn.Embedding):
-    """Token embedding that also computes logits when the output head is tied to it. Loaded
-    packed, it keeps only the packed table: a lookup dequantizes the rows it reads (exactly the
-    float32 rows of the dense table), and a tied head multiplies it in the native kernel."""
+    """Token embedding. Loaded packed, it keeps only the packed table: a lookup dequantizes the
+    rows it reads (exactly the float32 rows of the dense table), and a head tied to it
+    (`lm_head.vocab_logits`) multiplies the table in the native kernel."""
 
     packed: PackedWeight | None = None
 
@@ -98,8 +99,3 @@ class VocabEmbedding(nn.Embedding):
             return super().forward(input_ids)
         rows = self.packed.select_rows(input_ids.reshape(-1)).dequantize()
         return rows.view(*input_ids.shape, rows.shape[-1])
-
-    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        if self.packed is not None:
-            return packed_linear(hidden, self.packed)
-        return nn.functional.linear(hidden, self.weight)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotrunner.models.layers.tower_ops import Act, tower_attention
+from slotrunner.models.layers.hf_act import Act
+from slotrunner.models.layers.tower_ops import tower_attention
 
 
 def audio_output_lengths(num_frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.models.layers.rotary import _rotate
-from slotrunner.models.layers.tower_ops import Act, tower_attention
+from slotrunner.models.layers.tower_ops import TowerMLP, tower_attention
 
 
 class VisionRotary(nn.Module):
@@ -60,24 +60,13 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs))
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = Act(act)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, c: Any) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(c.embed_dim, eps=1e-6)
         self.attn = VisionAttention(c.embed_dim, c.num_heads)
         self.norm2 = nn.LayerNorm(c.embed_dim, eps=1e-6)
-        self.mlp = VisionMLP(c.embed_dim, int(c.embed_dim * c.mlp_ratio), c.hidden_act)
+        self.mlp = TowerMLP(c.embed_dim, int(c.embed_dim * c.mlp_ratio), c.hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frame_lens: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, frame_lens)

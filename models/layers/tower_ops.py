@@ -1,4 +1,5 @@
-"""Ops shared by the media towers (CLIP, Qwen2-VL vision, Qwen2-Audio encoder).
+"""Ops shared by the media towers (CLIP, Qwen2-VL vision, Qwen2-Audio encoder): their attention
+and their MLP.
 
 A tower sees one whole media item at a time, so its attention is non-causal and needs no KV
 cache: plain scaled-dot-product attention over the item's tokens, per head.
@@ -10,31 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
+from slotrunner.models.layers.hf_act import Act
 
 
-_ACTS = {
-    "gelu": F.gelu,
-    "quick_gelu": _quick_gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
+class TowerMLP(nn.Module):
+    """fc2(act(fc1(x))): the MLP of a ViT block (CLIP, Qwen2-VL vision), checkpoint names `fc1`, `fc2`."""
 
-
-class Act(nn.Module):
-    """An activation by its Hugging Face name (`hidden_act` / `activation_function`)."""
-
-    def __init__(self, name: str) -> None:
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if name not in _ACTS:
-            raise ValueError(f"activation {name!r} is not supported by the media towers (supported: {sorted(_ACTS)})")
-        self.fn = _ACTS[name]
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = Act(act)
+        self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        return self.fc2(self.act(self.fc1(x)))
 
 
 def tower_attention(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.forward_context import get_forward_context
+from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from slotrunner.models.layers.mamba.gated_norm import GatedRMSNorm
 from slotrunner.models.layers.mamba.metadata import MambaMetadata
@@ -108,14 +109,14 @@ class MambaMixer2(nn.Module):
         self.args = args
         self.layer_idx = layer_idx
         a = args
-        self.in_proj = nn.Linear(a.hidden_size, a.intermediate_size + a.conv_dim + a.num_heads, bias=a.use_bias)
+        self.in_proj = Linear(a.hidden_size, a.intermediate_size + a.conv_dim + a.num_heads, bias=a.use_bias)
         # Holds the depthwise taps under the checkpoint's names; the forward uses the kernels.
         self.conv1d = nn.Conv1d(a.conv_dim, a.conv_dim, a.conv_kernel, groups=a.conv_dim, bias=a.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(a.num_heads))
         self.A_log = nn.Parameter(torch.empty(a.num_heads))
         self.D = nn.Parameter(torch.empty(a.num_heads))
         self.norm = GatedRMSNorm(a.intermediate_size, a.intermediate_size // a.n_groups, a.norm_eps)
-        self.out_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.use_bias)
+        self.out_proj = Linear(a.intermediate_size, a.hidden_size, bias=a.use_bias)
         # Per-slot pools, bound by MambaHybridModelState.initialize_cache.
         self.conv_state: torch.Tensor | None = None  # [max_num_seqs, conv_dim, conv_kernel - 1]
         self.ssm_state: torch.Tensor | None = None  # [max_num_seqs, num_heads, head_dim, state_size] float32

@@ -11,6 +11,7 @@ gguf = pytest.importorskip("gguf")
 from slotrunner.core_runner.cpu.native import native_unavailable_reason  # noqa: E402
 from slotrunner.core_runner.cpu.packed import PackedWeight  # noqa: E402
 from slotrunner.models.layers.linear import Linear, MergedLinear, VocabEmbedding  # noqa: E402
+from slotrunner.models.layers.lm_head import vocab_logits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
 
@@ -66,4 +67,4 @@ def test_packed_embedding_looks_up_and_serves_as_head() -> None:
     ids = torch.tensor([[3, 39, 3], [0, 7, 21]])
     assert torch.equal(emb(ids), weight.dequantize()[ids])  # the dense table's rows, exactly
     hidden = torch.randn(2, 64)
-    torch.testing.assert_close(emb.as_head(hidden), hidden @ weight.dequantize().T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vocab_logits(hidden, emb), hidden @ weight.dequantize().T, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,52 @@
+"""The LM head: logits from the final hidden states, the one place any model computes them.
+
+The vocabulary table is a [vocab, hidden] weight -- the model's own output matrix (`lm_head`, a
+`Linear`), or the token embedding (`VocabEmbedding`) when the head is tied to it -- held dense,
+or packed in GGUF blocks on a CPU (the native kernel then multiplies it). A family's logit
+scalars (`LogitScale`) follow, applied as transformers applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slotrunner.core_runner.cpu.packed import packed_linear
+from slotrunner.models.layers.linear import Linear, VocabEmbedding
+
+
+@dataclass(frozen=True)
+class LogitScale:
+    """Logits times `multiplier` (FalconH1's `lm_head_multiplier`), then divided by `divisor`
+    (Granite's `logits_scaling`). Two fields rather than one factor: a division by 1.5 and a
+    product with 1 / 1.5 round differently, and each family rounds as its transformers model."""
+
+    multiplier: float = 1.0
+    divisor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.divisor == 0:
+            raise ValueError("logit divisor (logits_scaling) must not be 0")
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        return logits
+
+
+def vocab_logits(
+    hidden: torch.Tensor,  # [rows, hidden]
+    table: Linear | VocabEmbedding,  # [vocab, hidden]: the output matrix, or the tied embedding
+    scale: LogitScale = LogitScale(),
+) -> torch.Tensor:  # [rows, vocab]
+    """hidden @ table.T, scaled. Hidden states in another dtype than a dense table (Mamba2 keeps
+    its residual stream in float32) are cast to the table's, as transformers' head does."""
+    if table.packed is not None:
+        logits = packed_linear(hidden, table.packed)
+    else:
+        logits = F.linear(hidden.to(table.weight.dtype), table.weight)
+    return scale.apply(logits)
