@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from slotrunner.builder import EngineArgs, build_engine
 from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES
-from slotrunner.core_runner.engine.intake import PromptType
+from slotrunner.core_runner.engine.engine import StepFailedError
+from slotrunner.core_runner.engine.intake import PromptType, tokenize
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
 
@@ -41,6 +43,9 @@ class LLM:
             dequantizes them elsewhere; "packed" raises ValueError where packing cannot run (GPU, not float32, no
             C compiler); "dequantized" always dequantizes to `dtype`. Checkpoints without
             quantized matrices load the same under every mode.
+
+    One LLM may be shared by threads: `generate`, `chat` and `stream` take a lock around each
+    engine call, so concurrent callers are served step by step, each getting its own outputs.
     """
 
     def __init__(
@@ -61,6 +66,18 @@ class LLM:
         async_scheduling: bool | None = None,
         quantized_weights: str = "auto",
     ) -> None:
+        _check_engine_args(
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            cuda_graph_sizes=cuda_graph_sizes,
+            async_scheduling=async_scheduling,
+        )
         args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -83,6 +100,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
         self.last_stream_output: RequestOutput | None = None
+        # Several consumers (generate calls of several threads, open streams) share the engine;
+        # each engine step serves all of them. See _collect.
+        self._lock = threading.RLock()
+        self._owned: set[str] = set()  # request ids a generate() or stream() is waiting for
+        self._outbox: dict[str, RequestOutput] = {}  # newest output of an owned request, kept for its consumer
+        self._errors: dict[str, StepFailedError] = {}  # why an owned request failed in another consumer's step
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
@@ -96,54 +119,41 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         Every prompt is validated before any runs: a bad one raises ValueError naming its index
-        and nothing is generated, so a call either runs all its prompts or none.
+        and nothing is generated, so a call either runs all its prompts or none. A call that
+        ends early for any other reason -- a step failing its requests (StepFailedError, which
+        names them and chains the cause), Ctrl-C -- aborts its own requests and leaves the
+        engine ready for the next call; requests of other callers carry on.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
-        req_ids = [f"req-{next(self._counter)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for i, (req_id, prompt, sp) in enumerate(zip(req_ids, prompts, params)):
-                try:
-                    self.engine.add_request(req_id, prompt, sp)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
-                added.append(req_id)
-        except ValueError:
-            for req_id in added:
-                self.engine.abort_request(req_id)
-            raise
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        req_ids = self._add_requests(prompts, params)
         return self._run(req_ids, use_tqdm and len(prompts) > 1)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate one prompt, yielding text as it is produced (each piece once). The final
-        RequestOutput is kept in `self.last_stream_output`."""
-        req_id = f"req-{next(self._counter)}"
-        self.engine.add_request(req_id, prompt, sampling_params or SamplingParams())
+        RequestOutput is kept in `self.last_stream_output`.
+
+        Other generate() and stream() calls may run while a stream is open: each keeps the
+        others' outputs for them. A request aborted from outside (`engine.abort_request`) ends
+        the stream with finish_reason "abort"; one that failed in a step raises StepFailedError.
+        Closing the stream early aborts its request.
+        """
+        params = SamplingParams() if sampling_params is None else sampling_params
+        [req_id] = self._add_requests([prompt], [params], name_prompts=False)
         shown = 0
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id != req_id:
-                        continue
+                for out in self._collect({req_id}, final_only=False):
                     text = out.outputs[0].text
                     if len(text) > shown:
                         yield text[shown:]
                         shown = len(text)
                     if out.finished:
                         self.last_stream_output = out
+                        self._raise_if_failed(out)
                         return
         finally:
-            self.engine.abort_request(req_id)  # a no-op once finished; frees it if the caller stopped early
+            self._release([req_id])  # aborts it if the caller stopped early
 
     def chat(
         self,
@@ -155,7 +165,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
         list of conversations, rendered with the model's chat template."""
-        prompts = [self.render_chat(c, chat_template, add_generation_prompt) for c in _conversations(messages)]
+        prompts = []
+        for i, conversation in enumerate(_conversations(messages)):
+            try:
+                prompts.append(self.render_chat(conversation, chat_template, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(
@@ -170,30 +185,179 @@ class LLM:
         for i, m in enumerate(conversation):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        text = tok.apply_chat_template(
-            list(conversation), chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+            content = m["content"]
+            if not isinstance(content, str) and not (isinstance(content, list) and all(isinstance(p, Mapping) for p in content)):
+                raise ValueError(
+                    f"message {i}: 'content' must be a string (or a list of content-part dicts), got {type(content).__name__}"
+                )
+        try:
+            text = tok.apply_chat_template(
+                list(conversation), chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # the template is third-party code (Jinja): any type
+            raise ValueError(f"the chat template could not render the conversation: {type(e).__name__}: {e}") from e
         # The template writes the special tokens itself: tokenizing must not add a second BOS.
-        return {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}
+        return {"prompt": text, "prompt_token_ids": tokenize(tok, text, False, "rendered chat")}
+
+    def _add_requests(self, prompts: list[Any], params: list[Any], name_prompts: bool = True) -> list[str]:
+        """Queue every prompt or none: whatever is raised while adding (a ValueError naming the
+        prompt, or anything else), the prompts added before it are aborted."""
+        added: list[str] = []
+        with self._lock:  # another thread's step must not start on half of this call's prompts
+            try:
+                for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                    req_id = f"req-{next(self._counter)}"
+                    try:
+                        self.engine.add_request(req_id, prompt, sp)
+                    except ValueError as e:
+                        if not name_prompts:
+                            raise
+                        raise ValueError(f"prompt {i}: {e}") from None
+                    added.append(req_id)
+                    self._owned.add(req_id)
+            except BaseException:
+                self._release(added)
+                raise
+        return added
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        waiting = set(req_ids)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(req_ids), desc="Generating", unit="req", dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step(final_only=True):
+            while waiting:
+                for out in self._collect(waiting, final_only=True):
                     if out.finished:
+                        self._raise_if_failed(out)
                         finished[out.request_id] = out
+                        waiting.discard(out.request_id)
                         if bar is not None:
                             bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
+            self._release(req_ids)  # a no-op for finished requests; aborts the rest after an exception
         return [finished[r] for r in req_ids]
+
+    def _collect(self, mine: Collection[str], final_only: bool) -> list[RequestOutput]:
+        """The next outputs of the caller's requests `mine`: those kept for it while another
+        consumer stepped, else one engine step's. The step's outputs of requests that other
+        consumers own are kept for them (newest only: outputs are cumulative); outputs of
+        requests nobody owns any more are dropped.
+
+        A step failure that names none of `mine` is recorded for the owners of the requests
+        it names, and the caller carries on.
+        """
+        with self._lock:
+            kept = [self._outbox.pop(r) for r in list(self._outbox) if r in mine]
+            if kept:
+                return kept
+            if not self.engine.has_unfinished_requests():
+                # Stepping an idle engine would spin: say so instead.
+                raise RuntimeError(f"request(s) {sorted(mine)} are no longer in the engine and their outputs never came")
+            try:
+                outputs = self.engine.step(final_only)
+            except StepFailedError as e:
+                for r in e.request_ids:
+                    if r in self._owned and r not in mine:
+                        self._errors[r] = e
+                if any(r in mine for r in e.request_ids):
+                    raise
+                return []
+            result = []
+            for out in outputs:
+                if out.request_id in mine:
+                    result.append(out)
+                elif out.request_id in self._owned:
+                    self._outbox[out.request_id] = out
+            return result
+
+    def _raise_if_failed(self, out: RequestOutput) -> None:
+        """A request that ended in another consumer's failed step: raise that failure here too."""
+        with self._lock:
+            error = self._errors.pop(out.request_id, None)
+        if error is not None:
+            raise error
+
+    def _release(self, req_ids: Collection[str]) -> None:
+        """The caller is done with `req_ids`: abort those still running and forget them."""
+        with self._lock:
+            for r in req_ids:
+                self._owned.discard(r)
+                self._outbox.pop(r, None)
+                self._errors.pop(r, None)
+                self.engine.abort_request(r, report=False)
+            if not self._owned and not self.engine.scheduler.has_unfinished_requests():
+                # Async scheduling leaves the last step in flight after its requests finished;
+                # with no consumer left, settle it now so the engine is idle between calls.
+                while self.engine.has_unfinished_requests():
+                    self._collect(frozenset(), final_only=True)
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt or a list of them, as a list (each is checked at intake)."""
+    if prompts is None:
+        raise ValueError("generate needs a prompt or a list of prompts, got None")
+    if isinstance(prompts, (str, bytes, Mapping)) or not hasattr(prompts, "__iter__"):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_list(sampling_params: Any, num_prompts: int) -> list[Any]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts: give one, or one per prompt")
+    return params
+
+
+def _check_engine_args(**args: Any) -> None:
+    """Types and ranges of LLM's engine arguments, checked before anything is loaded: a wrong
+    one raises ValueError naming it (instead of a TypeError or ZeroDivisionError later)."""
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        value = args[name]
+        if value is None and name not in ("max_num_seqs", "block_size"):
+            continue  # sized from the model or the memory
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    seed = args["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be an int (64-bit), got {seed!r}")
+    if not isinstance(args["enforce_eager"], bool):
+        raise ValueError(f"enforce_eager must be True or False, got {args['enforce_eager']!r}")
+    if args["async_scheduling"] is not None and not isinstance(args["async_scheduling"], bool):
+        raise ValueError(f"async_scheduling must be True, False or None, got {args['async_scheduling']!r}")
+    sizes = args["cuda_graph_sizes"]
+    if isinstance(sizes, str) or not isinstance(sizes, Sequence) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes
+    ):
+        raise ValueError(f"cuda_graph_sizes must be a list of positive ints, got {sizes!r}")
+    _check_device(args["device"])
+
+
+def _check_device(device: Any) -> None:
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r} but no CUDA GPU is available (torch.cuda.is_available() is False): use device='cpu'"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
 
 
 def _conversations(messages: Any) -> list[Sequence[Mapping[str, Any]]]:

@@ -2,15 +2,94 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy
 MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for
+# The n samples of a request are drawn in one step from its last prompt row copied n times
+# (n x vocab logits at once): a cap keeps that step's memory bounded.
+MAX_N = 1024
+_LOGIT_BIAS_LIMIT = 100.0  # vLLM (and OpenAI) clamp each bias into [-100, 100]
+# Counts and ids live in int64 tables of the runner: a larger value would overflow mid-step.
+INT64_MAX = 2**63 - 1
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def _int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> int:
+    """`value` as a Python int in [minimum, maximum], or ValueError naming the option."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+def _float(name: str, value: Any) -> float:
+    """`value` as a finite Python float (NaN and infinities are never a meaningful setting)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    # Truthiness would read "no" as True: only real booleans (numpy's included) are allowed.
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def _token_ids(name: str, value: Any) -> list[int]:
+    """A list or set of token ids (each an int in [0, INT64_MAX]); a set comes out sorted."""
+    is_set = isinstance(value, AbstractSet)
+    if not is_set and (isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence)):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r} ({type(value).__name__})")
+    ids = [_int(f"{name}[{i}]", t, 0) for i, t in enumerate(value)]
+    return sorted(ids) if is_set else ids
+
+
+def _strings(name: str, value: Any) -> list[str]:
+    """One string or a list of them, as a list of non-empty strings."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r} ({type(value).__name__})")
+    if not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{name} must be non-empty strings, got {value!r}")
+    return list(value)
+
+
+def _logprobs(name: str, value: Any) -> int | None:
+    """None, a count in [0, MAX_LOGPROBS], or a bool: True means 1 (the top token), False None."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return 1
+    return _int(name, value, 0, MAX_LOGPROBS)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias}; keys may be ints or int strings (OpenAI's JSON), biases are clamped to
+    [-100, 100] like vLLM's."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+    bias = {}
+    for key, val in value.items():
+        if isinstance(key, str) and key.strip().lstrip("+").isdigit():
+            key = int(key)
+        token = _int("logit_bias key", key, 0)
+        bias[token] = min(max(_float(f"logit_bias[{token}]", val), -_LOGIT_BIAS_LIMIT), _LOGIT_BIAS_LIMIT)
+    return bias
 
 
 @dataclass
@@ -23,8 +102,14 @@ class SamplingParams:
     (multiplicative, > 1 discourages tokens seen in prompt or output), `frequency_penalty` and
     `presence_penalty` (additive, over output tokens only). `logprobs=k` returns the sampled
     token's log-probability plus the top k; `prompt_logprobs=k` the same for every prompt token.
-    Invalid values raise `ValueError` when the object is built, so a bad request never reaches
-    the engine.
+    Invalid values raise `ValueError` naming the option when the object is built, and again
+    when it is submitted (the engine re-runs `validate()` on its own copy, so an object changed
+    after construction is checked too): a bad request never reaches a step.
+
+    Normalised like vLLM: `stop` and `bad_words` become lists (a string is one entry),
+    `seed=-1` means unseeded, `logprobs=True` means 1 (and False none), `logit_bias` keys may
+    be int strings and biases are clamped to [-100, 100]. Token ids are checked against the
+    model's vocabulary at submission, where it is known.
     """
 
     n: int = 1
@@ -48,62 +133,63 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int: -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and range and normalise it in place; raises ValueError
+        naming the option. Idempotent: the engine calls it again at submission."""
+        self.n = _int("n", self.n, 1, MAX_N)
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        self.top_k = _int("top_k", self.top_k, -1)  # -1 and 0 disable it; above the vocabulary it keeps all
+        self.top_p = _float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.min_p = _float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, -(2**63))
+            if self.seed == -1:
+                self.seed = None  # vLLM's spelling of "no seed"
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            value = _float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
-            if any(k < 0 for k in self.logit_bias):
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {sorted(self.logit_bias)[:5]}")
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-            if not self.allowed_token_ids or not all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
-                raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0")
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty: no token could ever be sampled (use None for all)")
         if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
-            if not all(isinstance(w, str) and w for w in self.bad_words):
-                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
-        _check_int("min_tokens", self.min_tokens, 0)
+            self.bad_words = _strings("bad_words", self.bad_words)
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
+            self.max_tokens = _int("max_tokens", self.max_tokens, 1)
             if self.min_tokens > self.max_tokens:
                 raise ValueError(f"min_tokens={self.min_tokens} is larger than max_tokens={self.max_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_int(name, value, 0)
-                if value > MAX_LOGPROBS:
-                    raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
+        self.logprobs = _logprobs("logprobs", self.logprobs)
+        self.prompt_logprobs = _logprobs("prompt_logprobs", self.prompt_logprobs)
         if self.stop_token_ids is not None:
-            self.stop_token_ids = list(self.stop_token_ids)
-            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        if self.stop is None:
-            self._stop_list = []
-        elif isinstance(self.stop, str):
-            self._stop_list = [self.stop]
-        else:
-            self._stop_list = list(self.stop)
-        if any(not isinstance(s, str) or not s for s in self._stop_list):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+            self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        self.stop = [] if self.stop is None else _strings("stop", self.stop)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            setattr(self, name, _bool(name, getattr(self, name)))
         if self.n > 1 and self.greedy:
             raise ValueError(f"n={self.n} with greedy sampling would return {self.n} identical samples; set temperature > 0")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: the engine keeps its own, so later changes to the user's object cannot
+        reach a running request."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -111,7 +197,7 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        return self._stop_list
+        return self.stop
 
     @property
     def uses_penalties(self) -> bool:

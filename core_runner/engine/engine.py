@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
 
 from slotrunner.core_runner.config import EngineConfig
-from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, check_sampling_params
+from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, check_sampling_params, tokenize
 from slotrunner.core_runner.engine.output_processor import RequestGroup, RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
@@ -18,8 +21,35 @@ from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
 
 
+class StepFailedError(RuntimeError):
+    """A step raised an exception, or found that no request could ever be scheduled.
+
+    Only the requests the step concerned fail: each is finished with finish_reason "abort"
+    (its final output comes from the next `step()`), its KV blocks and runner slot are freed,
+    and the engine goes on with every other request. `request_ids` names the failed requests;
+    the exception that failed them is `__cause__`.
+    """
+
+    def __init__(self, request_ids: list[str], reason: str) -> None:
+        failed = "no live request was in it"
+        if request_ids:
+            failed = f"request(s) {request_ids} failed and were aborted (finish_reason 'abort')"
+        super().__init__(f"{reason}; {failed}; the engine and its other requests carry on")
+        self.request_ids = request_ids
+
+
 class LLMEngine:
-    """Synchronous engine: each `step()` is one scheduler step and one model step."""
+    """Synchronous engine: each `step()` is one scheduler step and one model step.
+
+    One thread at a time: a call that finds another thread inside the engine raises RuntimeError
+    at once (`LLM` serialises its callers with a lock instead).
+
+    A step that raises never wedges the engine. An exception from the runner (forward, sampling)
+    or from processing a step's output fails the requests that had a row in that step
+    (`StepFailedError`); a KeyboardInterrupt (or another BaseException) in the runner rolls the
+    step back instead -- its requests recompute it later, as after a preemption -- and is
+    re-raised as it is, so the interrupted caller can abort its own requests.
+    """
 
     def __init__(
         self,
@@ -42,14 +72,24 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, AsyncOutput] | None = None
         self._seed_rng = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}  # user request id -> its n samples
+        # Outputs made but not yet returned (aborted requests, a failed step's): the next step returns them first.
+        self._undelivered: list[RequestOutput] = []
         self._arrivals = 0
+        self._busy = threading.Lock()  # held by the thread inside add_request / abort_request / step
 
     def add_request(self, req_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Validate and queue one request; raises ValueError (and changes nothing) on bad input."""
+        """Validate and queue one request; raises ValueError (and changes nothing) on bad input.
+        The request keeps its own copy of `params`: changing the object later does not reach it."""
+        with self._exclusive("add_request"):
+            self._add_request(req_id, prompt, params)
+
+    def _add_request(self, req_id: str, prompt: PromptType, params: SamplingParams) -> None:
         if req_id in self._groups:
             raise ValueError(f"request id {req_id!r} is already in use")
-        check_sampling_params(params, self.intake)
+        params = check_sampling_params(params, self.intake)
         processed = type(self.runner.model_state).process_prompt(prompt, self.intake)
+        bad_words = self._bad_words(params)
+        # Drawn last: a rejected request must not shift the seeds of the requests after it.
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             req_id=req_id,
@@ -60,39 +100,169 @@ class LLMEngine:
             seed=seed,
             prompt=processed.prompt,
             family_inputs=processed.family_inputs,
-            bad_words_token_ids=self._bad_words(params),
+            bad_words_token_ids=bad_words,
         )
         self._arrivals += 1
         self.scheduler.add_request(request)
         self._groups[req_id] = RequestGroup(RequestTracker(request, self.tokenizer))
 
-    def abort_request(self, req_id: str) -> None:
-        """Abort a user request (all of its samples); unknown or finished ids are ignored."""
-        group = self._groups.pop(req_id, None)
-        if group is not None:
-            for member in group.members.values():
-                self.scheduler.abort_request(member.request.req_id)
+    def abort_request(self, req_id: str, *, report: bool = True) -> None:
+        """Abort a user request (all of its samples); unknown or finished ids are ignored.
+
+        With `report`, its final output (finish_reason "abort") is returned by the next `step()`
+        to whoever consumes it. `report=False` is for a consumer that gives the request up
+        itself: then outputs of it not yet returned are dropped as well.
+        """
+        with self._exclusive("abort_request"):
+            if req_id in self._groups:
+                output = self._abort_group(req_id)
+                if report:
+                    self._undelivered.append(output)
+            if not report:
+                self._undelivered = [o for o in self._undelivered if o.request_id != req_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Whether a step has work: live requests, a step in flight, or outputs to return."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._undelivered)
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step; returns an output for every request that got tokens or finished (only for
-        those that finished, with `final_only`: offline generation builds no partial outputs).
+        those that finished, with `final_only`: offline generation builds no partial outputs),
+        after the outputs of requests aborted or failed since the last step.
 
         With async scheduling, the step schedules and launches step N+1 first, then waits for
         step N's tokens and returns their outputs: the GPU runs N+1 while the host processes N.
+
+        Raises StepFailedError when the step failed some requests (see the class docstring);
+        the outputs it had made by then come from the next step.
         """
+        with self._exclusive("step"):
+            outputs, self._undelivered = self._undelivered, []
+            try:
+                outputs += self._step(final_only)
+            except BaseException:
+                self._undelivered[:0] = outputs  # nothing made is lost: the next step returns it
+                raise
+            return outputs
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"LLMEngine.{what} was called while another thread is inside the engine: an engine serves one "
+                "thread at a time (share an LLM, which serialises its callers, or give each thread its own engine)"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        self.runner.execute_model(sched_out)
-        pending = self.runner.sample_tokens()
-        if self.config.async_scheduling:
-            previous = self._in_flight
-            self._in_flight = None if sched_out.is_empty else (sched_out, pending)
-            if previous is None:
-                return []
-            sched_out, pending = previous
-        return self._process(sched_out, pending.get(), final_only)
+        idle = sched_out.is_empty and not sched_out.preempted_req_ids and self._in_flight is None
+        if idle and self.scheduler.has_unfinished_requests():
+            self._fail_stalled(sched_out)
+        try:
+            self.runner.execute_model(sched_out)
+            pending = self.runner.sample_tokens()
+        except BaseException as error:
+            self._recover_launch(sched_out, error, final_only)
+        if not self.config.async_scheduling:
+            return self._settle(sched_out, pending, final_only)
+        previous = self._in_flight
+        self._in_flight = None if sched_out.is_empty else (sched_out, pending)
+        if previous is None:
+            return []
+        try:
+            return self._settle(*previous, final_only)
+        except BaseException:
+            self._undelivered += self._drain(final_only)  # a failure never leaves a step in flight
+            raise
+
+    # ---- failure recovery ----------------------------------------------------------------
+
+    def _recover_launch(self, sched_out: SchedulerOutput, error: BaseException, final_only: bool) -> NoReturn:
+        """execute_model or sample_tokens raised: nothing of `sched_out` reached the host.
+
+        The step before it (async scheduling) ran to the end: its tokens are kept. Then an
+        Exception fails `sched_out`'s requests; a KeyboardInterrupt or another BaseException is
+        no fault of theirs: the step is rolled back and they run it again later.
+        """
+        self.runner.discard_step()
+        earlier: StepFailedError | None = None
+        try:
+            self._undelivered += self._drain(final_only)
+        except StepFailedError as e:
+            earlier = e
+        except BaseException:
+            self._undo(sched_out, error)
+            raise
+        failed = self._undo(sched_out, error)
+        if not isinstance(error, Exception):
+            raise error
+        reason = f"the model step raised {type(error).__name__}: {error}"
+        raise StepFailedError((earlier.request_ids if earlier else []) + failed, reason) from error
+
+    def _undo(self, sched_out: SchedulerOutput, error: BaseException) -> list[str]:
+        """Fail (after an Exception) or roll back (otherwise) a step that never ran; returns
+        the failed request ids. Needs nothing in flight: `_drain` first."""
+        if isinstance(error, Exception):
+            return self._fail(sched_out)
+        self.scheduler.rollback(sched_out)
+        return []
+
+    def _settle(self, sched_out: SchedulerOutput, pending: AsyncOutput, final_only: bool) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and process them. If that raises, which of its
+        requests got their tokens is unknown: all of them fail, whatever the exception."""
+        try:
+            return self._process(sched_out, pending.get(), final_only)
+        except BaseException as error:
+            failed = self._fail(sched_out)
+            if not isinstance(error, Exception):
+                raise
+            raise StepFailedError(failed, f"processing the step's output raised {type(error).__name__}: {error}") from error
+
+    def _drain(self, final_only: bool) -> list[RequestOutput]:
+        """Process the step in flight, if any (async scheduling), and leave none."""
+        previous, self._in_flight = self._in_flight, None
+        return [] if previous is None else self._settle(*previous, final_only)
+
+    def _fail(self, sched_out: SchedulerOutput) -> list[str]:
+        """Abort every user request with a row in `sched_out`; returns their ids. Their final
+        outputs go out with the next step; their slots are freed by it (the runner may not have
+        applied this step's frees either, so those are listed again)."""
+        self.scheduler.release_step_slots(sched_out)
+        step_ids = set(sched_out.num_scheduled_tokens)
+        failed = [
+            group_id
+            for group_id, group in self._groups.items()
+            if any(m.request.req_id in step_ids for m in group.members.values())
+        ]
+        for group_id in failed:
+            self._undelivered.append(self._abort_group(group_id, step_ids))
+        return failed
+
+    def _fail_stalled(self, sched_out: SchedulerOutput) -> NoReturn:
+        """Nothing was scheduled, nothing is in flight, and requests wait: the scheduler's state
+        will not change, so no step would ever run them. Fail them rather than spin."""
+        self.scheduler.release_step_slots(sched_out)  # the runner never saw this (empty) step's slot frees
+        reason = f"no request can be scheduled ({self.scheduler.stall_reason()})"
+        failed = list(self._groups)
+        for group_id in failed:
+            self._undelivered.append(self._abort_group(group_id))
+        raise StepFailedError(failed, reason)
+
+    def _abort_group(self, group_id: str, step_ids: set[str] | frozenset[str] = frozenset()) -> RequestOutput:
+        """End a user request now: free all of its samples and return its final output, where
+        samples still running (and those in `step_ids`, a failed step's) read "abort"."""
+        group = self._groups.pop(group_id)
+        req_ids = [m.request.req_id for m in group.members.values()]
+        if len(group.members) < group.n:  # samples forked but not yet seen by a tracker
+            req_ids += self.scheduler.sample_ids(group_id)
+        for req_id in req_ids:
+            self.scheduler.abort_request(req_id)
+        group.abort(step_ids)
+        return group.output()
 
     def _process(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, final_only: bool) -> list[RequestOutput]:
         """Apply one step's tokens to the scheduler and the detokenizers; build the outputs."""
@@ -138,7 +308,10 @@ class LLMEngine:
         words: set[tuple[int, ...]] = set()
         for word in params.bad_words:
             for variant in (word, " " + word.lstrip()):
-                ids = tuple(self.tokenizer(variant, add_special_tokens=False)["input_ids"])
+                ids = tuple(tokenize(self.tokenizer, variant, False, f"bad word {word!r}"))
+                outside = [t for t in ids if not 0 <= t < self.config.vocab_size]
+                if outside:  # a tokenizer larger than the model's vocabulary
+                    raise ValueError(f"bad word {word!r} encodes to token id(s) {outside} outside the vocabulary")
                 if ids:
                     words.add(ids)
         return tuple(sorted(words))

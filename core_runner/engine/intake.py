@@ -69,7 +69,20 @@ def text_to_token_ids(text: Any, ctx: IntakeContext, add_special_tokens: bool = 
         raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
     if not text:
         raise ValueError("prompt is empty")
-    return list(ctx.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return tokenize(ctx.tokenizer, text, add_special_tokens, "prompt")
+
+
+def tokenize(tokenizer: Any, text: str, add_special_tokens: bool, what: str) -> list[int]:
+    """Token ids of `text`; whatever the tokenizer raises becomes a ValueError naming `what`, so
+    a caller rejecting bad input needs to catch one type only."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer can encode it
+        raise ValueError(f"{what} is not valid Unicode: {text[e.start:e.end]!r} at position {e.start} ({e.reason})") from None
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    except Exception as e:  # third-party code: any type
+        raise ValueError(f"the tokenizer could not encode the {what}: {type(e).__name__}: {e}") from e
 
 
 def validate_token_ids(token_ids: Any, ctx: IntakeContext, what: str = "prompt") -> list[int]:
@@ -100,12 +113,46 @@ def process_text_prompt(prompt: PromptType, ctx: IntakeContext, accepted: frozen
         raise ValueError("prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     if token_ids is None:
         token_ids = text_to_token_ids(text, ctx)
-    return ProcessedPrompt(prompt=text, prompt_token_ids=validate_token_ids(token_ids, ctx))
+    token_ids = validate_token_ids(token_ids, ctx)
+    if text is not None:
+        check_text_matches_ids(text, token_ids, ctx)
+    return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids)
+
+
+def check_text_matches_ids(text: Any, token_ids: list[int], ctx: IntakeContext) -> None:
+    """A prompt that gives both text and ids runs the ids and reports the text: they must say
+    the same thing (with or without the tokenizer's special tokens: a chat template writes its
+    own). Without a tokenizer the text cannot be checked and is only carried along."""
+    if not isinstance(text, str):
+        raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+    if ctx.tokenizer is None:
+        return
+    for add_special_tokens in (False, True):
+        if tokenize(ctx.tokenizer, text, add_special_tokens, "prompt") == token_ids:
+            return
+    raise ValueError(
+        "the prompt's 'prompt' text and 'prompt_token_ids' disagree (tokenizing the text gives other ids): "
+        "give one of them, or ids that encode the text"
+    )
 
 
 def check_sampling_params(params: Any, ctx: IntakeContext) -> SamplingParams:
+    """The engine's own copy of `params`, validated again (the object may have been changed
+    since it was built) and with its token ids checked against the model's vocabulary."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    params = params.clone()  # a later change to the user's object must not reach the request
+    for name, ids in (
+        ("logit_bias", params.logit_bias),
+        ("allowed_token_ids", params.allowed_token_ids),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        outside = sorted({t for t in ids or () if t >= ctx.vocab_size})
+        if outside:
+            raise ValueError(f"{name} has token id(s) {outside[:5]} outside the vocabulary [0, {ctx.vocab_size})")
     if params.stop_strings and ctx.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+    if params.bad_words and ctx.tokenizer is None:
+        raise ValueError("bad_words need a tokenizer; this model has none")
     return params

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
-from slotrunner.core_runner.engine.request import Request
+from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.runner.outputs import PromptLogprobs, TokenLogprobs
 from slotrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
@@ -71,12 +72,23 @@ class RequestGroup:
     def __init__(self, parent: RequestTracker) -> None:
         self.n = parent.request.sampling_params.n
         self.members: dict[int, RequestTracker] = {0: parent}
+        self.aborted = False  # ended early: finished even if some samples were never forked
 
     @property
     def finished(self) -> bool:
         if self.n == 1:  # the common case, checked for every request every step
             return self.members[0].request.status.finished
-        return len(self.members) == self.n and all(m.request.status.finished for m in self.members.values())
+        return self.aborted or (len(self.members) == self.n and all(m.request.status.finished for m in self.members.values()))
+
+    def abort(self, failed_req_ids: Collection[str] = ()) -> None:
+        """End the group early (the engine has freed its requests): samples still running, and
+        those of a failed step (`failed_req_ids`: their last tokens were never fully processed),
+        finish with "abort"; samples that finished before keep their reason."""
+        self.aborted = True
+        for member in self.members.values():
+            r = member.request
+            if not r.status.finished or r.req_id in failed_req_ids:
+                r.status, r.stop_reason = RequestStatus.FINISHED_ABORTED, None
 
     def output(self) -> RequestOutput:
         parent = self.members[0]

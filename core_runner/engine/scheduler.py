@@ -82,6 +82,10 @@ class Scheduler:
         self._remove(request)
         return True
 
+    def sample_ids(self, group_id: str) -> list[str]:
+        """Live requests that are samples of user request `group_id` (itself included)."""
+        return [r.req_id for r in self._requests.values() if r.group_id == group_id]
+
     def _remove(self, request: Request) -> None:
         """Drop a request that just got a finished status from every queue and free its blocks."""
         if request in self.running:
@@ -91,6 +95,47 @@ class Scheduler:
             self.waiting.remove(request)  # never reached the runner, or was preempted out of it
         self.block_manager.free(request.req_id)
         del self._requests[request.req_id]
+
+    # ---- recovery from a failed step ------------------------------------------------------
+
+    def release_step_slots(self, sched_out: SchedulerOutput) -> None:
+        """The runner may not have applied `sched_out` (it raised first): list its slot frees
+        again for the next step. Freeing a slot is idempotent, so applying them twice is safe."""
+        self._finished_req_ids |= sched_out.finished_req_ids | sched_out.preempted_req_ids
+
+    def rollback(self, sched_out: SchedulerOutput) -> None:
+        """Undo a step the runner never finished (interrupted), with no other step in flight.
+
+        Each of its live requests forgets the step like a preempted request: it frees its
+        blocks and its slot (whatever the runner had done with it), keeps its tokens and waits
+        at the front of the queue to recompute them, in the step's order. Nothing of the step
+        is in flight any more, so no token is pending.
+        """
+        self.release_step_slots(sched_out)
+        for req_id in reversed(list(sched_out.num_scheduled_tokens)):
+            request = self._requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self._finished_req_ids.add(req_id)  # its slot, if the runner got as far as giving it one
+            self.block_manager.free(req_id)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            request.num_pending = 0
+            if req_id in sched_out.num_samples:
+                request.fan_out_scheduled = False  # the fan-out never happened: the next prefill does it
+            self.waiting.appendleft(request)
+
+    def stall_reason(self) -> str:
+        """Why nothing can be scheduled, for the error that reports it."""
+        if self.waiting and not self.running:
+            head = self.waiting[0]
+            blocks = -(-head.num_tokens // self.block_manager.block_size)
+            return (
+                f"request {head.req_id!r} waits with {head.num_tokens} tokens needing {blocks} KV blocks; "
+                f"{self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} are free"
+            )
+        return f"{len(self.running)} running and {len(self.waiting)} waiting requests have nothing to compute"
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -112,7 +157,8 @@ class Scheduler:
 
         Preempts when blocks run out; admits waiting requests only in a step without
         preemption. Advances `num_computed_tokens` of every scheduled request as if the step
-        succeeds; the output carries the values from before the step.
+        succeeds; the output carries the values from before the step. A step that does not
+        succeed must be undone: `rollback`, or its requests finished (then `release_step_slots`).
         """
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slotrunner import LLM, SamplingParams
+from slotrunner.core_runner.engine.engine import StepFailedError
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +68,102 @@ def test_random_add_abort_step_leaks_nothing(llm, ops):
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     assert engine.runner.req_state.num_live == 0, "runner slots leaked"
     assert sorted(engine.runner.req_state.free_slots) == list(range(3))
+
+
+def drain(engine) -> list:
+    outputs = []
+    for _ in range(2000):  # every request finishes in far fewer steps; more means a stall
+        if not engine.has_unfinished_requests():
+            return outputs
+        try:
+            outputs += engine.step()
+        except StepFailedError:
+            pass
+    raise AssertionError("no progress")
+
+
+def assert_nothing_left(engine) -> None:
+    engine.step()  # lets the runner free the slots of requests that finished in the last step
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    assert engine.runner.req_state.num_live == 0, "runner slots leaked"
+    assert not engine._groups and not engine._undelivered and engine._in_flight is None and engine.runner._executed is None
+
+
+def test_abort_reports_a_final_output(llm):
+    """Guards against an aborted request never reporting finish_reason "abort" to whoever
+    consumes its outputs."""
+    engine = llm.engine
+    engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("y", {"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.abort_request("x")
+    engine.abort_request("y", report=False)  # its consumer gave it up itself: nothing to report
+    [out] = engine.step()
+    assert out.request_id == "x" and out.finished and out.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert_nothing_left(engine)
+
+
+failure_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 10)),
+        st.tuples(st.just("add_n"), st.integers(1, 30), st.integers(1, 10)),
+        st.tuples(st.just("fail"), st.sampled_from(["execute_model", "sample_tokens"]), st.sampled_from(["error", "interrupt"])),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),
+    ),
+    max_size=20,
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=failure_ops)
+def test_random_step_failures_leak_nothing(llm, ops):
+    """Guards against a step that raises (an exception, or Ctrl-C) wedging the engine: the
+    requests it concerned end with finish_reason "abort" (or, after Ctrl-C, run on), nothing
+    leaks, and every other request finishes normally."""
+    engine = llm.engine
+    runner = engine.runner
+    armed: dict[str, BaseException] = {}
+
+    def failing(name):
+        real = getattr(runner, name)
+
+        def call(*args):
+            if name in armed:
+                raise armed.pop(name)
+            return real(*args)
+
+        return call
+
+    runner.execute_model, runner.sample_tokens = failing("execute_model"), failing("sample_tokens")
+    outputs, failed, counter = [], set(), 0
+    try:
+        for op, a, b in ops:
+            if op in ("add", "add_n"):
+                params = SamplingParams(n=3 if op == "add_n" else 1, temperature=0.8, seed=a, max_tokens=b, ignore_eos=True)
+                engine.add_request(f"f{counter}", {"prompt_token_ids": [3 + (i * 5) % 900 for i in range(a)]}, params)
+                counter += 1
+            elif op == "fail":
+                armed[a] = RuntimeError("injected") if b == "error" else KeyboardInterrupt()
+            else:
+                for _ in range(a):
+                    try:
+                        outputs += engine.step()
+                    except StepFailedError as e:
+                        failed.update(e.request_ids)
+                    except KeyboardInterrupt:
+                        pass
+        armed.clear()
+        outputs += drain(engine)
+    finally:
+        del runner.execute_model, runner.sample_tokens
+    final = {o.request_id: o for o in outputs if o.finished}
+    assert set(final) == {f"f{i}" for i in range(counter)}, "every request ends with a final output"
+    for req_id, out in final.items():
+        reasons = {c.finish_reason for c in out.outputs}
+        if req_id in failed:  # samples that finished before the failure keep their reason
+            assert "abort" in reasons and reasons <= {"abort", "length"}, (req_id, reasons)
+        else:
+            assert reasons == {"length"}, (req_id, reasons)
+    assert_nothing_left(engine)

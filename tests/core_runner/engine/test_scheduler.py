@@ -327,3 +327,53 @@ def test_random_workload_frees_everything(
         if r.status != RequestStatus.FINISHED_ABORTED:
             n = len(r.output_token_ids)
             assert n == r.max_tokens or r.num_tokens == cfg.max_model_len or r.output_token_ids[-1] in r.eos_token_ids
+
+
+class LenientRunner(FakeRunner):
+    """A FakeRunner whose slot frees are idempotent, like RequestState.remove: after a failed
+    step the scheduler lists frees again that the runner may already have applied."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        out.finished_req_ids = {r for r in out.finished_req_ids if r in self.slots}
+        out.preempted_req_ids = {r for r in out.preempted_req_ids if r in self.slots}
+        return super().execute(out)
+
+
+def test_rollback_recomputes_an_interrupted_step() -> None:
+    """Guards against an interrupted step (Ctrl-C in the forward) leaving num_computed_tokens
+    advanced with no token coming: rolled back, its requests recompute and finish unchanged."""
+    cfg = make_config(max_num_batched_tokens=5)
+    sched, runner = Scheduler(cfg), LenientRunner(cfg)
+    requests = [make_request("a", 7, max_tokens=4), make_request("b", 3, max_tokens=4)]
+    for r in requests:
+        sched.add_request(r)
+    step(sched, runner)
+    out = sched.schedule()
+    runner.execute(out)  # the runner applied the step, then it was interrupted: no tokens
+    sched.rollback(out)
+    assert sched.num_preemptions == 0 and not sched.running
+    assert [r.req_id for r in sched.waiting] == list(out.num_scheduled_tokens), "the step's order, at the front"
+    assert all(r.num_computed_tokens == 0 and r.num_pending == 0 for r in requests)
+    for _ in range(50):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched, runner)
+    runner.execute(sched.schedule())
+    assert not runner.slots and sched.block_manager.num_free_blocks == cfg.num_kv_blocks
+    for r in requests:
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == expected_output(len(r.prompt_token_ids), 4)
+
+
+def test_failed_step_lists_its_slot_frees_again() -> None:
+    """Guards against slots leaking when the runner raised before applying a step's frees."""
+    cfg = make_config()
+    sched, runner = Scheduler(cfg), LenientRunner(cfg)
+    sched.add_request(make_request("a", 3, max_tokens=1))
+    sched.add_request(make_request("b", 3, max_tokens=5))
+    step(sched, runner)  # "a" finishes: its slot is freed by the next step
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a"}
+    sched.abort_request("b")  # the engine fails the step's requests ...
+    sched.release_step_slots(out)  # ... whose frees the runner never applied
+    assert sched.schedule().finished_req_ids == {"a", "b"}
