@@ -58,6 +58,9 @@ class EngineConfig:
     # Schedule step N+1 while step N runs (the host work of a step hides behind the GPU's).
     # None: on for CUDA, off elsewhere (a CPU does both and gains nothing).
     async_scheduling: bool | None = None
+    # Start each request from the longest cached prefix of its tokens (the engine builder turns
+    # it on by default where the model's family can reuse KV blocks).
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):

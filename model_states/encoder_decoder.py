@@ -72,11 +72,11 @@ class EncoderDecoderModelState(ModelState):
 
     family = "encoder-decoder"
     model_protocol = EncoderDecoderModel
-    # Decoder K/V depend on the encoder input through cross-attention: blocks keyed by decoder
-    # tokens alone must not be shared. (Forked parallel samples could share them -- same
-    # encoder input -- but decoder prompts are a few tokens and the encoder runs per slot
-    # anyway, so recomputing costs little.)
-    shares_prefix_kv = False
+    # Decoder K/V depend on the encoder input through cross-attention: prefix-cache blocks are
+    # keyed by it too (`EncoderInputs.cache_key_spans`), so a request reuses only the decoder
+    # prefix of an identical encoder input. The encoder itself runs again for every admission:
+    # the cross-attention cache is per slot (`add_request` queues it whatever was cached).
+    shares_prefix_kv = True
     # Decode steps replay CUDA graphs: the cross-attention metadata lives in persistent buffers
     # that prepare_attn rewrites in place (prepare_dummy_attn hands them to the capture).
     supports_cuda_graphs = True

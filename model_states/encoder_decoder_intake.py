@@ -13,6 +13,7 @@ here, per request, before the request is queued.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 from slotrunner.core_runner.engine.intake import (
     FamilyInputs,
     IntakeContext,
+    KeySpan,
     ProcessedPrompt,
     PromptType,
     check_fields,
@@ -41,6 +43,16 @@ class EncoderInputs(FamilyInputs):
 
     def __post_init__(self) -> None:
         assert (self.token_ids is None) != (self.features is None), "exactly one of token_ids and features"
+        # Every decoder token's KV depends on the encoder input (cross-attention): its hash keys
+        # every prefix-cache block of the request. Computed once, here.
+        if self.token_ids is not None:
+            data = np.asarray(self.token_ids, dtype=np.int64).tobytes()
+        else:
+            data = self.features.detach().cpu().contiguous().numpy().tobytes() + str(tuple(self.features.shape)).encode()
+        object.__setattr__(self, "_key", "encoder:" + hashlib.blake2b(data, digest_size=16).hexdigest())
+
+    def cache_key_spans(self) -> tuple[KeySpan, ...]:
+        return ((0, 1 << 62, self._key),)
 
     def as_tensor(self, device: torch.device) -> torch.Tensor:
         if self.token_ids is not None:

@@ -23,6 +23,7 @@ from slotrunner.core_runner.engine.intake import (
     TEXT_FIELDS,
     FamilyInputs,
     IntakeContext,
+    KeySpan,
     ProcessedPrompt,
     PromptType,
     check_fields,
@@ -41,6 +42,10 @@ class MultimodalInputs(FamilyInputs):
 
     items: tuple[MediaItem, ...]
     offsets: tuple[int, ...]
+
+    def cache_key_spans(self) -> tuple[KeySpan, ...]:
+        """A placeholder span's KV depends on its media: the item's content hash keys it."""
+        return tuple((off, off + item.num_tokens, item.content_hash) for item, off in zip(self.items, self.offsets))
 
 
 def process_multimodal_prompt(prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,12 @@ class EngineArgs:
     cuda_graph_sizes: Sequence[int] = DEFAULT_CUDA_GRAPH_SIZES
     async_scheduling: bool | None = None
     quantized_weights: str = "auto"
+    # Prefix caching: None is on where the family can reuse KV blocks (ModelState.shares_prefix_kv),
+    # off elsewhere; True on a family that cannot is refused.
+    enable_prefix_caching: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_engine_args(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -73,6 +80,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     elif max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     arch = resolve(hf_config)  # once per engine: the model class, its ModelState, its checks
+    prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls)
     nn_model = load_model(arch.model_cls, hf_config, source.weights, dtype, dev, args.load_format, args.seed)
     config = EngineConfig(
         model=source.path,
@@ -88,6 +96,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=tuple(args.cuda_graph_sizes),
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=prefix_caching,
     )
     # The family's state (Mamba pools, cross-attention caches) comes out of the same memory as the
     # KV cache: build it once, ask its size, and give the KV cache what is left.
@@ -100,6 +109,16 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     runner = ModelRunner(config, nn_model, model_state)
     intake = IntakeContext(source.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len, model_cls=arch.model_cls)
     return LLMEngine(config, runner, intake, source.eos_token_ids, architecture=arch.architecture)
+
+
+def _prefix_caching(asked: bool | None, state_cls: type) -> bool:
+    supported = state_cls.shares_prefix_kv
+    if asked and not supported:
+        raise ValueError(
+            f"enable_prefix_caching=True: the {state_cls.family} family ({state_cls.__name__}) cannot reuse cached KV "
+            "blocks (its per-request state is not in them); leave enable_prefix_caching unset or False"
+        )
+    return supported if asked is None else bool(asked)
 
 
 def default_num_kv_blocks(model: nn.Module, config: EngineConfig, reserved_bytes: int = 0) -> int:
@@ -120,3 +139,45 @@ def default_num_kv_blocks(model: nn.Module, config: EngineConfig, reserved_bytes
             f"the KV cache cannot hold one request of max_model_len={config.max_model_len}: lower max_num_seqs or max_model_len"
         )
     return max(1, min(wanted, budget // max(per_block, 1)))
+
+
+def _check_engine_args(**args: Any) -> None:
+    """Types and ranges of the engine arguments, checked before anything is loaded: a wrong
+    one raises ValueError naming it (instead of a TypeError or ZeroDivisionError later)."""
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        value = args[name]
+        if value is None and name not in ("max_num_seqs", "block_size"):
+            continue  # sized from the model or the memory
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    seed = args["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be an int (64-bit), got {seed!r}")
+    if not isinstance(args["enforce_eager"], bool):
+        raise ValueError(f"enforce_eager must be True or False, got {args['enforce_eager']!r}")
+    if args["async_scheduling"] is not None and not isinstance(args["async_scheduling"], bool):
+        raise ValueError(f"async_scheduling must be True, False or None, got {args['async_scheduling']!r}")
+    sizes = args["cuda_graph_sizes"]
+    if isinstance(sizes, str) or not isinstance(sizes, Sequence) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes
+    ):
+        raise ValueError(f"cuda_graph_sizes must be a list of positive ints, got {sizes!r}")
+    if args["enable_prefix_caching"] is not None and not isinstance(args["enable_prefix_caching"], bool):
+        raise ValueError(f"enable_prefix_caching must be True, False or None, got {args['enable_prefix_caching']!r}")
+    _check_device(args["device"])
+
+
+def _check_device(device: Any) -> None:
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r} but no CUDA GPU is available (torch.cuda.is_available() is False): use device='cpu'"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")

@@ -184,6 +184,7 @@ class BatchVariant:
     name: str
     engine_args: Mapping[str, Any]
     must_preempt: bool = False
+    twice: bool = False  # run the batch twice on one engine and check the second run (prefix-cache hits)
 
 
 def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ...]:
@@ -193,11 +194,15 @@ def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ..
     scheduling (each step scheduled before the previous step's tokens are known), which the GPU
     runs by default."""
     scarce = {"max_num_seqs": 6, "max_num_batched_tokens": 16, "block_size": 2, "num_kv_blocks": -(-max_model_len // 2)}
+    # Prefix caching on where the family supports it (None: the engine's default), so a
+    # re-admitted request takes its own cached blocks; the alone runs compute every position.
+    cached = {"enable_prefix_caching": None}
     return (
-        BatchVariant("all at once", {"max_num_seqs": 16}),
-        BatchVariant("chunked, joining", {"max_num_seqs": 3, "max_num_batched_tokens": 5}),
-        BatchVariant("preempting", scarce, must_preempt=True),
-        BatchVariant("async, preempting", {**scarce, "async_scheduling": True}, must_preempt=True),
+        BatchVariant("all at once", {"max_num_seqs": 16, **cached}),
+        BatchVariant("chunked, joining", {"max_num_seqs": 3, "max_num_batched_tokens": 5, **cached}),
+        BatchVariant("preempting", {**scarce, **cached}, must_preempt=True),
+        BatchVariant("async, preempting", {**scarce, "async_scheduling": True, **cached}, must_preempt=True),
+        BatchVariant("prefix-cached, twice", {"max_num_seqs": 3, "max_num_batched_tokens": 5, **cached}, twice=True),
     )
 
 
@@ -209,8 +214,9 @@ def _compare_runs(name: str, got: RecordedRun, alone: RecordedRun, greedy: bool,
     if i is None and len(ours) != len(theirs):
         return CheckResult(name, False, float("inf"), f"{len(ours)} tokens, alone {len(theirs)}")
     n = len(alone.prompt_token_ids)
-    rows = got.logits.shape[0] if i is None else n + i
-    result = compare_logits(name, got.logits[:rows], alone.logits[:rows], atol, rtol)
+    first = got.first_position  # positions before it came from the prefix cache: not recomputed
+    rows = got.logits.shape[0] if i is None else n + i - first
+    result = compare_logits(name, got.logits[:rows], alone.logits[first : first + rows], atol, rtol)
     if i is None or not result.passed:
         return result
     margin = float(alone.logits[n - 1 + i, theirs[i]] - alone.logits[n - 1 + i, ours[i]])
@@ -237,17 +243,25 @@ def check_batch_invariance(
         if on_engine is not None:
             on_engine(llm)
         runs = run_batch(llm, [prompts[i] for i in order], [params[i] for i in order])
+        if variant.twice:
+            runs = run_batch(llm, [prompts[i] for i in order], [params[i] for i in order])
         per_request = [
             _compare_runs(f"request {i}", run, alone[i], params[i].temperature == 0, atol, rtol)
             for i, run in zip(order, runs)
         ]
         result = merge(f"batch: {variant.name}", per_request)
         preemptions = llm.engine.scheduler.num_preemptions
+        hits = sum(run.num_cached_tokens for run in runs)
         if variant.must_preempt and preemptions == 0:
             detail = "no request was preempted: give the requests more tokens"
             result = CheckResult(result.name, False, result.worst, detail)
+        elif variant.twice and llm.config.enable_prefix_caching and hits == 0:
+            result = CheckResult(result.name, False, result.worst, "the second run took nothing from the prefix cache")
+        elif variant.twice and not llm.config.enable_prefix_caching and result.passed:
+            result.detail = "prefix caching is off for this family: recomputed"
         elif result.passed:
             result.detail = f"{len(prompts)} requests" + (f", {preemptions} preemptions" if preemptions else "")
+            result.detail += f", {hits} cached tokens" if hits else ""
         results.append(result)
     return results
 
@@ -270,7 +284,9 @@ class Case:
     def make_llm(self, **engine_args: Any) -> Any:
         from slotrunner.llm import LLM
 
-        args = dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_model_len=self.max_model_len, max_num_seqs=4)
+        # Caching off unless a variant asks: checks against the oracle need every position computed.
+        args = dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_model_len=self.max_model_len, max_num_seqs=4,
+                    enable_prefix_caching=False)
         return LLM(str(self.directory), **(args | engine_args))
 
 

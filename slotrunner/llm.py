@@ -43,6 +43,10 @@ class LLM:
             dequantizes them elsewhere; "packed" raises ValueError where packing cannot run (GPU, not float32, no
             C compiler); "dequantized" always dequantizes to `dtype`. Checkpoints without
             quantized matrices load the same under every mode.
+        enable_prefix_caching: start each request from the longest cached prefix of its tokens
+            (full KV blocks keyed by their content; parallel samples share their prompt this
+            way). Default: on where the model's family can reuse KV blocks (decoders,
+            multimodal, encoder-decoder), off for recurrent hybrids, where True is refused.
 
     One LLM may be shared by threads: `generate`, `chat` and `stream` take a lock around each
     engine call, so concurrent callers are served step by step, each getting its own outputs.
@@ -65,19 +69,8 @@ class LLM:
         cuda_graph_sizes: Sequence[int] = DEFAULT_CUDA_GRAPH_SIZES,
         async_scheduling: bool | None = None,
         quantized_weights: str = "auto",
+        enable_prefix_caching: bool | None = None,
     ) -> None:
-        _check_engine_args(
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            cuda_graph_sizes=cuda_graph_sizes,
-            async_scheduling=async_scheduling,
-        )
         args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -93,6 +86,7 @@ class LLM:
             cuda_graph_sizes=cuda_graph_sizes,
             async_scheduling=async_scheduling,
             quantized_weights=quantized_weights,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = build_engine(args)
         self.config = self.engine.config
@@ -109,6 +103,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: later requests recompute what they would have reused."""
+        with self._lock:
+            self.engine.reset_prefix_cache()
 
     def generate(
         self,
@@ -319,45 +318,6 @@ def _params_list(sampling_params: Any, num_prompts: int) -> list[Any]:
         raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts: give one, or one per prompt")
     return params
 
-
-def _check_engine_args(**args: Any) -> None:
-    """Types and ranges of LLM's engine arguments, checked before anything is loaded: a wrong
-    one raises ValueError naming it (instead of a TypeError or ZeroDivisionError later)."""
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
-        value = args[name]
-        if value is None and name not in ("max_num_seqs", "block_size"):
-            continue  # sized from the model or the memory
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    seed = args["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"seed must be an int (64-bit), got {seed!r}")
-    if not isinstance(args["enforce_eager"], bool):
-        raise ValueError(f"enforce_eager must be True or False, got {args['enforce_eager']!r}")
-    if args["async_scheduling"] is not None and not isinstance(args["async_scheduling"], bool):
-        raise ValueError(f"async_scheduling must be True, False or None, got {args['async_scheduling']!r}")
-    sizes = args["cuda_graph_sizes"]
-    if isinstance(sizes, str) or not isinstance(sizes, Sequence) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes
-    ):
-        raise ValueError(f"cuda_graph_sizes must be a list of positive ints, got {sizes!r}")
-    _check_device(args["device"])
-
-
-def _check_device(device: Any) -> None:
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device={device!r} but no CUDA GPU is available (torch.cuda.is_available() is False): use device='cpu'"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
 
 
 def _conversations(messages: Any) -> list[Sequence[Mapping[str, Any]]]:

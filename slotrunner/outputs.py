@@ -39,3 +39,6 @@ class RequestOutput:
     finished: bool = False
     # One per prompt token (None for the first, which nothing predicts), when asked.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache at the request's first admission
+    # (sample 0's, for n > 1); None until it was admitted.
+    num_cached_tokens: int | None = None

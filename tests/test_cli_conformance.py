@@ -18,7 +18,8 @@ from slotrunner.models.llama import LlamaForCausalLM
 from slotrunner.registry import tiny_config
 
 ROWS = ("prefill logits", "decode logits", "greedy tokens", "chunked prefill logits",
-        "batch: all at once", "batch: chunked, joining", "batch: preempting", "batch: async, preempting")
+        "batch: all at once", "batch: chunked, joining", "batch: preempting", "batch: async, preempting",
+        "batch: prefix-cached, twice")
 
 
 def test_a_checkpoint_passes_with_a_table_of_every_check(tiny_llama_dir, capsys):

@@ -1,8 +1,10 @@
-"""BlockManager: hands out KV-cache block ids to requests from one shared free list."""
+"""BlockManager: KV-cache block ids for requests, and the prefix cache that keys full blocks by
+their content so that a later request with the same prefix takes them instead of recomputing.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class BlockManager:
@@ -12,10 +14,15 @@ class BlockManager:
     about to write to) the KV cache. The scheduler grows a request before each step that
     extends it and frees all of its blocks when it finishes, is aborted or is preempted.
 
-    The free list is a FIFO: freed blocks go to the back and allocation takes from the front,
-    so the least recently freed block is reused first. Prefix caching will keep that order
-    (it becomes the eviction order) and add a reference count and a content hash per block;
-    nothing here assumes a block has exactly one owner beyond `_req_blocks`.
+    Prefix cache: a full block can be registered under the hash of its content (`cache`: the
+    chain of its prefix's token ids and the request's extra keys, `block_hash.py`). A block
+    keeps its hash after its last holder frees it: it waits in the free queue, still findable
+    (`find_cached`), until an allocation takes it (least recently freed first) and drops the
+    hash. A block with a hash is never written again while anyone holds it: requests only
+    append past their full blocks, so sharing needs no copy.
+
+    Free queue order: blocks freed earlier are reused first; a request's blocks are freed tail
+    first, so the head of a long shared prefix is the last to be evicted.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -23,31 +30,40 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
         # req_id -> block ids in sequence order: block i holds tokens [i*block_size, (i+1)*block_size).
         self._req_blocks: dict[str, list[int]] = {}
-        # Holders per block in use. Parallel samples of one prompt share its full blocks
-        # (`fork`); a block returns to the free list when its last holder frees it.
-        self._ref_count: dict[int, int] = {}
-        # Blocks a forked child must still copy from: held until the runner has copied them
-        # (the parent may finish and free them meanwhile).
-        self._pins: dict[str, list[int]] = {}
+        self._ref_count: dict[int, int] = {}  # holders of each block in use
+        self._hash_of: dict[int, bytes] = {}  # block -> its content hash (held or free)
+        self._block_of: dict[bytes, int] = {}  # content hash -> the block that holds it
+        self.num_cached_hits = 0  # blocks taken from the cache since start (stats, tests)
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they can be evicted)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    # -- growth -----------------------------------------------------------------------------
+
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
         """Extra blocks `req_id` needs so that it holds room for `num_tokens` tokens (0 if it has them)."""
         needed = -(-num_tokens // self.block_size)
         return max(0, needed - len(self._req_blocks.get(req_id, ())))
 
-    def can_grow(self, req_id: str, num_tokens: int) -> bool:
-        return self.num_blocks_to_grow(req_id, num_tokens) <= len(self._free)
+    def can_grow(self, req_id: str, num_tokens: int, cached: list[int] | tuple[int, ...] = ()) -> bool:
+        """Whether `req_id`, after taking the `cached` blocks (`find_cached`), can grow to hold
+        `num_tokens` tokens. A cached block that sits in the free queue counts against it too."""
+        taken_from_free = sum(1 for b in cached if b in self._free)
+        new = max(0, -(-num_tokens // self.block_size) - len(self._req_blocks.get(req_id, ())) - len(cached))
+        return new + taken_from_free <= len(self._free)
 
     def grow(self, req_id: str, num_tokens: int) -> list[int]:
         """Allocate blocks so `req_id` holds room for `num_tokens` tokens; return only the new ids.
@@ -62,70 +78,90 @@ class BlockManager:
             f"request {req_id!r} needs {num_new} more blocks for {num_tokens} tokens but only "
             f"{len(self._free)} are free; call can_grow() before grow()"
         )
-        new_ids = [self._free.popleft() for _ in range(num_new)]
-        for block in new_ids:
-            self._ref_count[block] = 1
+        new_ids = [self._take_free() for _ in range(num_new)]
         self._req_blocks.setdefault(req_id, []).extend(new_ids)
         return new_ids
 
-    def can_fork(self, num_tokens: int) -> bool:
-        return (num_tokens % self.block_size == 0) or bool(self._free)
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        old = self._hash_of.pop(block, None)
+        if old is not None:  # evicted: its content is about to be overwritten
+            del self._block_of[old]
+        self._ref_count[block] = 1
+        return block
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Give `child_id` the parent's first `num_tokens` tokens of KV cache without recompute.
+    # -- prefix cache ----------------------------------------------------------------------------
 
-        Full blocks are shared (reference counted, never written again: both sides only append
-        past them). A partly filled last block is copied into a fresh block, since both will
-        append into it. Returns the child's block ids and the (src, dst) block copies the runner
-        must perform before the child's first step. Callers check `can_fork` first.
-        """
-        assert child_id not in self._req_blocks, f"request {child_id!r} already holds blocks"
-        parent = self._req_blocks[parent_id]
-        num_full, partial = divmod(num_tokens, self.block_size)
-        assert len(parent) >= num_full + (partial > 0), f"{parent_id!r} holds fewer than {num_tokens} tokens"
-        shared = parent[:num_full]
-        for block in shared:
-            self._ref_count[block] += 1
-        copies: list[tuple[int, int]] = []
-        blocks = list(shared)
-        if partial:
-            assert self._free, "fork needs a free block for the partial last block; call can_fork() first"
-            src, dst = parent[num_full], self._free.popleft()
-            self._ref_count[dst] = 1
-            self._ref_count[src] += 1  # pinned until release_pins: the copy happens on admission
-            self._pins[child_id] = [src]
-            copies.append((src, dst))
-            blocks.append(dst)
-        self._req_blocks[child_id] = blocks
-        return list(blocks), copies
+    def find_cached(self, block_hashes: list[bytes], max_blocks: int) -> list[int]:
+        """The blocks of the longest cached prefix of `block_hashes`, at most `max_blocks`."""
+        blocks = []
+        for h in block_hashes[:max_blocks]:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take_cached(self, req_id: str, blocks: list[int]) -> None:
+        """Give a request that holds nothing the cached `blocks` (`find_cached`) as its first ones."""
+        assert req_id not in self._req_blocks, f"request {req_id!r} already holds blocks"
+        for block in blocks:
+            if block in self._free:
+                del self._free[block]
+                self._ref_count[block] = 1
+            else:
+                self._ref_count[block] += 1
+        self._req_blocks[req_id] = list(blocks)
+        self.num_cached_hits += len(blocks)
+
+    def cache(self, req_id: str, block_hashes: list[bytes]) -> None:
+        """Register the request's first `len(block_hashes)` blocks under these hashes. Called once
+        their tokens are written by a step that ran or is about to run before any reader of
+        them. A hash another block already holds keeps that block (two requests computed the
+        same prefix at once); this one stays unregistered."""
+        blocks = self._req_blocks.get(req_id, ())
+        assert len(block_hashes) <= len(blocks), f"request {req_id!r} holds {len(blocks)} blocks, not {len(block_hashes)}"
+        for block, h in zip(blocks, block_hashes):
+            if block in self._hash_of or h in self._block_of:
+                continue
+            self._hash_of[block] = h
+            self._block_of[h] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (held blocks stay with their requests; nothing will hit them)."""
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    # -- release ---------------------------------------------------------------------------------
 
     def block_ids(self, req_id: str) -> list[int]:
         """A copy of the blocks `req_id` holds, in sequence order ([] if it holds none)."""
         return list(self._req_blocks.get(req_id, ()))
 
     def free(self, req_id: str) -> None:
-        """Return every block of `req_id` to the free list.
+        """Drop every block reference of `req_id`; a block nobody holds joins the free queue.
 
         Freeing a request that holds no blocks (never grown, or already freed) is a no-op:
         an aborted waiting request or a request preempted before its first block both hold
         none, and the scheduler frees them through the same path. Because the entry is popped,
         a double free can never put a block on the free list twice.
         """
-        self.release_pins(req_id)
-        for block in self._req_blocks.pop(req_id, ()):
-            self._unref(block)
-
-    def release_pins(self, req_id: str) -> None:
-        """The runner has made (or will make before any other write this step) the block copies
-        of `req_id`'s fork: its source blocks need not be held any more."""
-        for block in self._pins.pop(req_id, ()):
-            self._unref(block)
-
-    def _unref(self, block: int) -> None:
-        self._ref_count[block] -= 1
-        if self._ref_count[block] == 0:
-            del self._ref_count[block]
-            self._free.append(block)
+        for block in reversed(self._req_blocks.pop(req_id, ())):
+            self._ref_count[block] -= 1
+            if self._ref_count[block] == 0:
+                del self._ref_count[block]
+                self._free[block] = None
 
     def has_blocks(self, req_id: str) -> bool:
         return req_id in self._req_blocks
+
+    def check_invariants(self) -> None:
+        """Every block is free xor held, refcounts match the holders, hashes map both ways (tests)."""
+        holders: dict[int, int] = {}
+        for blocks in self._req_blocks.values():
+            for b in blocks:
+                holders[b] = holders.get(b, 0) + 1
+        assert holders == self._ref_count, "refcounts do not match the requests' blocks"
+        assert not set(holders) & set(self._free), "a held block is in the free queue"
+        assert len(holders) + len(self._free) == self.num_blocks, "a block is neither held nor free"
+        assert {b: h for h, b in self._block_of.items()} == self._hash_of, "the hash maps disagree"

@@ -65,9 +65,7 @@ class LLMEngine:
         self.intake = intake
         self.tokenizer = intake.tokenizer
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(
-            config, share_prefix_kv=type(runner.model_state).shares_prefix_kv, async_scheduling=config.async_scheduling
-        )
+        self.scheduler = Scheduler(config, prefix_caching=config.enable_prefix_caching, async_scheduling=config.async_scheduling)
         # Async scheduling: the step whose output is still on its way (scheduled, launched).
         self._in_flight: tuple[SchedulerOutput, AsyncOutput] | None = None
         self._seed_rng = random.Random(config.seed)
@@ -89,22 +87,39 @@ class LLMEngine:
         params = check_sampling_params(params, self.intake)
         processed = type(self.runner.model_state).process_prompt(prompt, self.intake)
         bad_words = self._bad_words(params)
+        sample_ids = [req_id] + [f"{req_id}#{i}" for i in range(1, params.n)]
+        taken = [r for r in sample_ids if self.scheduler.is_live(r)]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use (by a parallel sample of another request)")
         # Drawn last: a rejected request must not shift the seeds of the requests after it.
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        request = Request(
-            req_id=req_id,
-            prompt_token_ids=processed.prompt_token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival=self._arrivals,
-            seed=seed,
-            prompt=processed.prompt,
-            family_inputs=processed.family_inputs,
-            bad_words_token_ids=bad_words,
-        )
+        # n > 1: n requests, sample i seeded with seed + i, sharing the prompt through the prefix
+        # cache. Prompt logprobs are the same for all: only sample 0 computes them.
+        rest_params = params
+        if params.n > 1 and params.prompt_logprobs is not None:
+            rest_params = params.clone()
+            rest_params.prompt_logprobs = None
+        trackers = []
+        for i, sample_id in enumerate(sample_ids):
+            sp = params if i == 0 else rest_params
+            request = Request(
+                req_id=sample_id,
+                prompt_token_ids=processed.prompt_token_ids,
+                sampling_params=sp,
+                eos_token_ids=self.eos_token_ids,
+                arrival=self._arrivals,
+                seed=(seed + i) & 0x7FFFFFFFFFFFFFFF,
+                prompt=processed.prompt,
+                family_inputs=processed.family_inputs,
+                bad_words_token_ids=bad_words,
+                group=req_id if i else None,
+                sample_index=i,
+                cacheable=sp.prompt_logprobs is None,  # prompt logprobs need every prompt position computed
+            )
+            self.scheduler.add_request(request)
+            trackers.append(RequestTracker(request, self.tokenizer))
         self._arrivals += 1
-        self.scheduler.add_request(request)
-        self._groups[req_id] = RequestGroup(RequestTracker(request, self.tokenizer))
+        self._groups[req_id] = RequestGroup(trackers)
 
     def abort_request(self, req_id: str, *, report: bool = True) -> None:
         """Abort a user request (all of its samples); unknown or finished ids are ignored.
@@ -120,6 +135,11 @@ class LLMEngine:
                     self._undelivered.append(output)
             if not report:
                 self._undelivered = [o for o in self._undelivered if o.request_id != req_id]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks of running requests stay theirs)."""
+        with self._exclusive("reset_prefix_cache"):
+            self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step has work: live requests, a step in flight, or outputs to return."""
@@ -257,8 +277,6 @@ class LLMEngine:
         samples still running (and those in `step_ids`, a failed step's) read "abort"."""
         group = self._groups.pop(group_id)
         req_ids = [m.request.req_id for m in group.members.values()]
-        if len(group.members) < group.n:  # samples forked but not yet seen by a tracker
-            req_ids += self.scheduler.sample_ids(group_id)
         for req_id in req_ids:
             self.scheduler.abort_request(req_id)
         group.abort(step_ids)
@@ -275,16 +293,9 @@ class LLMEngine:
             group = self._groups.get(request.group_id)
             if group is None:
                 continue  # aborted while the step ran
-            tracker = group.members.get(request.sample_index)
-            if tracker is None:  # a parallel sample forked this step: its first token came from the parent's row
-                tracker = group.members[request.sample_index] = RequestTracker(request, self.tokenizer)
-                lps = row_logprobs.get(request.parent_id)
-            else:
-                lps = row_logprobs.get(request.req_id)
-            lp = None
-            if lps:
-                lp = lps[request.sample_index] if len(lps) > 1 else lps[0]
-            stop_str = tracker.add_tokens(lp)
+            tracker = group.members[request.sample_index]
+            lps = row_logprobs.get(request.req_id)
+            stop_str = tracker.add_tokens(lps[0] if lps else None)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:

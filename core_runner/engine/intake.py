@@ -21,10 +21,23 @@ PromptType = Union[str, Mapping[str, Any]]
 TEXT_FIELDS = frozenset({"prompt", "prompt_token_ids"})
 
 
+# Something a request's KV depends on besides its tokens, over the token span it touches:
+# (first token, end token, key). A prefix-cache block's hash includes the keys of the spans
+# that overlap it (core_runner/engine/block_hash.py).
+KeySpan = tuple[int, int, str]
+
+
 @dataclass(frozen=True)
 class FamilyInputs:
     """Base for what a family's requests carry beyond the prompt tokens (encoder input
     features, media items, ...). Travels with the request to `ModelState.add_request`."""
+
+    def cache_key_spans(self) -> tuple[KeySpan, ...]:
+        """What the KV of each token span depends on beyond the tokens, for the prefix cache:
+        a media item's content hash over its placeholder span, the encoder input's hash over
+        every token. A family whose KV depends on its inputs must say so here, or requests
+        with equal tokens but other inputs would share wrong KV."""
+        return ()
 
 
 @dataclass(frozen=True)

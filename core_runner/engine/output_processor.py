@@ -66,19 +66,19 @@ class RequestTracker:
 
 
 class RequestGroup:
-    """The n samples of one user request: sample 0 is the request itself, samples 1..n-1 are
-    forked from it after its prefill. One RequestOutput covers them all."""
+    """The n samples of one user request, made at intake (sample 0 carries the user's request
+    id, sample i is `{id}#{i}`). One RequestOutput covers them all."""
 
-    def __init__(self, parent: RequestTracker) -> None:
-        self.n = parent.request.sampling_params.n
-        self.members: dict[int, RequestTracker] = {0: parent}
-        self.aborted = False  # ended early: finished even if some samples were never forked
+    def __init__(self, members: list[RequestTracker]) -> None:
+        self.n = len(members)
+        self.members: dict[int, RequestTracker] = {m.request.sample_index: m for m in members}
+        self.aborted = False
 
     @property
     def finished(self) -> bool:
         if self.n == 1:  # the common case, checked for every request every step
             return self.members[0].request.status.finished
-        return self.aborted or (len(self.members) == self.n and all(m.request.status.finished for m in self.members.values()))
+        return self.aborted or all(m.request.status.finished for m in self.members.values())
 
     def abort(self, failed_req_ids: Collection[str] = ()) -> None:
         """End the group early (the engine has freed its requests): samples still running, and
@@ -100,4 +100,5 @@ class RequestGroup:
             [self.members[i].completion() for i in sorted(self.members)],
             self.finished,
             prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs),
+            num_cached_tokens=r.num_cached_tokens,
         )

@@ -35,14 +35,16 @@ class Request:
     prompt: str | None = None
     family_inputs: FamilyInputs | None = None  # what the family's process_prompt extracted
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized at intake
-    # Parallel sampling (n > 1): the parent (sample 0) prefills once and samples n first tokens;
-    # samples 1..n-1 become child requests sharing its KV blocks.
-    parent_id: str | None = None  # set on children
+    # Parallel sampling (n > 1): the user's request becomes n requests at intake, sample i seeded
+    # with seed + i; they share the prompt's KV through the prefix cache.
+    group: str | None = None  # the user's request id, when it differs from req_id
     sample_index: int = 0
-    pending_fork: bool = False  # a parent whose first sampling step is still ahead
-    fan_out_scheduled: bool = False  # its n-sample step is scheduled (async: not yet processed)
-    # A forked child waiting for a slot: block copies (src, dst) the runner makes on admission.
-    fork_copies: tuple[tuple[int, int], ...] = ()
+    # Prefix cache: whether this request may take cached blocks (not when it wants prompt
+    # logprobs, which need every prompt position computed), the hashes of its full blocks of
+    # known tokens, and how many prompt tokens its first admission found in the cache.
+    cacheable: bool = True
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -54,7 +56,7 @@ class Request:
 
     @property
     def group_id(self) -> str:
-        return self.parent_id if self.parent_id is not None else self.req_id
+        return self.group if self.group is not None else self.req_id
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from slotrunner.core_runner.config import EngineConfig
+from slotrunner.core_runner.engine.block_hash import extend_block_hashes
 from slotrunner.core_runner.engine.block_manager import BlockManager
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -29,9 +30,14 @@ class Scheduler:
     then step N+1 is scheduled while step N runs, counting the token each sampling row of step N
     will produce (`Request.num_pending`) as if it were known. A request that turns out to have
     stopped at step N wastes its row of step N+1; no step is scheduled past max_tokens.
+
+    Prefix caching (`prefix_caching`): a request being admitted takes the longest chain of
+    cached full blocks that hold its first tokens (content hashes, `block_hash.py`) and starts
+    with them computed; every scheduled request registers its full blocks of known tokens as the
+    step that writes them is scheduled. Parallel samples (n > 1) are n requests that meet here.
     """
 
-    def __init__(self, config: EngineConfig, share_prefix_kv: bool = True, async_scheduling: bool = False) -> None:
+    def __init__(self, config: EngineConfig, prefix_caching: bool = False, async_scheduling: bool = False) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -42,9 +48,10 @@ class Scheduler:
         # Requests that held a slot and finished since the last schedule(): the runner frees them.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # total since start: tests and stats read it
-        # Whether forked parallel samples may share their parent's KV blocks (the family's
-        # ModelState.shares_prefix_kv); otherwise they recompute the prompt.
-        self.share_prefix_kv = share_prefix_kv
+        # Whether a request starts from the longest cached prefix of its tokens (block_manager.py):
+        # the engine turns it on where the user asked and the family can reuse KV blocks.
+        self.prefix_caching = prefix_caching
+        self.block_size = config.block_size
         self.async_scheduling = async_scheduling
 
     # ---- intake and removal -------------------------------------------------------------
@@ -59,7 +66,6 @@ class Scheduler:
             f"request {request.req_id!r} has {request.num_tokens} tokens; the engine must reject "
             f"prompts that are empty or leave no room for output (max_model_len={self.max_model_len})"
         )
-        request.pending_fork = request.sampling_params.n > 1
         self._requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -82,9 +88,12 @@ class Scheduler:
         self._remove(request)
         return True
 
-    def sample_ids(self, group_id: str) -> list[str]:
-        """Live requests that are samples of user request `group_id` (itself included)."""
-        return [r.req_id for r in self._requests.values() if r.group_id == group_id]
+    def is_live(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block's hash: later requests recompute what they would have hit."""
+        self.block_manager.reset_prefix_cache()
 
     def _remove(self, request: Request) -> None:
         """Drop a request that just got a finished status from every queue and free its blocks."""
@@ -100,8 +109,11 @@ class Scheduler:
 
     def release_step_slots(self, sched_out: SchedulerOutput) -> None:
         """The runner may not have applied `sched_out` (it raised first): list its slot frees
-        again for the next step. Freeing a slot is idempotent, so applying them twice is safe."""
+        again for the next step. Freeing a slot is idempotent, so applying them twice is safe.
+        The blocks the step registered in the prefix cache may never have been written: the
+        cache forgets every hash (a failed step is rare; recomputing is always right)."""
         self._finished_req_ids |= sched_out.finished_req_ids | sched_out.preempted_req_ids
+        self.block_manager.reset_prefix_cache()
 
     def rollback(self, sched_out: SchedulerOutput) -> None:
         """Undo a step the runner never finished (interrupted), with no other step in flight.
@@ -122,8 +134,6 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
             request.num_pending = 0
-            if req_id in sched_out.num_samples:
-                request.fan_out_scheduled = False  # the fan-out never happened: the next prefill does it
             self.waiting.appendleft(request)
 
     def stall_reason(self) -> str:
@@ -180,7 +190,7 @@ class Scheduler:
                 break  # it preempted itself, so it was the last running request
             out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
             out.num_scheduled_tokens[request.req_id] = num_new
-            self._maybe_fan_out(request, num_new, out)
+            self._cache_blocks(request, request.num_computed_tokens + num_new)
             scheduled.append(request)
             budget -= num_new
             i += 1
@@ -189,15 +199,17 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while a step sampled for it: its tokens must be known first
-            # A forked child already holds its parent's prompt KV (num_computed_tokens > 0).
-            num_computed = request.num_computed_tokens
+            cached = self._find_cached(request)
+            num_computed = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
-            if not self.block_manager.can_grow(request.req_id, num_computed + num_new):
-                if self.running or not self._reclaim_waiting_blocks(keep=request):
-                    break  # FCFS: nobody overtakes the head of the queue
-                continue
+            if not self.block_manager.can_grow(request.req_id, num_computed + num_new, cached):
+                break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.block_manager.take_cached(request.req_id, cached)
             self.block_manager.grow(request.req_id, num_computed + num_new)
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens is None:  # first admission: what the user's prompt found cached
+                request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.new_reqs.append(
@@ -212,14 +224,12 @@ class Scheduler:
                     family_inputs=request.family_inputs,
                     eos_token_ids=request.eos_token_ids,
                     bad_words_token_ids=request.bad_words_token_ids,
-                    kv_copies=request.fork_copies,
                 )
             )
-            request.fork_copies = ()
-            # The runner copies before this step's forward, before any new owner can write.
-            self.block_manager.release_pins(request.req_id)
             out.num_scheduled_tokens[request.req_id] = num_new
-            self._maybe_fan_out(request, num_new, out)
+            # Registered now, before the next waiting request looks: it may take these blocks in
+            # this very step, since every layer writes the whole batch's K/V before it attends.
+            self._cache_blocks(request, num_computed + num_new)
             scheduled.append(request)
             budget -= num_new
 
@@ -229,61 +239,25 @@ class Scheduler:
                 request.num_pending += 1  # this step samples its next token
         return out
 
-    def _reclaim_waiting_blocks(self, keep: Request | None = None) -> bool:
-        """Free the blocks of the last waiting request that holds some (a forked parallel sample
-        not yet admitted), turning it into a plain recompute. Such blocks are the cheapest to
-        take back, and without this a queue head or a running request could wait forever on
-        blocks that nothing running will free. Returns whether anything was freed."""
-        for request in reversed(self.waiting):
-            if request is not keep and request.num_computed_tokens > 0:
-                self.block_manager.free(request.req_id)
-                request.num_computed_tokens = 0
-                request.fork_copies = ()
-                return True
-        return False
+    def _find_cached(self, request: Request) -> list[int]:
+        """The cached blocks a request being admitted starts from: the longest cached chain of
+        its full blocks, leaving at least one token to compute (it must produce logits)."""
+        if not self.prefix_caching or not request.cacheable:
+            return []
+        self._hash_blocks(request, request.num_tokens)
+        return self.block_manager.find_cached(request.block_hashes, (request.num_tokens - 1) // self.block_size)
 
-    @staticmethod
-    def _maybe_fan_out(request: Request, num_new: int, out: SchedulerOutput) -> None:
-        """An n > 1 parent whose chunk completes its prefill samples n first tokens at once."""
-        if request.pending_fork and not request.fan_out_scheduled and request.num_computed_tokens + num_new >= request.num_tokens:
-            out.num_samples[request.req_id] = request.sampling_params.n
-            request.fan_out_scheduled = True  # async scheduling: the next step must not fan out again
+    def _hash_blocks(self, request: Request, num_tokens: int) -> None:
+        key_spans = request.family_inputs.cache_key_spans() if request.family_inputs is not None else ()
+        extend_block_hashes(request.block_hashes, request.all_token_ids, num_tokens, self.block_size, key_spans)
 
-    def _fork_children(self, parent: Request, first_tokens: list[int]) -> list[Request]:
-        """Samples 1..n-1 of `parent`, each with its first token, sharing the prompt's KV blocks.
-
-        A child that cannot get the block for its copy (or whose family keeps state beyond the KV
-        cache) waits with nothing computed and recomputes the prompt like a preempted request.
-        """
-        children = []
-        prompt_len = len(parent.prompt_token_ids)
-        for i, token in enumerate(first_tokens, start=1):
-            child = Request(
-                req_id=f"{parent.req_id}#{i}",
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=parent.sampling_params,
-                eos_token_ids=parent.eos_token_ids,
-                arrival=parent.arrival,
-                seed=(parent.seed + i) & 0x7FFFFFFFFFFFFFFF,
-                prompt=parent.prompt,
-                family_inputs=parent.family_inputs,
-                bad_words_token_ids=parent.bad_words_token_ids,
-                parent_id=parent.req_id,
-                sample_index=i,
-            )
-            child.output_token_ids.append(token)
-            child.check_stop(self.max_model_len)
-            children.append(child)
-            if child.status.finished:
-                continue
-            # A parent preempted while its fan-out step ran (async scheduling) holds no blocks.
-            if self.share_prefix_kv and parent.status == RequestStatus.RUNNING and self.block_manager.can_fork(prompt_len):
-                _, child.fork_copies = self.block_manager.fork(parent.req_id, child.req_id, prompt_len)
-                child.num_computed_tokens = prompt_len
-            self._requests[child.req_id] = child
-        # Ahead of everything else waiting: they hold blocks, and they are the same request.
-        self.waiting.extendleft(reversed([c for c in children if not c.status.finished]))
-        return children
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_tokens` tokens -- those this
+        step writes or wrote before -- whose tokens are all known (not pending)."""
+        if not self.prefix_caching:
+            return
+        self._hash_blocks(request, num_tokens)
+        self.block_manager.cache(request.req_id, request.block_hashes[: num_tokens // self.block_size])
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[int] | None:
         """Grow `request` to hold `num_tokens` tokens, preempting from the tail of `running`
@@ -295,8 +269,6 @@ class Scheduler:
         if self.block_manager.num_blocks_to_grow(request.req_id, num_tokens) == 0:
             return []  # most decode steps: the last block still has room
         while not self.block_manager.can_grow(request.req_id, num_tokens):
-            if self._reclaim_waiting_blocks():
-                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_req_ids.add(victim.req_id)
@@ -330,11 +302,6 @@ class Scheduler:
                 f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
                 f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
             )
-            children: list[Request] = []
-            if request.pending_fork and len(sampled) == request.sampling_params.n:
-                request.pending_fork = False
-                children = self._fork_children(request, sampled[1:])  # before a stop can free the parent
-                sampled = sampled[:1]
             for token_id in sampled:
                 if request.num_pending:
                     request.num_pending -= 1
@@ -345,5 +312,4 @@ class Scheduler:
             if request.status.finished:
                 self._remove(request)
             touched.append(request)
-            touched.extend(children)
         return touched

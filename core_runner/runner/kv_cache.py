@@ -33,10 +33,3 @@ def allocate_kv_cache(
         caches.append(cache)
     return caches
 
-
-def copy_kv_blocks(caches: list[torch.Tensor], copies: tuple[tuple[int, int], ...]) -> None:
-    """Copy whole blocks (K and V, every layer): `copies` holds (src, dst) block ids."""
-    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=caches[0].device) if caches else None
-    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=caches[0].device) if caches else None
-    for cache in caches:
-        cache.index_copy_(1, dst, cache.index_select(1, src))

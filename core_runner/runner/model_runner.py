@@ -23,7 +23,7 @@ from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
-from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, copy_kv_blocks
+from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState
@@ -39,7 +39,6 @@ class _ExecutedStep:
 
     batch: InputBatch
     hidden: torch.Tensor  # [num_tokens, hidden]
-    num_samples_np: np.ndarray  # [num_reqs] tokens to sample from each row's logits (n > 1 fan-out)
 
 
 class ModelRunner:
@@ -106,8 +105,7 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
         for observe in self._step_observers:
             observe(batch, hidden)
-        num_samples = np.array([sched.num_samples.get(r, 1) for r in batch.req_ids], dtype=np.int64)
-        self._executed = _ExecutedStep(batch, hidden, num_samples)
+        self._executed = _ExecutedStep(batch, hidden)
 
     # -- step, part 2 -----------------------------------------------------------------------
     def sample_tokens(self) -> AsyncOutput:
@@ -117,63 +115,38 @@ class ModelRunner:
         if step is None:
             return done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = step.batch
-        # Logits row -> batch row: one row each, n rows for a parent fanning out its samples.
-        counts = np.where(batch.sample_mask_np, step.num_samples_np, 1)
-        expanded_rows_np = np.repeat(np.arange(batch.num_reqs), counts)
-        first_np = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each batch row's first logits row
-        fan_out = len(expanded_rows_np) != batch.num_reqs
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
-            if fan_out:
-                logits = logits.index_select(0, torch.from_numpy(expanded_rows_np).to(self.device))
-            out = self._sample(batch, logits, expanded_rows_np, first_np)
-            first = out.sampled[torch.from_numpy(first_np).to(self.device)] if fan_out else out.sampled
-            post_update(self.req_state, batch, first)
+            out = self._sample(batch, logits)
+            post_update(self.req_state, batch, out.sampled)
             self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.num_rejected[: batch.num_reqs])
         tensors = {"sampled": out.sampled}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
-        wanted = self.sampling_states.num_logprobs_np[batch.idx_mapping_np[expanded_rows_np]]
-        expanded_mask = batch.sample_mask_np[expanded_rows_np]
+        wanted = self.sampling_states.num_logprobs_np[batch.idx_mapping_np]
 
         def finish(host: dict[str, torch.Tensor]) -> ModelRunnerOutput:
             sampled = host["sampled"].tolist()
             mask = batch.sample_mask_np.tolist()
-            if "lp_ids" not in host and not fan_out:  # the common case, one list per row
-                sampled_ids = [[t] if keep else [] for t, keep in zip(sampled, mask)]
+            sampled_ids = [[t] if keep else [] for t, keep in zip(sampled, mask)]
+            if "lp_ids" not in host:  # the common case
                 return ModelRunnerOutput(batch.req_ids, sampled_ids, [None] * batch.num_reqs, prompt_logprobs)
-            lp = None
-            if "lp_ids" in host:
-                lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
-            logprobs = to_token_logprobs(lp, expanded_mask, wanted)
-            sampled_ids, row_logprobs = [], []
-            for row in range(batch.num_reqs):
-                span = slice(first_np[row], first_np[row] + counts[row])
-                keep = mask[row]
-                sampled_ids.append(sampled[span] if keep else [])
-                row_logprobs.append(logprobs[span] if keep and logprobs[span.start] is not None else None)
-            return ModelRunnerOutput(
-                req_ids=batch.req_ids,
-                sampled_token_ids=sampled_ids,
-                logprobs=row_logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
+            lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
+            logprobs = to_token_logprobs(lp, batch.sample_mask_np, wanted)
+            row_logprobs = [[entry] if entry is not None else None for entry in logprobs]
+            return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs)
 
         return AsyncOutput(tensors, finish, self._copy_stream)
 
-    def _sample(
-        self, batch: InputBatch, logits: torch.Tensor, expanded_rows_np: np.ndarray, first_np: np.ndarray
-    ) -> SamplerOutput:
-        # expanded_idx_mapping: logits row -> slot; sample i of a row draws with seed + i.
-        idx = batch.idx_mapping_np[expanded_rows_np]
-        sample_index_np = np.arange(len(expanded_rows_np)) - first_np[expanded_rows_np]
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> SamplerOutput:
+        idx = batch.idx_mapping_np
         rs = self.req_state
         num_output_np = rs.num_tokens_np[idx] - rs.prompt_len_np[idx]
         history_lists = None
         if self.sampling_states.needs_history(idx):  # multi-token bad words: a small host copy
             history_lists = [rs.token_ids[s, : rs.num_tokens_np[s]].tolist() for s in idx]
-        params = self.sampling_states.gather(idx, num_output_np, history_lists, sample_index_np)
+        params = self.sampling_states.gather(idx, num_output_np, history_lists)
         history = None
         if params.penalties is not None:
             rows_np = params.penalties.rows_np
@@ -184,8 +157,6 @@ class ModelRunner:
             )
         # The sampled token takes position seq_len: that position keys its Gumbel noise.
         positions = batch.seq_lens.to(torch.int64)
-        if len(expanded_rows_np) != batch.num_reqs:
-            positions = positions[torch.from_numpy(expanded_rows_np).to(self.device)]
         return self.sampler(logits, params, positions, history)
 
     def _prompt_logprobs(self, step: _ExecutedStep) -> dict[str, PromptLogprobs]:
@@ -233,8 +204,6 @@ class ModelRunner:
                 self.model_state.remove_request(slot)
         for new in sched.new_reqs:
             slot = self.req_state.add(new)
-            if new.kv_copies:  # a forked parallel sample: copy its partly filled last block
-                copy_kv_blocks(self.kv_caches, new.kv_copies)
             self.block_tables.reset(slot, new.block_ids)
             self.sampling_states.add_request(slot, new)
             self.model_state.add_request(slot, new)

@@ -73,10 +73,13 @@ class ModelState(abc.ABC):
 
     # Human-readable family name, shown by `python -m slotrunner models`.
     family: ClassVar[str] = "abstract"
-    # Whether a request may be admitted with KV blocks it did not compute itself (a parallel
-    # sample forked from its parent after the prompt; later, prefix-cache hits). True when
-    # `add_request` rebuilds all other per-request state from NewRequestData alone; families
-    # with recurrent state set False, and their parallel samples recompute the prompt.
+    # Whether a request may be admitted with KV blocks it did not compute itself: prefix-cache
+    # hits, which is also how parallel samples (n > 1) share their prompt. True when
+    # `add_request` rebuilds all other per-request state from NewRequestData alone, whatever
+    # `num_computed_tokens` it arrives with, and when everything the KV depends on besides the
+    # tokens is in the request's `FamilyInputs.cache_key_spans`. Families with recurrent state
+    # set False: the engine then computes every prompt from token 0 (and refuses an explicit
+    # enable_prefix_caching=True).
     shares_prefix_kv: ClassVar[bool] = True
     # Whether decode steps may replay CUDA graphs. True only when, for a decode-only batch,
     # `prepare_inputs_embeds` returns None and `prepare_attn` / `prepare_inputs` return tensors

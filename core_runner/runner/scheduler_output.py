@@ -12,8 +12,9 @@ from slotrunner.sampling_params import SamplingParams
 class NewRequestData:
     """A request entering the runner: first admission, or re-admission after preemption.
 
-    `prefill_token_ids` is the prompt plus, after a preemption, the tokens generated before it:
-    the runner recomputes all of them (prefill_len >= prompt_len).
+    `prefill_token_ids` is the prompt plus, after a preemption, the tokens generated before it
+    (prefill_len >= prompt_len); the first `num_computed_tokens` of them are already in the KV
+    blocks it arrives with (prefix-cache hits), the rest the runner computes.
     """
 
     req_id: str
@@ -26,9 +27,6 @@ class NewRequestData:
     family_inputs: FamilyInputs | None = None  # encoder inputs, media: see ModelState.process_prompt
     eos_token_ids: tuple[int, ...] = ()  # suppressed until min_tokens, unless ignore_eos
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
-    # A forked parallel sample arrives with num_computed_tokens > 0 and these (src, dst) KV
-    # block copies to make before its first step (its partly filled last block).
-    kv_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def prefill_len(self) -> int:
@@ -53,8 +51,6 @@ class SchedulerOutput:
     # Requests whose slot must be freed before this step: finished, aborted or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # req_id -> samples to draw from its one logits row (n > 1 parents completing their prefill).
-    num_samples: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -113,7 +113,6 @@ class SamplingStates:
         idx_mapping_np: np.ndarray,  # [rows] slot of each logits row
         num_output_tokens_np: np.ndarray,  # [rows] tokens generated so far
         token_history: list[list[int]] | None = None,  # per row, only needed when a row has bad words
-        sample_index_np: np.ndarray | None = None,  # [rows] i for the i-th sample of an n > 1 fan-out
     ) -> BatchSamplingParams:
         """Per-row parameters; which stages run is decided here, on the host."""
         idx = idx_mapping_np
@@ -125,7 +124,7 @@ class SamplingStates:
         num_logprobs = self.num_logprobs_np[idx]
         return BatchSamplingParams(
             temperature=self._dev(t),
-            seeds=self._dev(self._seeds(idx, sample_index_np)),
+            seeds=self._dev(self.seeds_np[idx]),
             top_k=self._dev(top_k) if (sampling & (top_k > 0)).any() else None,
             max_top_k=int(np.where(top_k > 0, top_k, self.vocab_size).max()) if idx.size else 0,
             top_p=self._dev(top_p) if (sampling & (top_p < 1.0)).any() else None,
@@ -146,13 +145,6 @@ class SamplingStates:
             max_num_logprobs=int(num_logprobs.max()) if len(idx) else -1,
             num_logprobs_np=num_logprobs,
         )
-
-    def _seeds(self, idx: np.ndarray, sample_index_np: np.ndarray | None) -> np.ndarray:
-        """Sample i of a fan-out draws with seed + i: the seed its child request keeps."""
-        seeds = self.seeds_np[idx]
-        if sample_index_np is None or not sample_index_np.any():
-            return seeds
-        return (seeds + sample_index_np) & 0x7FFFFFFFFFFFFFFF
 
     def needs_history(self, idx_mapping_np: np.ndarray) -> bool:
         """Whether `gather` needs the rows' token history (multi-token bad words)."""

@@ -153,7 +153,9 @@ def case(request, tmp_path_factory) -> Case:
 
 
 def engine_at(directory, **kwargs) -> LLM:
-    return LLM(str(directory), device="cpu", block_size=4, max_model_len=kwargs.pop("max_model_len", 128), **kwargs)
+    """Prefix caching off unless asked: logits are compared at every position."""
+    kwargs = {"enable_prefix_caching": False, "max_model_len": 128} | kwargs
+    return LLM(str(directory), device="cpu", block_size=4, **kwargs)
 
 
 def engine(case: Case, **kwargs) -> LLM:

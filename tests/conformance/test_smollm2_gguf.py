@@ -30,7 +30,7 @@ def systems(smollm2_hf_dir):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    llm = LLM(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=8)
+    llm = LLM(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=8, enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_hf_dir), dtype=torch.float32).eval()
     prompts = [llm.render_chat([{"role": "user", "content": q}])["prompt_token_ids"] for q in QUESTIONS]
     return llm, hf, prompts

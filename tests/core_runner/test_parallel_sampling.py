@@ -1,8 +1,10 @@
-"""Parallel sampling (n > 1): one prefill, n samples, each equal to a seeded single request.
+"""Parallel sampling (n > 1): n requests made at intake (sample i seeded with seed + i) that
+share the prompt's full KV blocks through the prefix cache, each equal to a seeded single
+request.
 
-Guards against: children recomputing the prompt (the point of sharing), the copied partial
-block missing the parent's last prompt tokens (children would diverge from the standalone
-request), shared blocks freed while a sibling still reads them, samples that repeat each other.
+Guards against: samples recomputing the cached part of the prompt (the point of sharing), a
+sample admitted in the same step reading blocks its sibling has not written, shared blocks
+freed while a sibling still reads them, samples that repeat each other.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class TokenCounter:
 def test_n_samples_equal_seeded_single_requests_and_share_the_prefill(llm, prompt_len):
     prompt = {"prompt_token_ids": [(31 * i) % 900 + 5 for i in range(prompt_len)]}
     sp = dict(temperature=1.0, top_k=50, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    llm.reset_prefix_cache()
     counter = TokenCounter(llm.engine.runner.model)
     try:
         out = llm.generate(prompt, SamplingParams(n=N, seed=100, **sp), use_tqdm=False)[0]
@@ -41,7 +44,10 @@ def test_n_samples_equal_seeded_single_requests_and_share_the_prefill(llm, promp
     finally:
         counter.close()
     assert [c.index for c in out.outputs] == list(range(N))
-    assert forwarded == prompt_len + N * (MAX_TOKENS - 1), "the prompt was computed more than once"
+    # Samples 1..N-1 take sample 0's full blocks, leaving at least one token to compute.
+    shared = min(prompt_len // 4, (prompt_len - 1) // 4) * 4
+    assert forwarded == prompt_len + (N - 1) * (prompt_len - shared) + N * (MAX_TOKENS - 1), "the prompt was recomputed"
+    assert out.num_cached_tokens == 0, "sample 0 computed the prompt itself"
     singles = [
         llm.generate(prompt, SamplingParams(seed=100 + i, **sp), use_tqdm=False)[0].outputs[0] for i in range(N)
     ]
@@ -57,8 +63,8 @@ def test_n_samples_equal_seeded_single_requests_and_share_the_prefill(llm, promp
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_parallel_samples_survive_scarce_blocks(tiny_llama_dir, async_scheduling):
-    """With few blocks, forks fall back to recompute or get preempted; results don't change
-    (also when steps are scheduled ahead of their parents' first tokens)."""
+    """With few blocks, samples get preempted and recompute (hitting what is still cached);
+    results don't change (also when steps are scheduled ahead of their tokens)."""
     prompts = [{"prompt_token_ids": [(17 * i + j) % 900 + 5 for i in range(11)]} for j in range(3)]
     sp = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=9, ignore_eos=True)
     roomy = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8)
@@ -70,3 +76,20 @@ def test_parallel_samples_survive_scarce_blocks(tiny_llama_dir, async_scheduling
     assert tight.engine.scheduler.num_preemptions > 0
     bm = tight.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_without_prefix_caching_samples_recompute_and_agree(tiny_llama_dir):
+    """enable_prefix_caching=False: every sample computes the whole prompt, with the same result."""
+    prompt = {"prompt_token_ids": [(13 * i) % 900 + 5 for i in range(10)]}
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
+    on = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4)
+    off = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, block_size=4, enable_prefix_caching=False)
+    counter = TokenCounter(off.engine.runner.model)
+    try:
+        b = off.generate(prompt, sp, use_tqdm=False)[0]
+    finally:
+        counter.close()
+    a = on.generate(prompt, sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert counter.count == 3 * 10 + 3 * 4
+    assert b.num_cached_tokens == 0

@@ -55,7 +55,7 @@ class RwkvInputs(ModelInputs):
 class RwkvModelState(ModelState):
     family = "RWKV recurrent"
     # A slot's state summarises every token before it and cannot be rebuilt from shared KV
-    # blocks: forked parallel samples recompute the prompt instead.
+    # blocks: no prefix caching; parallel samples recompute the prompt.
     shares_prefix_kv = False
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""BlockManager: block accounting under grow/free."""
+"""BlockManager: block accounting under grow/free, and the prefix cache."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotrunner.core_runner.engine.block_hash import extend_block_hashes
 from slotrunner.core_runner.engine.block_manager import BlockManager
 
 NUM_BLOCKS = 16
@@ -100,29 +101,111 @@ def test_random_grow_free_never_leaks(ops: list[tuple[str, int, int]]) -> None:
     assert bm.num_free_blocks == NUM_BLOCKS
 
 
-def test_fork_shares_full_blocks_copies_the_partial_one_and_pins_its_source():
-    """Guards against: a shared block returned to the free list while a sibling still uses it,
-    and the copy source reused by another request before the child's copy is made."""
-    bm = BlockManager(num_blocks=8, block_size=4)
-    parent = bm.grow("p", 10)  # blocks for tokens 0..9: two full, one partial
-    child_blocks, copies = bm.fork("p", "c", 10)
-    assert child_blocks[:2] == parent[:2] and child_blocks[2] not in parent
-    assert copies == [(parent[2], child_blocks[2])]
-    bm.free("p")  # the parent finishes before the child is admitted
-    assert parent[2] not in list(bm._free), "the copy source is pinned until release_pins"
-    assert set(parent[:2]).isdisjoint(bm._free), "full blocks are still the child's"
-    bm.release_pins("c")
-    assert parent[2] in bm._free
-    bm.free("c")
-    assert bm.num_free_blocks == 8
+def _hashes(tokens: list[int]) -> list[bytes]:
+    return extend_block_hashes([], tokens, len(tokens), BLOCK_SIZE)
 
 
-def test_fork_on_a_block_boundary_shares_everything():
-    bm = BlockManager(num_blocks=4, block_size=4)
-    parent = bm.grow("p", 8)
-    blocks, copies = bm.fork("p", "c", 8)
-    assert blocks == parent and copies == []
-    assert bm.num_free_blocks == 2
-    bm.free("c")
-    bm.free("p")
-    assert bm.num_free_blocks == 4
+def test_cached_blocks_are_found_shared_and_survive_their_holder():
+    """Guards against: a freed block losing its content hash (no reuse after the first request
+    finishes), a shared block returned to the free queue while a holder still uses it."""
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    tokens = list(range(10))  # two full blocks and a partial one
+    a = bm.grow("a", 10)
+    bm.cache("a", _hashes(tokens))
+    assert bm.num_cached_blocks == 2
+    hit = bm.find_cached(_hashes(tokens + [99]), max_blocks=8)
+    assert hit == a[:2], "the longest cached chain of full blocks"
+    bm.take_cached("b", hit)
+    bm.free("a")
+    assert set(hit).isdisjoint(bm._free), "b still holds the shared blocks"
+    bm.free("b")
+    assert bm.find_cached(_hashes(tokens), 8) == a[:2], "free blocks keep their hash until evicted"
+    bm.check_invariants()
+
+
+def test_a_changed_token_or_extra_key_misses_and_eviction_forgets():
+    bm = BlockManager(4, BLOCK_SIZE)
+    tokens = list(range(8))
+    bm.grow("a", 8)
+    bm.cache("a", _hashes(tokens))
+    other = tokens[:3] + [77] + tokens[4:]
+    assert bm.find_cached(_hashes(other), 8) == [], "the first block differs: the chain breaks at once"
+    keyed = extend_block_hashes([], tokens, 8, BLOCK_SIZE, [(4, 8, "image-1")])
+    assert len(bm.find_cached(keyed, 8)) == 1, "an extra key over the second block changes only it"
+    bm.free("a")
+    bm.grow("b", 16)  # takes every block: the cached ones are evicted
+    assert bm.find_cached(_hashes(tokens), 8) == [] and bm.num_cached_blocks == 0
+    bm.check_invariants()
+
+
+def test_max_blocks_leaves_tokens_to_compute_and_can_grow_counts_free_hits():
+    bm = BlockManager(3, BLOCK_SIZE)
+    tokens = list(range(8))
+    bm.grow("a", 8)
+    bm.cache("a", _hashes(tokens))
+    bm.free("a")  # both cached blocks now sit in the free queue
+    assert bm.find_cached(_hashes(tokens), max_blocks=1) == bm.find_cached(_hashes(tokens), 8)[:1]
+    hit = bm.find_cached(_hashes(tokens), 8)
+    assert bm.can_grow("b", 12, hit), "two hits from the free queue + one new block = all three"
+    assert not bm.can_grow("b", 16, hit)
+
+
+_cache_ops = st.lists(
+    st.tuples(st.sampled_from(["admit", "grow", "free", "reset"]), st.integers(0, 4), st.integers(1, 4 * BLOCK_SIZE)),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cache_ops)
+def test_random_admit_grow_free_with_the_prefix_cache(ops: list[tuple[str, int, int]]) -> None:
+    """Random admit (with cache hits) / grow / finish / reset sequences over requests drawn from
+    a few shared prefixes: no leaked or doubly freed block, refcounts match the holders, and a
+    cached block's content never changes while it is cached (a grow never hands out a block
+    that another request can still find or holds)."""
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    prefixes = [[p] * 3 * BLOCK_SIZE for p in range(3)]
+    live: dict[str, list[int]] = {}  # request -> its tokens
+    content: dict[int, tuple[int, ...]] = {}  # block -> the tokens written into it
+    n = 0
+    for op, which, length in ops:
+        if op == "admit":
+            rid, n = f"r{n}", n + 1
+            tokens = prefixes[which % 3][:length] + [1000 + n]
+            hit = bm.find_cached(_hashes(tokens), (len(tokens) - 1) // BLOCK_SIZE)
+            if not bm.can_grow(rid, len(tokens), hit):
+                continue
+            for b in hit:
+                assert content[b] == tuple(tokens[hit.index(b) * BLOCK_SIZE :][:BLOCK_SIZE]), "a hit with other content"
+            bm.take_cached(rid, hit)
+            new = bm.grow(rid, len(tokens))
+            for i, b in enumerate(bm.block_ids(rid)):
+                if b in new:
+                    content[b] = tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            bm.cache(rid, _hashes(tokens))
+            live[rid] = tokens
+        elif op == "grow" and live:  # a running request appends tokens (decode, next chunk)
+            rid = sorted(live)[which % len(live)]
+            tokens = live[rid] + [2000 + n + k for k in range(length)]
+            n += 1
+            if not bm.can_grow(rid, len(tokens)):
+                continue
+            new = bm.grow(rid, len(tokens))
+            for i, b in enumerate(bm.block_ids(rid)):
+                if b in new:
+                    content[b] = tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+                elif i * BLOCK_SIZE < len(tokens) and len(content[b]) < BLOCK_SIZE:  # its partial last block fills up
+                    content[b] = tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            bm.cache(rid, _hashes(tokens))
+            live[rid] = tokens
+        elif op == "free" and live:
+            rid = sorted(live)[which % len(live)]
+            bm.free(rid)
+            del live[rid]
+        elif op == "reset":
+            bm.reset_prefix_cache()
+        bm.check_invariants()
+    for rid in list(live):
+        bm.free(rid)
+    assert bm.num_free_blocks == NUM_BLOCKS
+    bm.check_invariants()

@@ -1,0 +1,46 @@
+"""Content hashes of full KV-cache blocks: the keys of the prefix cache.
+
+A block's hash chains its parent's hash, its token ids and the extra keys of the request that
+touch it (a media item's content hash over its placeholder span, the encoder input for a
+decoder whose KV depends on it, later an adapter id): two blocks share a hash exactly when
+every token before and in them, and everything else their KV depends on, is the same. BLAKE2b
+with 128 bits: a collision would silently reuse wrong KV, so no cheap 64-bit hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from slotrunner.core_runner.engine.intake import KeySpan
+
+_ROOT = b"slotrunner-prefix-cache-v1"
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for key in extra_keys:
+        h.update(b"\x00" + key.encode())
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes],  # the request's hashes so far (full blocks), extended in place
+    token_ids: Sequence[int],  # every known token of the request (prompt + output)
+    num_tokens: int,  # hash the full blocks among the first num_tokens tokens
+    block_size: int,
+    key_spans: Sequence[KeySpan] = (),
+    salt: str | None = None,  # a key over the whole request (adapter id, cache salt)
+) -> list[bytes]:
+    """Append the hashes of every full block in `token_ids[:num_tokens]` not hashed yet."""
+    for i in range(len(hashes), min(num_tokens, len(token_ids)) // block_size):
+        start, end = i * block_size, (i + 1) * block_size
+        keys = [k for s, e, k in key_spans if s < end and e > start]
+        if salt is not None:
+            keys.insert(0, salt)
+        parent = hashes[-1] if hashes else _ROOT
+        hashes.append(hash_block(parent, token_ids[start:end], keys))
+    return hashes
