@@ -53,6 +53,9 @@ class DecoderStack(nn.Module):
         residual_in_norm: bool = False,
         embedding_multiplier: float = 1.0,  # times the looked-up embeddings (Granite, FalconH1)
         multiply_inputs_embeds: bool = False,  # ... and times given `inputs_embeds` (Granite)
+        # Round the multiplier to the embeddings' dtype first (Gemma: sqrt(hidden) as a tensor of
+        # the model's dtype, 55.4256 -> 55.5 in bf16).
+        multiplier_in_dtype: bool = False,
     ) -> None:
         super().__init__()
         self.names = names
@@ -62,6 +65,7 @@ class DecoderStack(nn.Module):
         self.residual_in_norm = residual_in_norm
         self.embedding_multiplier = embedding_multiplier
         self.multiply_inputs_embeds = multiply_inputs_embeds
+        self.multiplier_in_dtype = multiplier_in_dtype
 
     @property
     def token_embedding(self) -> VocabEmbedding:
@@ -76,7 +80,10 @@ class DecoderStack(nn.Module):
     ) -> torch.Tensor:  # shapes as CausalLM.forward's
         x = self.token_embedding(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embedding_multiplier != 1.0 and (inputs_embeds is None or self.multiply_inputs_embeds):
-            x = x * self.embedding_multiplier
+            multiplier = self.embedding_multiplier
+            if self.multiplier_in_dtype:  # a host-side rounding: no device work, graph-safe
+                multiplier = float(torch.tensor(multiplier, dtype=x.dtype))
+            x = x * multiplier
         if not self.residual_in_norm:
             for layer in self.layers:
                 x = layer(positions, x)

@@ -26,7 +26,7 @@ from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.lm_head import LogitScale
 from slotrunner.models.layers.mamba.mixer import MambaMixer2
-from slotrunner.models.layers.moe import StackedExperts, softmax_topk
+from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention
 from slotrunner.models.weights import QKV_SHARDS
@@ -48,24 +48,6 @@ class GraniteAttention(LlamaAttention):
             q, k = self.rotary_emb(positions, q, k)
             q, k = q.flatten(1), k.flatten(1)
         return self.o_proj(self.attn(q, k, v))
-
-
-class Router(nn.Module):
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.layer = nn.Linear(hidden_size, num_experts, bias=False)
-
-
-class GraniteMoE(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
-        self.top_k = c.num_experts_per_tok
-        self.router = Router(c.hidden_size, c.num_local_experts)
-        self.experts = StackedExperts(c.num_local_experts, c.hidden_size, c.intermediate_size, c.hidden_act, gated=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.router.layer(x), self.top_k)
-        return self.experts(x, weights, ids)
 
 
 class SharedMLP(nn.Module):
@@ -90,7 +72,10 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         else:
             self.mamba = MambaMixer2(mixer_args(c), layer_idx)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.block_sparse_moe = GraniteMoE(c) if (c.num_local_experts or 0) > 0 else None
+        self.block_sparse_moe = None
+        if (c.num_local_experts or 0) > 0:  # softmax over the top-k logits = softmax, top-k, renormalise
+            spec = RouterSpec(c.num_local_experts, c.num_experts_per_tok, "softmax", renormalize=True)
+            self.block_sparse_moe = SparseMoE(c.hidden_size, c.intermediate_size, spec, ExpertActivation(c.hidden_act))
         self.shared_mlp = SharedMLP(c)
         self.residual_multiplier = float(c.residual_multiplier)
 
@@ -130,6 +115,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         renames = {
             ".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.w_in",
             ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.w_out",
+            ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.gate.weight",
         }
 
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:

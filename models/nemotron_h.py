@@ -19,7 +19,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.models.causal_lm import MAMBA_NAMES, CausalLM, DecoderStack
@@ -27,7 +26,7 @@ from slotrunner.models.granite_moe_hybrid import GraniteAttention
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
-from slotrunner.models.layers.moe import StackedExperts, sigmoid_topk, stack_per_expert
+from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.rotary import RopeConfig
 from slotrunner.models.llama import LlamaArgs
@@ -95,39 +94,20 @@ class NemotronHMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class NemotronHRouter(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts), requires_grad=False)
-        self.top_k = c.num_experts_per_tok
-        self.n_group = c.n_group
-        self.topk_group = c.topk_group
-        self.norm_topk_prob = bool(c.norm_topk_prob)
-        self.routed_scaling_factor = float(c.routed_scaling_factor)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
-        return sigmoid_topk(
-            logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
-            self.norm_topk_prob, self.routed_scaling_factor,
-        )  # fmt: skip
-
-
-class NemotronHMoE(nn.Module):
-    def __init__(self, c: object) -> None:
-        super().__init__()
-        if getattr(c, "moe_latent_size", None) is not None:
-            raise ValueError("NemotronH: moe_latent_size (latent MoE projections) is not supported")
-        self.gate = NemotronHRouter(c)
-        self.experts = StackedExperts(
-            c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.mlp_hidden_act, gated=False
-        )
-        self.shared_experts = NemotronHMLP(c, c.moe_shared_expert_intermediate_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+def nemotron_h_moe(c: object) -> SparseMoE:
+    """Sigmoid routing on float32 logits, chosen with `e_score_correction_bias` (grouped when
+    `n_group` > 1), non-gated relu2 experts, one shared relu2 expert."""
+    if getattr(c, "moe_latent_size", None) is not None:
+        raise ValueError("NemotronH: moe_latent_size (latent MoE projections) is not supported")
+    spec = RouterSpec(
+        c.n_routed_experts, c.num_experts_per_tok, "sigmoid", bool(c.norm_topk_prob), c.n_group, c.topk_group,
+        float(c.routed_scaling_factor),
+    )  # fmt: skip
+    act = ExpertActivation(c.mlp_hidden_act, gated=False)
+    shared = NemotronHMLP(c, c.moe_shared_expert_intermediate_size)
+    return SparseMoE(
+        c.hidden_size, c.moe_intermediate_size, spec, act, shared, correction_bias=True, fp32_logits=True
+    )
 
 
 class NemotronHBlock(nn.Module):
@@ -142,7 +122,7 @@ class NemotronHBlock(nn.Module):
         elif self.kind == "mlp":
             self.mixer = NemotronHMLP(c, c.intermediate_size)
         else:
-            self.mixer = NemotronHMoE(c)
+            self.mixer = nemotron_h_moe(c)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         x = self.norm(h)

@@ -31,6 +31,12 @@ IN_TREE: dict[str, ArchEntry] = {
     "MistralForCausalLM": ArchEntry(f"{_M}.llama:MistralForCausalLM", DEFAULT, f"{_T}:mistral"),
     "Qwen2ForCausalLM": ArchEntry(f"{_M}.llama:Qwen2ForCausalLM", DEFAULT, f"{_T}:qwen2"),
     "Qwen3ForCausalLM": ArchEntry(f"{_M}.llama:Qwen3ForCausalLM", DEFAULT, f"{_T}:qwen3"),
+    "Phi3ForCausalLM": ArchEntry(f"{_M}.phi3:Phi3ForCausalLM", DEFAULT, f"{_T}:phi3"),
+    "Gemma2ForCausalLM": ArchEntry(f"{_M}.gemma:Gemma2ForCausalLM", DEFAULT, f"{_T}:gemma2"),
+    "Gemma3ForCausalLM": ArchEntry(f"{_M}.gemma:Gemma3ForCausalLM", DEFAULT, f"{_T}:gemma3"),
+    "MixtralForCausalLM": ArchEntry(f"{_M}.mixtral:MixtralForCausalLM", DEFAULT, f"{_T}:mixtral"),
+    "Qwen3MoeForCausalLM": ArchEntry(f"{_M}.qwen3_moe:Qwen3MoeForCausalLM", DEFAULT, f"{_T}:qwen3_moe"),
+    "GptOssForCausalLM": ArchEntry(f"{_M}.gpt_oss:GptOssForCausalLM", DEFAULT, f"{_T}:gpt_oss"),
     "Mamba2ForCausalLM": ArchEntry(f"{_M}.mamba2:Mamba2ForCausalLM", MAMBA_HYBRID, f"{_T}:mamba2"),
     "BambaForCausalLM": ArchEntry(f"{_M}.bamba:BambaForCausalLM", MAMBA_HYBRID, f"{_T}:bamba"),
     "GraniteMoeHybridForCausalLM": ArchEntry(

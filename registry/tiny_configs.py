@@ -47,6 +47,67 @@ def qwen3(**overrides: Any) -> Any:
     return _build("Qwen3Config", num_hidden_layers=2, head_dim=16, overrides=overrides)
 
 
+def phi3(**overrides: Any) -> Any:
+    # Partial rotary (8 of 16 channels) and LongRoPE past an original length of 4: every
+    # conformance sequence outgrows it, so transformers rotates all of it by the long factors
+    # (as slotrunner does), cos/sin times sqrt(1 + ln(256 / 4) / ln(4)) = 2. With
+    # max_position_embeddings <= original_max_position_embeddings the short factors serve.
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.5, 4.0, 6.0])
+    return _build("Phi3Config", num_hidden_layers=2, original_max_position_embeddings=4, rope_parameters=rope,
+                  overrides=overrides)  # fmt: skip
+
+
+# Gemma: a window of 6 (shorter than most prompts), scores and logits soft-capped by small caps
+# so that the caps change them, query_pre_attn_scalar != head_dim. eager attention: transformers
+# 5.17's default (sdpa) drops the attention soft cap.
+def gemma2(**overrides: Any) -> Any:
+    return _build(
+        "Gemma2Config", num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, initializer_range=0.1,
+        attn_implementation="eager", overrides=overrides,
+    )  # fmt: skip
+
+
+def gemma3(**overrides: Any) -> Any:
+    # Local/global every third layer (real Gemma 3: every sixth), each type its own RoPE: local
+    # theta 100, global theta 5000 with linear scaling (as Gemma 3 4B+ ships, factor 8).
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=5000.0)}
+    return _build(
+        "Gemma3TextConfig", num_hidden_layers=4, sliding_window_pattern=3, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=6, rope_parameters=rope, final_logit_softcapping=3.0, initializer_range=0.1,
+        overrides=overrides,
+    )  # fmt: skip
+
+
+# MoE: more experts than a decode step has tokens, and top-k leaving most of them empty.
+def mixtral(**overrides: Any) -> Any:
+    return _build(
+        "MixtralConfig", num_hidden_layers=2, head_dim=16, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=6, overrides=overrides,
+    )  # fmt: skip
+
+
+def qwen3_moe(**overrides: Any) -> Any:
+    # Layer 1 dense (mlp_only_layers), layers 0 and 2 sparse.
+    return _build(
+        "Qwen3MoeConfig", num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], overrides=overrides,
+    )  # fmt: skip
+
+
+def gpt_oss(**overrides: Any) -> Any:
+    # Sliding and full layers (window 6), YaRN scaling. The released SwiGLU limit (7.0) clamps
+    # nothing in a tiny random model; the conformance suite lowers it where transformers reads it.
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                original_max_position_embeddings=64)  # fmt: skip
+    return _build(
+        "GptOssConfig", num_hidden_layers=2, head_dim=16, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=6, rope_parameters=rope, overrides=overrides,
+    )  # fmt: skip
+
+
 # Mamba2 has no attention or MLP: the text defaults' attention/MLP fields do not apply.
 _MAMBA2 = {k: v for k, v in _TEXT.items() if k not in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
 

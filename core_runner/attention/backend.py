@@ -70,13 +70,17 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # kv_cache_shape(...)
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's K/V into the cache at `meta.slot_mapping`, then attend each query
         token to its request's keys at positions <= its own (within the sliding window).
 
         `position_bias`, when given, is added to the scaled score of a query at q_pos and a key
         at k_pos: `position_bias[:, min(q_pos - k_pos, num_distances - 1)]` (relative-position
-        biases such as T5's, or ALiBi slopes times distance, tabulated by distance)."""
+        biases such as T5's, or ALiBi slopes times distance, tabulated by distance).
+
+        `sinks`, when given, are per-head logits that join each query's softmax as one more key
+        with a zero value (GPT-OSS's attention sinks): they take probability mass, add nothing."""
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (see AttentionBackend)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         assert self.kv_cache is not None, f"layer {self.layer_idx}: KV cache not bound before the forward"
         ctx = get_forward_context()
@@ -36,5 +37,6 @@ class Attention(nn.Module):
             v.view(-1, s.num_kv_heads, s.head_dim),
             self.kv_cache,
             ctx.attn,
+            sinks=sinks,
         )
         return out.reshape(-1, s.num_heads * s.head_dim)

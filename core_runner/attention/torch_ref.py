@@ -95,7 +95,7 @@ def step_plan(meta: AttentionMetadata, block_size: int, device: torch.device) ->
 
 # Rows with at most this many (query token x query head) pairs per KV head take the grouped
 # matmul path: for decode it is ~2x faster than SDPA on CPU (whose GQA path copies K/V per head).
-# Soft caps and position biases always take it: they are applied to fp32 scores.
+# Soft caps, position biases and sinks always take it: they are applied to fp32 scores.
 _SMALL_QUERY = 64
 
 
@@ -106,6 +106,7 @@ def _attend_grouped(
     v: torch.Tensor,  # [kv_heads, seq_len, dim]
     allowed: torch.Tensor | None,  # [num_q, seq_len] bool, None = all keys
     bias: torch.Tensor | None,  # [heads, num_q, seq_len]
+    sinks: torch.Tensor | None = None,  # [heads]: one more logit per query, with a zero value
 ) -> torch.Tensor:  # [num_q, heads, dim]
     """Softmax attention in fp32 with each KV head's query heads stacked as rows: K/V are read
     once per KV head, never repeated."""
@@ -121,7 +122,12 @@ def _attend_grouped(
         scores = scores + bias.float().reshape(num_kv_heads, group * num_q, seq_len)
     if allowed is not None:
         scores = scores.masked_fill(~allowed.repeat(group, 1), float("-inf"))
-    o = scores.softmax(-1) @ v.float()  # [kv_heads, group * num_q, dim]
+    if sinks is not None:  # row (j, query) of KV head g is query head g * group + j
+        sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, num_q, 1).reshape(num_kv_heads, -1, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    o = probs @ v.float()  # [kv_heads, group * num_q, dim]
     return o.view(num_heads, num_q, head_dim).transpose(0, 1)
 
 
@@ -147,6 +153,7 @@ def paged_attention_ref(
     position_bias: torch.Tensor | None = None,  # [num_heads, num_distances], see AttentionBackend
     out: torch.Tensor | None = None,  # written in place when given
     skip_rows: frozenset[int] = frozenset(),  # rows (indices in the step plan) left to the caller
+    sinks: torch.Tensor | None = None,  # [num_heads], see AttentionBackend
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     plan = step_plan(meta, block_size, q.device)
@@ -170,11 +177,12 @@ def paged_attention_ref(
         if position_bias is not None:
             distance = (r.q_pos - r.k_pos).clamp(0, position_bias.shape[1] - 1)  # [num_q, seq_len]
             bias = position_bias[:, distance]  # [heads, num_q, seq_len]
-        if num_q == 1 and allowed is None and bias is None and spec.logits_soft_cap is None and fp32:
+        plain = bias is None and spec.logits_soft_cap is None and sinks is None
+        if num_q == 1 and allowed is None and plain and fp32:
             _attend_decode_into(spec.scale, q[r.q_start], kh, vh, out[r.q_start])
             continue
-        if num_q * group <= _SMALL_QUERY or spec.logits_soft_cap is not None or bias is not None:
-            o = _attend_grouped(spec, q[r.q_start : r.q_end], kh, vh, allowed, bias)
+        if num_q * group <= _SMALL_QUERY or not plain:
+            o = _attend_grouped(spec, q[r.q_start : r.q_end], kh, vh, allowed, bias, sinks)
         else:  # long prefill chunks: SDPA's fused kernels, no [heads, num_q, seq_len] scores in fp32
             qh = q[r.q_start : r.q_end].transpose(0, 1).to(kh.dtype)  # [heads, num_q, dim]
             kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
@@ -196,6 +204,7 @@ class TorchRefBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention_ref(spec, q, kv_cache, meta, position_bias)
+        return paged_attention_ref(spec, q, kv_cache, meta, position_bias, sinks=sinks)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
-from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -113,6 +112,7 @@ if HAS_TRITON:
         stride_bh,
         stride_bd,
         num_distances,
+        sinks_ptr,  # [num_heads] (unused unless HAS_SINKS)
         num_reqs,
         scale,
         soft_cap,
@@ -129,6 +129,7 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         USE_SOFT_CAP: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         kv_head = tl.program_id(1)
@@ -181,8 +182,12 @@ if HAS_TRITON:
             # depend on how its queries are blocked.
             kv_start = (tl.maximum(first_pos - sliding_window + 1, 0) // TILE_N) * TILE_N
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink as a key seen first: running max = its logit, running sum = 1
+            m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
         n = tl.arange(0, TILE_N)
         block_row = block_tables_ptr + row.to(tl.int64) * stride_bt
@@ -275,6 +280,7 @@ def paged_attention(
     position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] contiguous
     tiles: TileConfig = TileConfig(),
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding tokens left as given
     """Causal paged attention of every real query token (specification: paged_attention_ref)."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -294,6 +300,7 @@ def paged_attention(
         assert position_bias.dim() == 2 and position_bias.shape[0] == num_heads, (
             f"position_bias {tuple(position_bias.shape)} for {num_heads} heads"
         )
+    assert sinks is None or sinks.shape == (num_heads,), f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     group = num_heads // num_kv_heads
     args = (
         q,
@@ -312,6 +319,7 @@ def paged_attention(
         position_bias.stride(0) if position_bias is not None else 0,
         position_bias.stride(1) if position_bias is not None else 0,
         position_bias.shape[1] if position_bias is not None else 1,
+        sinks if sinks is not None else q,
         meta.num_reqs,
         spec.scale,
         spec.logits_soft_cap or 1.0,
@@ -326,6 +334,7 @@ def paged_attention(
         USE_WINDOW=spec.sliding_window is not None,
         USE_SOFT_CAP=spec.logits_soft_cap is not None,
         HAS_BIAS=position_bias is not None,
+        HAS_SINKS=sinks is not None,
         # fp32 models want fp32 products, not TF32 (ignored for 16-bit inputs).
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
@@ -374,8 +383,9 @@ class TritonBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         assert use_triton(q.device), f"TritonBackend cannot run on {q.device}: the runner picks one with select_attn_backend()"
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         write_kv_triton(kv_cache, k, v, meta.slot_mapping, out)
-        return paged_attention(spec, q, kv_cache, meta, position_bias, out, self.tiles)
+        return paged_attention(spec, q, kv_cache, meta, position_bias, out, self.tiles, sinks)

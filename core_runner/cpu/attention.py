@@ -2,7 +2,7 @@
 
 On a CPU the reference backend attends row by row, four torch ops per decode row and layer; at
 batch 8 that per-op cost is a large part of a decode step. Here every row with one query token
-that sees all its keys (no window cut, no position bias, no soft cap, float32) goes to
+that sees all its keys (no window cut, no position bias, soft cap or sinks, float32) goes to
 `sr_decode_attention` (`decode_attention.c`) in one call per layer, reading keys and values in
 place from the paged cache. Other rows -- prefill chunks, windowed or biased attention, other
 dtypes -- take the reference path unchanged. Each row is still computed on its own, so results
@@ -30,14 +30,15 @@ class CpuBackend(TorchRefBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         native = (
             q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and q.device.type == "cpu"
-            and position_bias is None and spec.logits_soft_cap is None
+            and position_bias is None and spec.logits_soft_cap is None and sinks is None
         )
         if not native:
-            return paged_attention_ref(spec, q, kv_cache, meta, position_bias)
+            return paged_attention_ref(spec, q, kv_cache, meta, position_bias, sinks=sinks)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         plan = step_plan(meta, block_size, q.device)
         rows, picked, longest = plan.decode_rows(spec.sliding_window)

@@ -20,21 +20,27 @@ from slotrunner.models.layers.linear import Linear, VocabEmbedding
 @dataclass(frozen=True)
 class LogitScale:
     """Logits times `multiplier` (FalconH1's `lm_head_multiplier`), then divided by `divisor`
-    (Granite's `logits_scaling`). Two fields rather than one factor: a division by 1.5 and a
-    product with 1 / 1.5 round differently, and each family rounds as its transformers model."""
+    (Granite's `logits_scaling`), then soft-capped by `soft_cap`. Two fields rather than one
+    factor: a division by 1.5 and a product with 1 / 1.5 round differently, and each family
+    rounds as its transformers model."""
 
     multiplier: float = 1.0
     divisor: float = 1.0
+    soft_cap: float | None = None  # then cap * tanh(logits / cap) (Gemma2/3's `final_logit_softcapping`)
 
     def __post_init__(self) -> None:
         if self.divisor == 0:
             raise ValueError("logit divisor (logits_scaling) must not be 0")
+        if self.soft_cap is not None and self.soft_cap <= 0:
+            raise ValueError(f"final logit soft cap must be > 0 or None, got {self.soft_cap}")
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.multiplier != 1.0:
             logits = logits * self.multiplier
         if self.divisor != 1.0:
             logits = logits / self.divisor
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits
 
 

@@ -6,12 +6,17 @@ A multimodal model class names its handler (`media_handler_cls`); the multimodal
 intake (model_states/multimodal_intake.py) uses it, and every mistake must become a clear
 ValueError. What a user may give as one item of `multi_modal_data`:
 
-- "image": a PIL image, a path, encoded bytes, or an HxWxC uint8 array -- preprocessed by the
-  processor saved with the model; or pre-computed processor outputs for one image, as a dict
+- "image": a PIL image, encoded bytes, an HxWxC uint8 array, a `data:` URL, or a path (or
+  `file://` URL) under the engine's `allowed_local_media_path` (models/layers/media_source.py:
+  no path is read without it, nothing is fetched over the network) -- decoded here with a pixel
+  limit (`MAX_IMAGE_PIXELS`: decompression bombs and 0x0 images are refused before decoding),
+  then preprocessed by the processor saved with the model; or pre-computed processor outputs for one image, as a dict
   (e.g. {"pixel_values": ..., "image_grid_thw": ...}) -- LLaVA also takes a bare pixel tensor
   [3, H, W] -- used as given, for models whose processor cannot be built or loaded.
-- "audio": a 1-D waveform (numpy or torch), or (waveform, sampling_rate); or a dict of
-  pre-computed features ({"input_features": ..., "feature_attention_mask": ...}).
+- "audio": a 1-D waveform (numpy or torch), or (waveform, sampling_rate), at most the feature
+  extractor's chunk (`n_samples`; 30 s for Qwen2-Audio): transformers' processor would silently
+  keep only its first chunk, so longer audio is refused; or a dict of pre-computed features
+  ({"input_features": ..., "feature_attention_mask": ...}).
 """
 
 from __future__ import annotations
@@ -19,14 +24,19 @@ from __future__ import annotations
 import abc
 import hashlib
 import io
+import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from slotrunner.models.layers.media_item import MediaItem
+from slotrunner.models.layers.media_source import read_media_source
+
+# Images with more pixels are refused before they are decoded (PIL's own default warning
+# threshold, ~0.25 GiB as RGB); checked on the header, without touching PIL's global limit.
+MAX_IMAGE_PIXELS = 89_478_485
 
 
 def content_hash(modality: str, data: Mapping[str, torch.Tensor]) -> str:
@@ -39,14 +49,17 @@ def content_hash(modality: str, data: Mapping[str, torch.Tensor]) -> str:
 
 
 class MediaHandler(abc.ABC):
-    """How one architecture reads its media at intake. Built from the HF config alone."""
+    """How one architecture reads its media at intake. Built from the HF config and the engine's
+    `allowed_local_media_path` (the real path of the one directory local files may come from;
+    None: no local file is read)."""
 
     modality: ClassVar[str]  # the key of multi_modal_data: "image" | "audio"
     processor_kwarg: ClassVar[str]  # the HF processor's keyword for it: "images" | "audio"
     data_keys: ClassVar[tuple[str, ...]]  # the tensors of one item, as the processor names them
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, allowed_local_media_path: str | None = None) -> None:
         self.hf_config = hf_config
+        self.allowed_local_media_path = allowed_local_media_path
         self.placeholder_id = self.placeholder_token_id(hf_config)
 
     @staticmethod
@@ -113,33 +126,49 @@ class MediaHandler(abc.ABC):
         return data
 
 
+def decode_image(item: Any) -> Any:
+    """A user's image (a PIL image, encoded bytes or a uint8 array) decoded as RGB. Its size is
+    checked on the header, before anything is decoded: 0x0 and more than MAX_IMAGE_PIXELS are
+    refused. Raises whatever PIL raises for a corrupt file (the caller words it)."""
+    from PIL import Image
+
+    try:
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            item = Image.open(io.BytesIO(item))  # lazy: reads the header only
+        elif isinstance(item, np.ndarray):
+            if item.ndim not in (2, 3) or item.dtype != np.uint8:
+                raise ValueError(f"an image array must be HxW or HxWxC uint8, got {item.dtype} {item.shape}")
+            item = Image.fromarray(item)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # PIL's own limit, hit in open
+        raise ValueError(f"too many pixels, refused as a possible decompression bomb ({e})") from None
+    if not isinstance(item, Image.Image):
+        raise ValueError(f"expected a PIL image, bytes, a uint8 array, a data: URL, a path or pre-computed tensors, got {type(item).__name__}")
+    width, height = item.size
+    if width < 1 or height < 1:
+        raise ValueError(f"the image has no pixels ({width}x{height})")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"the image is {width}x{height} = {width * height} pixels, over the limit of {MAX_IMAGE_PIXELS} "
+            "(refused as a possible decompression bomb): downscale it first"
+        )
+    item.load()  # decode now: a truncated or corrupt file fails here, not in the processor
+    return item.convert("RGB")
+
+
 class ImageHandler(MediaHandler):
     modality = "image"
     processor_kwarg = "images"
 
     def read(self, item: Any, index: int) -> Any:
-        from PIL import Image, UnidentifiedImageError
-
         if isinstance(item, Mapping):
             return self.precomputed(item, index)
         if isinstance(item, torch.Tensor):
             return self.from_tensor(item, index)
         try:
-            if isinstance(item, (str, Path)):
-                item = Image.open(item)
-            elif isinstance(item, (bytes, bytearray)):
-                item = Image.open(io.BytesIO(item))
-            elif isinstance(item, np.ndarray):
-                if item.ndim not in (2, 3) or item.dtype != np.uint8:
-                    raise ValueError(f"an image array must be HxW or HxWxC uint8, got {item.dtype} {item.shape}")
-                item = Image.fromarray(item)
-            if not isinstance(item, Image.Image):
-                raise ValueError(
-                    f"expected a PIL image, a path, bytes, a uint8 array or pre-computed tensors, got {type(item).__name__}"
-                )
-            item.load()  # decode now: a truncated or corrupt file fails here, not in the processor
-            return item.convert("RGB")
-        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as e:
+            if isinstance(item, (str, os.PathLike)):
+                item = read_media_source(item, self.allowed_local_media_path)
+            return decode_image(item)
+        except Exception as e:  # PIL's decoders raise many types (OSError, SyntaxError, struct.error, ...)
             raise ValueError(f"image {index} cannot be read: {e}") from None
 
     def from_tensor(self, t: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
@@ -154,6 +183,18 @@ class ImageHandler(MediaHandler):
         return self.sub_processor(processor)(images=raw, return_tensors="pt")
 
 
+def check_audio_length(num_samples: int, sampling_rate: int, extractor: Any, what: str) -> None:
+    """Refuse audio longer than the feature extractor's chunk (`n_samples`: 30 s for Whisper and
+    Qwen2-Audio): the encoder's positions cover one chunk, and transformers' extractor would keep
+    only the first one without a word. Audio up to the chunk is processed whole."""
+    limit = getattr(extractor, "n_samples", None)
+    if limit is not None and num_samples > limit:
+        raise ValueError(
+            f"{what} has {num_samples} samples ({num_samples / sampling_rate:.2f} s); this model's audio encoder takes at "
+            f"most {limit} ({limit / sampling_rate:.2f} s): split it into chunks of at most that length"
+        )
+
+
 class AudioHandler(MediaHandler):
     modality = "audio"
     processor_kwarg = "audio"
@@ -164,6 +205,13 @@ class AudioHandler(MediaHandler):
         rate = None
         if isinstance(item, tuple) and len(item) == 2:
             item, rate = item
+            if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)) or not rate > 0:
+                raise ValueError(f"audio {index}: the sampling rate must be a positive number of Hz, got {rate!r}")
+        if isinstance(item, (str, bytes, os.PathLike)):
+            raise ValueError(
+                f"audio {index} cannot be read: audio files and URLs are not decoded here; give the waveform "
+                "(a 1-D array at the model's sampling rate, e.g. read with soundfile or librosa)"
+            )
         if isinstance(item, torch.Tensor):
             item = item.detach().cpu().numpy()
         if not isinstance(item, np.ndarray) or item.ndim != 1 or item.size == 0 or not np.issubdtype(item.dtype, np.number):
@@ -183,12 +231,14 @@ class AudioHandler(MediaHandler):
         return int(self.sub_processor(processor).sampling_rate)
 
     def processor_inputs(self, raw: Sequence[Any], processor: Any) -> list[Any]:
-        """The waveforms, after checking any given sampling rate against the processor's."""
+        """The waveforms, after checking any given sampling rate against the processor's and the
+        length against its chunk (transformers' processor would cut longer audio silently)."""
         expected = self.sampling_rate(processor)
         waves = []
         for i, (wave, rate) in enumerate(raw):
-            if rate is not None and int(rate) != expected:
+            if rate is not None and rate != expected:
                 raise ValueError(f"audio {i} is sampled at {rate} Hz; this model takes {expected} Hz (resample it first)")
+            check_audio_length(wave.size, expected, self.sub_processor(processor), f"audio {i}")
             waves.append(wave)
         return waves
 

@@ -1,87 +1,170 @@
-"""Mixture-of-experts in plain torch: top-k routers and stacked expert weights.
+"""Mixture-of-experts layers any model builds from: the router, the routed experts, the block.
 
-Experts are held stacked -- `w_in` [num_experts, (2 if gated) * intermediate, hidden] (gate rows
-first, then up) and `w_out` [num_experts, hidden, intermediate] -- and run one expert at a time
-over the tokens routed to it. Correct first: a loop over the experts hit by this step (the
-`unique().tolist()` is a host sync on GPU; a fused kernel is the later fast path).
-
-Routers return `(topk_weights [tokens, top_k] float32, topk_ids [tokens, top_k])`:
-- `softmax_topk`: top-k of the logits, softmax over those k (Mixtral, GraniteMoE);
-- `sigmoid_topk`: sigmoid scores, experts chosen on scores + correction bias (optionally within
-  the best `topk_group` of `n_group` groups), weights from the uncorrected scores, optionally
-  renormalised, times `routed_scaling_factor` (DeepSeek-V3, NemotronH).
+- `RouterSpec` + `select_experts`: which `top_k` experts each token goes to, with what weights.
+  Scores are the softmax (Mixtral, Qwen3-MoE, GraniteMoE, GPT-OSS) or the sigmoid (DeepSeek-V3,
+  NemotronH) of the router logits; experts are chosen on the scores plus an optional
+  correction bias (`e_score_correction_bias`: it steers the choice, never the weights),
+  optionally only within the best `topk_group` of `n_group` expert groups (DeepSeek-V3: a
+  group scores the sum of its two best); the chosen scores are optionally renormalised to sum
+  to 1 (`norm_topk_prob`) and times `routed_scaling_factor`.
+- `TopKRouter`: the gate's linear (checkpoint `gate.weight`, GPT-OSS's `bias`) + the selection.
+- `FusedExperts`: the experts' stacked weights -- `w_in` [num_experts, (2 if gated) *
+  intermediate, hidden] (gate rows first, then up) and `w_out` [num_experts, hidden,
+  intermediate] -- run by `fused_moe` (fused_moe.py: two grouped GEMMs on a GPU, a per-expert
+  loop on CPU).
+- `SparseMoE`: gate -> experts, plus shared experts every token passes through.
+- `stack_per_expert`: checkpoints that store the experts one by one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
+
+SCORING = ("softmax", "sigmoid")
 
 
-def softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    values, ids = router_logits.float().topk(top_k, dim=-1)
-    return torch.softmax(values, dim=-1), ids
+@dataclass(frozen=True)
+class RouterSpec:
+    """How router logits pick experts (the math; the parameters live in `TopKRouter`)."""
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # one of SCORING
+    renormalize: bool = True  # the chosen weights divided by their sum (`norm_topk_prob`)
+    n_group: int = 1  # expert groups (DeepSeek-V3's `n_group`); 1: no group limit
+    topk_group: int = 1  # experts are chosen only within this many best groups
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING:
+            raise ValueError(f"router scoring {self.scoring!r} is not supported (supported: {SCORING})")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            if self.num_experts % self.n_group or per_group < 2:
+                raise ValueError(
+                    f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at least 2"
+                )
+            if not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"topk_group={self.topk_group} of n_group={self.n_group} groups of {per_group} experts "
+                    f"cannot hold num_experts_per_tok={self.top_k}"
+                )
 
 
-def sigmoid_topk(
-    router_logits: torch.Tensor,  # [tokens, num_experts]
-    top_k: int,
-    correction_bias: torch.Tensor | None = None,  # [num_experts]
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = True,
-    routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = router_logits.float().sigmoid()
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    spec: RouterSpec,
+    correction_bias: torch.Tensor | None = None,  # [num_experts], added for the choice only
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int64
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    if n_group > 1:
-        tokens, num_experts = choice.shape
-        grouped = choice.view(tokens, n_group, num_experts // n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, n_group]
-        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(tokens, num_experts)
-    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    if spec.n_group > 1:
+        num_tokens = choice.shape[0]
+        grouped = choice.view(num_tokens, spec.n_group, -1)  # [num_tokens, n_group, experts per group]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [num_tokens, n_group]
+        best_groups = group_scores.topk(spec.topk_group, dim=-1)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+    ids = choice.topk(spec.top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
-    if norm_topk_prob:
+    if spec.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    return weights, ids
 
 
-class StackedExperts(nn.Module):
-    """`num_experts` MLPs: gated (down(act(gate(x)) * up(x))) or plain (down(act(up(x))))."""
+class TopKRouter(nn.Module):
+    """logits = x @ weight.T (+ bias), then `select_experts`. Parameters are named as the
+    checkpoints name them: `weight` [num_experts, hidden], `bias` [num_experts] (GPT-OSS),
+    `e_score_correction_bias` [num_experts] (DeepSeek-V3, NemotronH)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, gated: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: RouterSpec,
+        bias: bool = False,
+        correction_bias: bool = False,
+        fp32_logits: bool = False,  # logits from float32 copies of x and weight (DeepSeek-V3, NemotronH)
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.fp32_logits = fp32_logits
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if bias else None
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) if correction_bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [num_tokens, hidden]
+        if self.fp32_logits:
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(x.float(), self.weight.float(), bias)
+        else:
+            logits = F.linear(x, self.weight, self.bias)
+        return select_experts(logits, self.spec, self.e_score_correction_bias)
+
+
+class FusedExperts(nn.Module):
+    """`num_experts` MLPs, gated (down(act(gate(x)) * up(x))) or plain (down(act(up(x)))), as
+    stacked weights; biases optional (GPT-OSS)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, act: ExpertActivation, bias: bool = False
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gated = gated
-        self.w_in = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * intermediate_size, hidden_size))
+        self.act = act
+        n_in = (2 if act.gated else 1) * intermediate_size
+        self.w_in = nn.Parameter(torch.empty(num_experts, n_in, hidden_size))
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.act = hf_activation(act)
+        self.b_in = nn.Parameter(torch.zeros(num_experts, n_in)) if bias else None
+        self.b_out = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
 
     def forward(
         self,
-        x: torch.Tensor,  # [tokens, hidden]
-        topk_weights: torch.Tensor,  # [tokens, top_k]
-        topk_ids: torch.Tensor,  # [tokens, top_k]
-    ) -> torch.Tensor:  # [tokens, hidden]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in torch.unique(topk_ids).tolist():
-            token_idx, pos = torch.where(topk_ids == expert)
-            h = F.linear(x[token_idx], self.w_in[expert])
-            if self.gated:
-                gate, up = h.chunk(2, dim=-1)
-                h = self.act(gate) * up
-            else:
-                h = self.act(h)
-            h = F.linear(h, self.w_out[expert])
-            out.index_add_(0, token_idx, h.float() * topk_weights[token_idx, pos, None].float())
-        return out.to(x.dtype)
+        x: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return fused_moe(x, self.w_in, self.w_out, topk_weights, topk_ids, self.act, self.b_in, self.b_out)
+
+
+class SparseMoE(nn.Module):
+    """The MoE block: `gate` routes each token to its experts, `experts` computes their
+    weighted sum, `shared_experts` (any module, e.g. an MLP) adds what every token gets."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,  # per expert
+        spec: RouterSpec,
+        act: ExpertActivation,
+        shared_experts: nn.Module | None = None,
+        router_bias: bool = False,
+        correction_bias: bool = False,
+        fp32_logits: bool = False,
+        expert_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, spec, router_bias, correction_bias, fp32_logits)
+        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, act, expert_bias)
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 def stack_per_expert(
@@ -91,8 +174,10 @@ def stack_per_expert(
     num_experts: int,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoints that store experts one by one (`...experts.{e}.up_proj.weight`): pass every
-    other tensor through, and yield each stacked parameter once all its experts are read. A
-    layer whose experts are incomplete raises, naming what is missing."""
+    other tensor through, and yield each stacked parameter as soon as all its experts are read
+    (so one layer's experts at a time are held, not the model's). A layer whose experts are
+    incomplete raises, naming what is missing."""
+    num_parts = {param: 1 + max(p for (p_name, p) in names.values() if p_name == param) for param, _ in names.values()}
     pending: dict[tuple[str, str], dict[tuple[int, int], torch.Tensor]] = {}
     for name, tensor in weights:
         head, sep, tail = name.partition(experts_prefix)
@@ -101,12 +186,16 @@ def stack_per_expert(
             yield name, tensor
             continue
         param, part = names[leaf]
-        pending.setdefault((head + experts_prefix, param), {})[(int(expert), part)] = tensor
+        if int(expert) >= num_experts:
+            raise ValueError(f"checkpoint tensor {name!r}: expert {expert} of a model with {num_experts} experts")
+        key = (head + experts_prefix, param)
+        parts = pending.setdefault(key, {})
+        parts[(int(expert), part)] = tensor
+        if len(parts) == num_experts * num_parts[param]:
+            del pending[key]
+            yield key[0] + param, torch.stack(
+                [torch.cat([parts[(e, p)] for p in range(num_parts[param])], dim=0) for e in range(num_experts)]
+            )
     for (prefix, param), parts in pending.items():
-        num_parts = 1 + max(p for (p_name, p) in names.values() if p_name == param)
-        missing = [(e, p) for e in range(num_experts) for p in range(num_parts) if (e, p) not in parts]
-        if missing:
-            raise ValueError(f"{prefix}: checkpoint lacks expert tensors (expert, part) {missing[:5]} of {param!r}")
-        yield prefix + param, torch.stack(
-            [torch.cat([parts[(e, p)] for p in range(num_parts)], dim=0) for e in range(num_experts)]
-        )
+        missing = [(e, p) for e in range(num_experts) for p in range(num_parts[param]) if (e, p) not in parts]
+        raise ValueError(f"{prefix}: checkpoint lacks expert tensors (expert, part) {missing[:5]} of {param!r}")

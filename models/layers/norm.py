@@ -5,6 +5,10 @@
 rounds where the reference rounds, so bf16 results match transformers as eager torch does: the
 residual sum is rounded to the input dtype before the norm reads it, and the normalized row is
 rounded to the input dtype before the weight multiplies it (HF's `weight * h.to(dtype)`).
+
+`unit_offset` is Gemma's form: the stored weight w is an offset from 1, the scale is 1 + w in
+fp32, and the product is rounded once (HF's `(h * (1.0 + w.float())).type_as(x)`), so the output
+keeps the input's dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def rms_norm_ref(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., hidden]
+    unit_offset: bool = False,  # Gemma: scale by (1 + weight), see the module docstring
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     if residual is not None:
         x = x + residual
@@ -29,7 +34,7 @@ def rms_norm_ref(
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    out = (h * (1.0 + weight.float())).to(dtype) if unit_offset else weight * h.to(dtype)
     return out if residual is None else (out, residual)
 
 
@@ -48,6 +53,7 @@ if HAS_TRITON:
         inv_hidden,
         eps,
         HAS_RESIDUAL: tl.constexpr,
+        UNIT_OFFSET: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -62,7 +68,10 @@ if HAS_TRITON:
         # torch's CUDA mean multiplies the sum by 1 / n; the sum's order differs anyway.
         h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_hidden + eps)
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        out = h.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+        if UNIT_OFFSET:  # Gemma: h * (1 + w) in fp32, rounded once
+            out = h * (1.0 + w)
+        else:
+            out = h.to(x_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(out_ptr + row * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -77,6 +86,7 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., hidden], same shape and dtype as x
+    unit_offset: bool = False,  # Gemma: scale by (1 + weight)
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """norm(x), or (norm(x + residual), x + residual) -- one launch where Triton runs, the torch
     reference elsewhere. Outputs are new tensors: x and residual are never written (x may be a
@@ -91,10 +101,11 @@ def rms_norm(
         or block > _MAX_BLOCK
         or (residual is not None and residual.dtype != x.dtype)
     ):
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, unit_offset)
     x2 = _rows(x, hidden)
     res2 = x2 if residual is None else _rows(residual, hidden)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
@@ -108,6 +119,7 @@ def rms_norm(
         1.0 / hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
+        UNIT_OFFSET=unit_offset,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
         enable_fp_fusion=False,  # no fma: round each product like torch's separate kernels
@@ -116,11 +128,13 @@ def rms_norm(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        # With `unit_offset` (Gemma) the weight is an offset from 1: zeros are the identity scale.
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """With `residual`, returns (norm(x + residual), x + residual) like the decoder layers need."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, self.unit_offset)

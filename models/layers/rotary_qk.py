@@ -19,12 +19,14 @@ from slotrunner.models.layers.norm import rms_norm_ref
 
 
 class QKNorm(NamedTuple):
-    """Per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm)."""
+    """Per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm; Gemma3's with
+    `unit_offset`, scaling by 1 + weight as norm.py's `rms_norm_ref` does)."""
 
     q_weight: torch.Tensor  # [head_dim]
     k_weight: torch.Tensor  # [head_dim]
     q_eps: float
     k_eps: float
+    unit_offset: bool = False
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -43,7 +45,8 @@ def rotary_qk_ref(
     qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if qk_norm is not None:
-        q, k = rms_norm_ref(q, qk_norm.q_weight, qk_norm.q_eps), rms_norm_ref(k, qk_norm.k_weight, qk_norm.k_eps)
+        q = rms_norm_ref(q, qk_norm.q_weight, qk_norm.q_eps, unit_offset=qk_norm.unit_offset)
+        k = rms_norm_ref(k, qk_norm.k_weight, qk_norm.k_eps, unit_offset=qk_norm.unit_offset)
     cos, sin = cos_sin[positions].chunk(2, dim=-1)  # each [num_tokens, rotary_dim // 2]
     rotary_dim = cos_sin.shape[-1]
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
@@ -65,6 +68,7 @@ if HAS_TRITON:
         half,  # rotary_dim // 2
         inv_head_dim,
         HAS_NORM: tl.constexpr,
+        UNIT_OFFSET: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_REST: tl.constexpr,
@@ -86,10 +90,14 @@ if HAS_TRITON:
             w1 = tl.load(w_ptr + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
             w2 = tl.load(w_ptr + half + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
             wr = tl.load(w_ptr + offs_r, mask=offs_r < head_dim, other=0.0).to(tl.float32)[None, :]
-            # RMSNorm's roundings: h.to(dtype), then weight * h in dtype.
-            x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-            x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-            xr = (xr * inv).to(dtype).to(tl.float32) * wr
+            if UNIT_OFFSET:  # Gemma's RMSNorm: h * (1 + w) in fp32, rounded once
+                x1 = (x1 * inv * (1.0 + w1)).to(dtype).to(tl.float32)
+                x2 = (x2 * inv * (1.0 + w2)).to(dtype).to(tl.float32)
+                xr = xr * inv * (1.0 + wr)
+            else:  # RMSNorm's roundings: h.to(dtype), then weight * h in dtype.
+                x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+                x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+                xr = (xr * inv).to(dtype).to(tl.float32) * wr
             tl.store(row + offs_r[None, :], xr.to(dtype), mask=mask_r)
         tl.store(row + offs[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
         tl.store(row + half + offs[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
@@ -114,6 +122,7 @@ if HAS_TRITON:
         half,
         inv_head_dim,
         HAS_NORM: tl.constexpr,
+        UNIT_OFFSET: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_REST: tl.constexpr,
@@ -126,9 +135,9 @@ if HAS_TRITON:
         cos = tl.load(cs_row + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
         sin = tl.load(cs_row + half + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
         _rope_heads(q_ptr + token * q_token_stride, q_head_stride, num_heads, head0, cos, sin, q_w_ptr, q_eps,
-                    head_dim, half, inv_head_dim, HAS_NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+                    head_dim, half, inv_head_dim, HAS_NORM, UNIT_OFFSET, BLOCK_H, BLOCK_HALF, BLOCK_REST)
         _rope_heads(k_ptr + token * k_token_stride, k_head_stride, num_kv_heads, head0, cos, sin, k_w_ptr, k_eps,
-                    head_dim, half, inv_head_dim, HAS_NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+                    head_dim, half, inv_head_dim, HAS_NORM, UNIT_OFFSET, BLOCK_H, BLOCK_HALF, BLOCK_REST)
 
 
 def rotary_qk(
@@ -155,15 +164,20 @@ def rotary_qk(
         and q.stride(-1) == k.stride(-1) == 1
         and q.dtype == k.dtype
         and cos_sin.is_contiguous()
-        # In place needs the reference's output dtype to be q's: a wider norm weight would promote it.
-        and (qk_norm is None or all(torch.promote_types(w.dtype, q.dtype) == q.dtype for w in qk_norm[:2]))
+        # In place needs the reference's output dtype to be q's: a wider norm weight would promote it
+        # (not Gemma's unit-offset norm, whose output keeps q's dtype).
+        and (
+            qk_norm is None
+            or qk_norm.unit_offset
+            or all(torch.promote_types(w.dtype, q.dtype) == q.dtype for w in qk_norm[:2])
+        )
     )
     if not fusable:
         return rotary_qk_ref(positions, q, k, cos_sin, qk_norm)
     half = rotary_dim // 2
     block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), 8)
     has_norm = qk_norm is not None
-    q_w, k_w, q_eps, k_eps = qk_norm if has_norm else (cos_sin, cos_sin, 0.0, 0.0)
+    q_w, k_w, q_eps, k_eps = qk_norm[:4] if has_norm else (cos_sin, cos_sin, 0.0, 0.0)
     grid = (num_tokens, triton.cdiv(max(num_heads, k.shape[1]), block_h))
     _rotary_qk_kernel[grid](
         positions.contiguous(),
@@ -184,6 +198,7 @@ def rotary_qk(
         half,
         1.0 / head_dim,
         HAS_NORM=has_norm,
+        UNIT_OFFSET=has_norm and qk_norm.unit_offset,
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),

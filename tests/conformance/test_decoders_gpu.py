@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 BF16_ATOL = 0.1
 BF16_RTOL = 0.05
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Gemma: the compiled (1 + w) norm and q/k-norm kernels, soft caps in the Triton attention.
+ARCHS += ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

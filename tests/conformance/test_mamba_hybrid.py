@@ -45,6 +45,11 @@ CASES = {
     "mamba2-tied": ("Mamba2ForCausalLM", {"tie_word_embeddings": True, **_mamba2_oracle_overrides()}),
     "granite_moe_hybrid": ("GraniteMoeHybridForCausalLM", {}),
     "nemotron_h": ("NemotronHForCausalLM", {}),
+    # DeepSeek-V3 routing: experts chosen within the best 2 of 4 groups, scaled weights.
+    "nemotron_h-grouped": (
+        "NemotronHForCausalLM",
+        {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "routed_scaling_factor": 2.5},
+    ),
     "falcon_h1": ("FalconH1ForCausalLM", {}),
     # FalconH1's optional grouped RMSNorm in the mixer (before the gate, the default).
     "falcon_h1-rmsnorm": ("FalconH1ForCausalLM", {"mamba_rms_norm": True, "mamba_n_groups": 2}),

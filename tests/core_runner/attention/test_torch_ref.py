@@ -2,7 +2,7 @@
 
 Guards against: K/V written to the wrong cache slot, block-table rows mixed between requests,
 chunked-prefill queries that attend to the wrong key offsets, GQA heads paired wrongly, a
-sliding window off by one.
+sliding window off by one, attention sinks paired with the wrong heads or given a value.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
 BLOCK_SIZE = 4
 
 
-def dense_attention(q, k, v, scale, window):
-    """q [n, H, D] for the last n positions of k/v [L, Hk, D]; plain causal softmax."""
+def dense_attention(q, k, v, scale, window, sinks=None):
+    """q [n, H, D] for the last n positions of k/v [L, Hk, D]; plain causal softmax (with
+    per-head sink logits [H] joining it as transformers' GPT-OSS eager attention does)."""
     L, n = k.shape[0], q.shape[0]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -29,12 +30,17 @@ def dense_attention(q, k, v, scale, window):
     if window is not None:
         allowed &= qpos - kpos < window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks[:, None, None].expand(-1, n, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", probs, v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("window", [None, 1, 3, 6])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
-def test_mixed_batch_matches_dense(window, heads):
+def test_mixed_batch_matches_dense(window, heads, with_sinks):
     num_heads, num_kv_heads = heads
     head_dim = 8
     torch.manual_seed(0)
@@ -78,11 +84,12 @@ def test_mixed_batch_matches_dense(window, heads):
         block_tables=tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
     )
-    out = TorchRefBackend().forward(spec, torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta)
+    sinks = 2 * torch.randn(num_heads) if with_sinks else None
+    out = TorchRefBackend().forward(spec, torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, sinks=sinks)
     for r, (cached, new) in enumerate(rows):
         if new == 0:
             continue
-        expected = dense_attention(qs[r], full_k[r], full_v[r], spec.scale, window)
+        expected = dense_attention(qs[r], full_k[r], full_v[r], spec.scale, window, sinks)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]], expected, atol=1e-5, rtol=1e-5)
 
 

@@ -7,8 +7,8 @@ wrong slot, the binary search over query_start_loc landing on the wrong row when
 key tiles, the sliding window off by one or a window start that skips needed tiles, soft cap or
 bias applied in the wrong order, the bias distance unclamped, padded head dims (40) leaking into
 the dot products, padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
-last V element of the K half) or left with non-finite outputs, and a row's output changing with
-the other rows of its batch.
+last V element of the K half) or left with non-finite outputs, attention sinks left out of the
+softmax's running sum, and a row's output changing with the other rows of its batch.
 
 Kernels run on CPU through the Triton interpreter in one subprocess per test (slow: shapes are
 tiny, tile sizes shrunk to 16 so that short rows still cross several key tiles). The GPU tests at
@@ -51,6 +51,7 @@ class Case:
     num_distances: int | None = None  # position_bias table width
     pad_tokens: int = 0  # CUDA-graph padding tokens after the last row (slot -1)
     tiles: TileConfig = SMALL_TILES
+    sinks: bool = False  # per-head attention-sink logits (GPT-OSS)
 
 
 MIXED = ((0, 9), (12, 1), (0, 0), (5, 6), (3, 0), (7, 1), (0, 2), (0, 0))
@@ -71,6 +72,8 @@ CASES = [
     Case("bias, 1 distance", ((0, 5), (6, 1)), num_distances=1),
     Case("default tiles, group 8", ((0, 70), (80, 1), (30, 3)), num_heads=8, num_kv_heads=1, tiles=TileConfig()),
     Case("fp16, dim 64", MIXED, head_dim=64, dtype=torch.float16, pad_tokens=2),
+    Case("sinks", MIXED, sinks=True, pad_tokens=2),
+    Case("sinks, sliding window 5", MIXED, window=5, sinks=True),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
     # (triton 3.9, numpy has no bfloat16); the GPU tests below cover bf16.
 ]
@@ -126,8 +129,9 @@ def compare(case: Case, device: str = "cpu") -> None:
     spec, q, k, v, cache, meta, bias, num_real = build(case, device)
     ref_meta = dataclasses.replace(meta, num_tokens=num_real, slot_mapping=meta.slot_mapping[:num_real])
     ref_cache, tri_cache = cache.clone(), cache.clone()
-    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias)
-    out = TritonBackend(case.tiles).forward(spec, q, k, v, tri_cache, meta, bias)
+    sinks = (2 * torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(7))).to(device) if case.sinks else None
+    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
+    out = TritonBackend(case.tiles).forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.equal(tri_cache, ref_cache), "the written KV cache differs from write_kv's"
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding tokens' outputs are not zero"
@@ -256,6 +260,7 @@ def gpu_rows(batch: int, decode_frac: float, seed: int) -> list[tuple[int, int]]
         qwen3_case("prefill, batch 8", [(0, 1000), (0, 513), (200, 300), (0, 17)] * 2),
         qwen3_case("mixed, window 256, soft cap 30", gpu_rows(64, 0.7, 2), window=256, soft_cap=30.0),
         qwen3_case("mixed, T5 bias", gpu_rows(32, 0.5, 3), num_distances=129),
+        qwen3_case("mixed, window 128, sinks", gpu_rows(32, 0.6, 6), window=128, sinks=True),
         dataclasses.replace(qwen3_case("fp16, dim 80, group 4", gpu_rows(32, 0.5, 4)),
                             num_heads=8, num_kv_heads=2, head_dim=80, dtype=torch.float16),
         dataclasses.replace(qwen3_case("fp32, dim 96", gpu_rows(16, 0.5, 5)), head_dim=96, dtype=torch.float32),
@@ -266,8 +271,9 @@ def test_gpu_matches_reference(case):
     spec, q, k, v, cache, meta, bias, num_real = build(case, "cuda")
     ref_meta = dataclasses.replace(meta, num_tokens=num_real, slot_mapping=meta.slot_mapping[:num_real])
     ref_cache, tri_cache = cache.clone(), cache.clone()
-    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias)
-    out = TritonBackend().forward(spec, q, k, v, tri_cache, meta, bias)
+    sinks = (2 * torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(7))).cuda() if case.sinks else None
+    expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
+    out = TritonBackend().forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     torch.cuda.synchronize()
     assert torch.equal(tri_cache, ref_cache)
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))

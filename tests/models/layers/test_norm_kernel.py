@@ -4,7 +4,9 @@ Guards against: a hidden size that is not a power of two reading past the row (8
 strided row (a column slice of a wider buffer) read as if contiguous, the residual sum not
 rounded to the input dtype before the norm reads it, the normalized row not rounded before the
 weight multiplies it (bf16 results would then drift from transformers), inputs written in place
-(the first layer's residual is the caller's embedding buffer), 3-D inputs (per-head norms).
+(the first layer's residual is the caller's embedding buffer), 3-D inputs (per-head norms), and
+Gemma's unit-offset form (scale 1 + w in fp32, one rounding, the input's dtype out) computed
+with Llama's roundings or dtype.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ def _check_against_reference(device: str = "cpu", dtypes: tuple[torch.dtype, ...
             weight = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(device, dtype)
             before = (x.clone(), residual.clone())
 
-            _assert_matches(rms_norm(x, weight, EPS), rms_norm_ref(x, weight, EPS), f"{name} plain")
-            out, new_res = rms_norm(x, weight, EPS, residual)
-            want_out, want_res = rms_norm_ref(x, weight, EPS, residual)
-            assert torch.equal(new_res, want_res), f"{name}: x + residual is not the dtype's rounded sum"
-            _assert_matches(out, want_out, f"{name} with residual")
+            for unit_offset in (False, True):
+                tag = f"{name} unit_offset={unit_offset}"
+                want = rms_norm_ref(x, weight, EPS, unit_offset=unit_offset)
+                _assert_matches(rms_norm(x, weight, EPS, unit_offset=unit_offset), want, f"{tag} plain")
+                out, new_res = rms_norm(x, weight, EPS, residual, unit_offset)
+                want_out, want_res = rms_norm_ref(x, weight, EPS, residual, unit_offset)
+                assert torch.equal(new_res, want_res), f"{tag}: x + residual is not the dtype's rounded sum"
+                _assert_matches(out, want_out, f"{tag} with residual")
             assert torch.equal(x, before[0]) and torch.equal(residual, before[1]), f"{name}: inputs were written"
 
         # Per-head norm of a [tokens, heads, head_dim] view (Qwen3's q_norm outside the fused path);
@@ -66,6 +71,10 @@ def _check_against_reference(device: str = "cpu", dtypes: tuple[torch.dtype, ...
         q = qkv[:, : 4 * 16].view(3, 4, 16)
         for weight in (torch.randn(16, generator=gen).to(device, dtype), torch.randn(16, generator=gen).to(device)):
             _assert_matches(rms_norm(q, weight, EPS), rms_norm_ref(q, weight, EPS), f"{dtype} per-head, weight {weight.dtype}")
+            # Gemma's form keeps the input's dtype whatever the weight's.
+            got = rms_norm(q, weight, EPS, unit_offset=True)
+            assert got.dtype == dtype, f"{dtype} unit_offset with weight {weight.dtype}: output {got.dtype}"
+            _assert_matches(got, rms_norm_ref(q, weight, EPS, unit_offset=True), f"{dtype} per-head unit_offset")
 
     empty = rms_norm(torch.zeros(0, 8, device=device), torch.ones(8, device=device), EPS, torch.zeros(0, 8, device=device))
     assert empty[0].shape == empty[1].shape == (0, 8)

@@ -6,8 +6,9 @@ must count in the norm but stay unrotated), a head_dim that is not a power of tw
 past the first block of the grid (12 q heads), positions beyond the first rows of the cos/sin
 table read from the wrong row, q/k as strided views of the fused qkv buffer (v must stay
 untouched), q and k swapping norm weights or eps, rounding points that differ from
-`rms_norm_ref` + `_rotate` (bf16 results would drift from transformers), and the CPU path of
-`norm_and_rotate` drifting from today's `q_norm(q)` then RoPE.
+`rms_norm_ref` + `_rotate` (bf16 results would drift from transformers; Gemma3's unit-offset
+norm rounds once, after 1 + w), and the CPU path of `norm_and_rotate` drifting from today's
+`q_norm(q)` then RoPE.
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def _check_against_reference(device: str = "cpu", dtypes: tuple[torch.dtype, ...
             )
             q0 = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)  # strided views of the qkv buffer
             k0 = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-            for qk_norm in (None, norm):
-                tag = f"{name} norm={qk_norm is not None}"
+            for qk_norm in (None, norm, norm._replace(unit_offset=True)):
+                unit_offset = qk_norm is not None and qk_norm.unit_offset
+                tag = f"{name} norm={qk_norm is not None} unit_offset={unit_offset}"
                 buf = qkv.clone()
                 q, k = buf[:, :q_size].view_as(q0), buf[:, q_size : q_size + kv_size].view_as(k0)
                 want_q, want_k = rotary_qk_ref(positions, q0, k0, cos_sin, qk_norm)
                 got_q, got_k = rotary_qk(positions, q, k, cos_sin, qk_norm)
-                nq = None if qk_norm is None else rms_norm_ref(q0, norm.q_weight, norm.q_eps)
-                nk = None if qk_norm is None else rms_norm_ref(k0, norm.k_weight, norm.k_eps)
+                nq = None if qk_norm is None else rms_norm_ref(q0, norm.q_weight, norm.q_eps, unit_offset=unit_offset)
+                nk = None if qk_norm is None else rms_norm_ref(k0, norm.k_weight, norm.k_eps, unit_offset=unit_offset)
                 _assert_matches(got_q, want_q, nq, rotary_dim, f"{tag} q")
                 _assert_matches(got_k, want_k, nk, rotary_dim, f"{tag} k")
                 assert torch.equal(buf[:, q_size + kv_size :], qkv[:, q_size + kv_size :]), f"{tag}: v was written"

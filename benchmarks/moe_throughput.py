@@ -1,0 +1,128 @@
+"""GPU throughput of a mixture-of-experts model: slotrunner vs transformers `generate`.
+
+The workload: 64 requests of 512 random prompt tokens, 256 output tokens each (EOS ignored),
+on the Qwen3-30B-A3B shape (48 layers, hidden 2048, 32 heads / 4 KV heads, head_dim 128, 128
+experts of 768, top-8 renormalised, QK-norm, vocab 151936) with random bf16 weights (about
+61 GB: one H200 holds it, one system at a time). Metric: output tokens / wall seconds, prefill
+included. slotrunner's experts run the fused MoE kernel (models/layers/fused_moe.py: two
+grouped GEMMs per layer, decode steps replayed from CUDA graphs); transformers runs static
+batches of `--hf-batch` requests, left-padded.
+
+    python benchmarks/moe_throughput.py                         # both systems
+    python benchmarks/moe_throughput.py --peers none            # slotrunner alone
+    python benchmarks/moe_throughput.py --num-layers 8          # a shallower model, same layer shape
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def qwen3_30b_a3b_config(num_layers: int) -> dict:
+    return dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=num_layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+        torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
+    )  # fmt: skip
+
+
+def workload(n: int, in_len: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 151000, in_len).tolist() for _ in range(n)]
+
+
+def run_slotrunner(model_dir: str, prompts: list[list[int]], out_len: int, args) -> dict:
+    from slotrunner import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=len(prompts[0]) + out_len + 8,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager)  # fmt: skip
+    startup = time.perf_counter() - t0
+    warm = [{"prompt_token_ids": p} for p in prompts[:4]]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == out_len * len(prompts), f"generated {n_out} tokens, requested {out_len * len(prompts)}"
+    del llm
+    torch.cuda.empty_cache()
+    return dict(system="slotrunner", wall_s=wall, out_tokens=n_out, startup_s=startup)
+
+
+def run_hf_generate(cfg: dict, prompts: list[list[int]], out_len: int, batch: int) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    t = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[s : s + batch], device="cuda")  # equal lengths: no padding
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    torch.cuda.synchronize()
+    return dict(system=f"transformers generate (batch {batch})", wall_s=time.perf_counter() - t,
+                out_tokens=out_len * len(prompts))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--peers", default="generate", help="generate, or none")
+    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    args = p.parse_args()
+
+    prompts = workload(args.num_requests, args.input_len, args.seed)
+    cfg = qwen3_30b_a3b_config(args.num_layers)
+    print(f"MoE workload: {args.num_requests} requests x {args.input_len} in / {args.output_len} out; Qwen3-30B-A3B "
+          f"shape, {args.num_layers} layers, bf16, {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"{'system':<36} {'seconds':>9} {'out tok/s':>10} {'slotrunner x':>13}", flush=True)
+    rows = []
+
+    def report(row: dict) -> None:
+        row["tok_s"] = row["out_tokens"] / row["wall_s"]
+        rows.append(row)
+        print(f"{row['system']:<36} {row['wall_s']:>9.2f} {row['tok_s']:>10.0f} {rows[0]['tok_s'] / row['tok_s']:>13.2f}",
+              flush=True)  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        report(run_slotrunner(d, prompts, args.output_len, args))
+    print(f"slotrunner engine start-up incl. graph capture {rows[0]['startup_s']:.1f} s", flush=True)
+    if args.peers == "generate":
+        try:
+            report(run_hf_generate(cfg, prompts, args.output_len, args.hf_batch))
+        except Exception as e:  # a peer's API change must not hide our figure
+            print(f"generate: failed: {type(e).__name__}: {e}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

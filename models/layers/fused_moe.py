@@ -1,0 +1,209 @@
+"""The routed experts of a mixture-of-experts layer in two grouped GEMM launches.
+
+Every token is routed to `top_k` experts; each (token, k) pair is one *routed row*, numbered
+`token * top_k + k`. The fast path:
+
+1. `moe_align` (moe_align.py) sorts the routed rows by expert, each expert's run padded to a
+   multiple of `block_m` (padding = the sentinel `num_rows`), and names the expert of each
+   block of `block_m` sorted rows. Its buffers are sized by the worst case (every expert's run
+   padded), so no size depends on routing read back to the host: the step stays graph-capturable.
+2. `_fused_moe_kernel` (Triton) runs one grouped GEMM: a program takes one block of sorted rows
+   (one expert) and a block of output columns, gathers its rows of A, multiplies by that
+   expert's weight, and scatters the result to the rows' places. Launched once for w_in
+   (gate/up) and once for w_out (down, scaled by the routing weights).
+3. Between them the expert activation (act(gate) * up, or act(x)); after them a sum over top_k.
+
+`fused_moe()` dispatches; `fused_moe_ref()` is the specification -- the plain per-expert loop,
+what runs on CPU (its `unique().tolist()` is a host sync, harmless there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.models.layers.activation import gated_act, gated_act_ref
+from slotrunner.models.layers.hf_act import hf_activation
+from slotrunner.models.layers.moe_align import MoeAlignment, moe_align
+
+# Fixed for a dtype, so that a row's sum over K runs in the same BLOCK_K steps whatever its
+# batch. (BLOCK_M follows the rows per expert and may change the MMA shape inside a step: on a
+# GPU a row is not promised bitwise the same in every batch; CPU runs the reference.)
+_BLOCK_K = {torch.float32: 32, torch.float16: 64, torch.bfloat16: 64}
+_NUM_STAGES = 3
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What runs on each routed row between the two expert GEMMs."""
+
+    name: str  # a name of hf_act's table
+    gated: bool = True  # w_in's rows are [gate | up]: act(gate) * up; else act(x)
+    # GPT-OSS's clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], then
+    # (up + 1) * gate * sigmoid(alpha * gate). None: the plain form.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        hf_activation(self.name)  # ValueError for a name the table lacks
+        if self.swiglu_limit is not None and not self.gated:
+            raise ValueError("a clamped SwiGLU needs gated experts")
+
+    def apply(self, h: torch.Tensor, reference: bool = False) -> torch.Tensor:  # [rows, N] -> [rows, I]
+        if self.swiglu_limit is not None:
+            gate, up = h.chunk(2, dim=-1)
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+        if not self.gated:
+            return hf_activation(self.name)(h)
+        return gated_act_ref(h, self.name) if reference else gated_act(h, self.name)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w_in: torch.Tensor,  # [num_experts, N, hidden]; N = 2 * intermediate when gated
+    w_out: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    act: ExpertActivation,
+    b_in: torch.Tensor | None = None,  # [num_experts, N]
+    b_out: torch.Tensor | None = None,  # [num_experts, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Each expert over the tokens routed to it; the weighted outputs summed in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token_idx, pos = torch.where(topk_ids == expert)
+        h = F.linear(x[token_idx], w_in[expert], None if b_in is None else b_in[expert])
+        h = act.apply(h, reference=True)
+        h = F.linear(h, w_out[expert], None if b_out is None else b_out[expert])
+        out.index_add_(0, token_idx, h.float() * topk_weights[token_idx, pos, None].float())
+    return out.to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fused_moe_kernel(
+        a_ptr,  # [num_a_rows, K], unit column stride; routed row r reads row r // A_ROW_DIV
+        w_ptr,  # [num_experts, N, K]
+        bias_ptr,  # [num_experts, N] (read only with HAS_BIAS)
+        c_ptr,  # [num_rows, N] contiguous: row r is routed row r's output
+        topk_weights_ptr,  # [num_rows] float32 (read only with MUL_WEIGHT)
+        sorted_rows_ptr,  # [max_padded] int32
+        block_expert_ptr,  # [max_blocks] int32
+        num_padded_ptr,  # [1] int32
+        num_rows,
+        N,
+        K,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_wk,
+        stride_be,
+        A_ROW_DIV: tl.constexpr,  # top_k for the first GEMM (A = tokens), 1 for the second
+        HAS_BIAS: tl.constexpr,
+        MUL_WEIGHT: tl.constexpr,  # round to A's dtype, then times the row's routing weight in fp32
+        IEEE: tl.constexpr,  # fp32 inputs: full-precision dot, not tf32
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # past the last expert's run: the worst-case grid's spare programs
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < num_rows
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + (rows // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if MUL_WEIGHT:
+            weight = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0)
+            acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+        c_ptrs = c_ptr + rows[:, None] * N + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def pick_block_m(num_rows: int, num_experts: int) -> int:
+    """Rows per block: about the rows an expert gets, so that little of a block is padding."""
+    per_expert = num_rows / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 256 else 128
+
+
+def grouped_gemm(
+    a: torch.Tensor,  # [num_a_rows, K]
+    w: torch.Tensor,  # [num_experts, N, K]
+    bias: torch.Tensor | None,  # [num_experts, N]
+    out: torch.Tensor,  # [num_rows, N] contiguous, written at the routed rows
+    align: MoeAlignment,
+    a_row_div: int,
+    topk_weights: torch.Tensor | None = None,  # [num_rows] float32: scale each row (second GEMM)
+    block_n: int | None = None,
+) -> None:
+    num_rows, n = out.shape
+    k = w.shape[2]
+    assert a.shape[1] == k and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, a.stride(), w.shape, w.stride())
+    assert out.is_contiguous() and w.dtype == a.dtype, (out.stride(), w.dtype, a.dtype)
+    block_k = _BLOCK_K[a.dtype]
+    block_n = block_n or (128 if align.block_m >= 64 else 64)  # wide tiles pay off once blocks are tall
+    grid = (align.block_expert.shape[0], triton.cdiv(n, block_n))
+    _fused_moe_kernel[grid](
+        a, w, w if bias is None else bias, out, out if topk_weights is None else topk_weights,
+        align.sorted_rows, align.block_expert, align.num_padded,
+        num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), 0 if bias is None else bias.stride(0),
+        A_ROW_DIV=a_row_div, HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None,
+        IEEE=a.dtype == torch.float32, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=8 if align.block_m >= 128 else 4, num_stages=_NUM_STAGES,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w_in: torch.Tensor,  # [num_experts, N, hidden]; N = 2 * intermediate when gated
+    w_out: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    act: ExpertActivation,
+    b_in: torch.Tensor | None = None,  # [num_experts, N]
+    b_out: torch.Tensor | None = None,  # [num_experts, hidden]
+    block_m: int | None = None,  # rows per block; None: by the rows per expert
+) -> torch.Tensor:  # [num_tokens, hidden], new
+    """The routed experts' weighted sum per token: two grouped GEMMs where Triton runs, the
+    per-expert reference elsewhere."""
+    num_tokens, hidden = x.shape
+    num_experts, n_in, _ = w_in.shape
+    assert w_in.shape[2] == hidden and w_out.shape[:2] == (num_experts, hidden), (x.shape, w_in.shape, w_out.shape)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens, (topk_ids.shape, topk_weights.shape)
+    assert w_out.shape[2] == (n_in // 2 if act.gated else n_in), f"w_in {tuple(w_in.shape)} does not feed w_out {tuple(w_out.shape)}"
+    if not use_triton(x.device) or num_tokens == 0 or x.dtype not in _BLOCK_K:
+        return fused_moe_ref(x, w_in, w_out, topk_weights, topk_ids, act, b_in, b_out)
+    top_k = topk_ids.shape[1]
+    num_rows = num_tokens * top_k
+    align = moe_align(topk_ids, num_experts, block_m or pick_block_m(num_rows, num_experts))
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h = torch.empty(num_rows, n_in, dtype=x.dtype, device=x.device)  # [num_rows, N]
+    grouped_gemm(x, w_in, b_in, h, align, a_row_div=top_k)
+    h = act.apply(h)  # [num_rows, intermediate]
+    y = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
+    grouped_gemm(h, w_out, b_out, y, align, a_row_div=1, topk_weights=topk_weights.float().flatten())
+    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

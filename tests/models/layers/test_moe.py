@@ -1,0 +1,252 @@
+"""The MoE layers: routers equal transformers' routers, the expert alignment is a valid
+grouping of routed rows, the per-expert checkpoint stacker, and the fused kernel against its
+reference (interpreted on CPU; compiled, graph-captured and sync-free on a GPU).
+
+Guards against: a router that renormalises when `norm_topk_prob` is off (or forgets to), a
+correction bias that leaks into the weights instead of only steering the choice, expert groups
+scored by max instead of the sum of their two best, a missing `routed_scaling_factor`; an
+alignment that drops or duplicates a routed row, puts a row in another expert's block, or sizes
+its buffers from the routing (a host sync, and no CUDA graph); a grouped GEMM that reads past a
+block's real rows (token counts not multiples of the block), writes rows of experts nobody
+chose, mixes up the gate and up halves, or skips the routing weight; expert stacking that holds
+every layer until the end or accepts a layer with an expert missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe, fused_moe_ref
+from slotrunner.models.layers.moe_align import moe_align, moe_align_ref, moe_align_sizes
+from slotrunner.models.layers.moe import RouterSpec, TopKRouter, select_experts, stack_per_expert
+from slotrunner.registry import tiny_config
+
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _hf_router(module_path: str, cls_name: str, config) -> torch.nn.Module:
+    import importlib
+
+    router = getattr(importlib.import_module(module_path), cls_name)(config).float()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        for name in ("bias", "e_score_correction_bias"):
+            if hasattr(router, name):
+                getattr(router, name).copy_(0.3 * torch.randn(router.weight.shape[0], generator=gen))
+    return router
+
+
+ROUTERS = {
+    # name: (transformers module, router class, tiny config overrides, our router's arguments)
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeTopKRouter", ("Qwen3MoeForCausalLM", {}), {}),
+    "qwen3_moe-unnormalized": (
+        "qwen3_moe", "Qwen3MoeTopKRouter", ("Qwen3MoeForCausalLM", {"norm_topk_prob": False}), {}
+    ),
+    "mixtral": ("mixtral", "MixtralTopKRouter", ("MixtralForCausalLM", {}), {}),
+    "granite": ("granitemoehybrid", "GraniteMoeHybridTopKRouter", ("GraniteMoeHybridForCausalLM", {}), {}),
+    "nemotron_h-grouped": (
+        "nemotron_h", "NemotronHTopkRouter",
+        ("NemotronHForCausalLM", {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3,
+                                  "routed_scaling_factor": 2.5}),
+        {"correction_bias": True, "fp32_logits": True},
+    ),
+}  # fmt: skip
+
+
+def _spec(arch: str, c) -> RouterSpec:
+    if arch == "NemotronHForCausalLM":
+        return RouterSpec(c.n_routed_experts, c.num_experts_per_tok, "sigmoid", c.norm_topk_prob, c.n_group,
+                          c.topk_group, c.routed_scaling_factor)  # fmt: skip
+    renormalize = arch != "Qwen3MoeForCausalLM" or c.norm_topk_prob
+    num_experts = c.num_local_experts if hasattr(c, "num_local_experts") else c.num_experts
+    return RouterSpec(num_experts, c.num_experts_per_tok, "softmax", renormalize)
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_router_matches_transformers(name):
+    module, cls_name, (arch, overrides), kwargs = ROUTERS[name]
+    config = tiny_config(arch, **overrides)
+    hf = _hf_router(f"transformers.models.{module}.modeling_{module}", cls_name, config)
+    spec = _spec(arch, config)
+    ours = TopKRouter(config.hidden_size, spec, **kwargs)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(37, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    _, hf_weights, hf_ids = hf(x)
+    weights, ids = ours(x)
+    # Same experts with the same weights, in any order of the k slots.
+    hf_order, order = hf_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(hf_ids.gather(1, hf_order), ids.gather(1, order)), f"{name}: other experts chosen"
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.float().gather(1, hf_order), atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_routing_stays_within_the_best_groups():
+    """Each token's experts lie in its `topk_group` best groups, a group scoring the sum of its
+    two best (score + bias); the bias moves the choice but not the weights."""
+    spec = RouterSpec(num_experts=12, top_k=3, scoring="sigmoid", renormalize=False, n_group=4, topk_group=2)
+    gen = torch.Generator().manual_seed(2)
+    logits, bias = torch.randn(50, 12, generator=gen), torch.randn(12, generator=gen)
+    weights, ids = select_experts(logits, spec, bias)
+    choice = (logits.sigmoid() + bias).view(50, 4, 3)
+    best = choice.topk(2, dim=-1)[0].sum(-1).topk(2, dim=-1)[1]  # [50, 2] groups
+    assert bool(((ids // 3)[:, :, None] == best[:, None, :]).any(-1).all()), "an expert outside the best groups"
+    torch.testing.assert_close(weights, logits.sigmoid().gather(1, ids))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_experts=4, top_k=5), "num_experts_per_tok"),
+        (dict(num_experts=8, top_k=2, n_group=3), "n_group"),
+        (dict(num_experts=8, top_k=5, n_group=4, topk_group=2), "topk_group"),
+        (dict(num_experts=8, top_k=2, scoring="relu"), "scoring"),
+    ],
+)
+def test_router_spec_rejects_impossible_routing(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RouterSpec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m",
+    [(1, 2, 8, 16), (2, 1, 64, 16), (3, 4, 16, 4), (17, 2, 4, 16), (40, 1, 3, 8), (5, 8, 8, 16)],
+)
+def test_alignment_groups_every_routed_row_once_by_expert(num_tokens, top_k, num_experts, block_m):
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1)[1]
+    num_rows = ids.numel()
+    align = moe_align(ids, num_experts, block_m)
+    max_padded, max_blocks = moe_align_sizes(num_rows, num_experts, block_m)
+    assert align.sorted_rows.shape == (max_padded,) and align.block_expert.shape == (max_blocks,)
+    num_padded = int(align.num_padded)
+    assert num_padded % block_m == 0 and num_padded <= max_padded
+    if num_rows * 4 > num_experts:  # sorted: each expert's run padded to the next block, no further
+        counts = torch.bincount(ids.flatten(), minlength=num_experts)
+        assert num_padded == int(((counts + block_m - 1) // block_m * block_m).sum())
+    used = align.sorted_rows[:num_padded].view(-1, block_m).long()
+    blocks_expert = align.block_expert[: num_padded // block_m].long()
+    real = used < num_rows
+    assert sorted(used[real].tolist()) == list(range(num_rows)), "a routed row lost or repeated"
+    flat = ids.flatten()
+    assert bool((flat[used.clamp(max=num_rows - 1)] == blocks_expert[:, None])[real].all()), "a row in another expert's block"
+    assert bool(real[:, 0].all()), "a block of padding only"
+    assert bool((align.block_expert[num_padded // block_m :] == -1).all())
+    assert bool((align.sorted_rows[num_padded:] == num_rows).all())
+
+
+def test_stack_per_expert_yields_each_layer_when_complete():
+    names = {"w1.weight": ("w_in", 0), "w3.weight": ("w_in", 1), "w2.weight": ("w_out", 0)}
+    tensors = [(f"layers.{i}.moe.experts.{e}.{leaf}", torch.full((2, 3), 10.0 * e + p))
+               for i in range(2) for e in range(2) for p, leaf in enumerate(("w1.weight", "w3.weight", "w2.weight"))]
+    tensors.insert(6, ("layers.0.norm.weight", torch.ones(3)))
+    seen = []
+    for name, t in stack_per_expert(iter(tensors), ".experts.", names, 2):
+        seen.append((name, tuple(t.shape)))
+    assert seen[:3] == [("layers.0.moe.experts.w_in", (2, 4, 3)), ("layers.0.moe.experts.w_out", (2, 2, 3)),
+                        ("layers.0.norm.weight", (3,))], "layer 0 held back until the end"
+    with pytest.raises(ValueError, match=r"lacks expert tensors \(expert, part\) \[\(1, 0\)\] of 'w_out'"):
+        list(stack_per_expert(iter(tensors[:5]), ".experts.", names, 2))
+
+
+# -- the fused kernel against its reference
+
+
+def _moe_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, act, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n_in = (2 if act.gated else 1) * inter
+    wide = torch.randn(num_tokens, hidden + 3, generator=gen)
+    x = wide[:, 1 : 1 + hidden].to(dtype)  # strided rows
+    w_in = (torch.randn(num_experts, n_in, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    w_out = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
+    # Skewed routing: expert 0 never chosen, the last ones often.
+    logits = torch.randn(num_tokens, num_experts, generator=gen) + torch.linspace(-9, 2, num_experts)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    b_in = (0.1 * torch.randn(num_experts, n_in, generator=gen)).to(dtype) if bias else None
+    b_out = (0.1 * torch.randn(num_experts, hidden, generator=gen)).to(dtype) if bias else None
+    return x, w_in, w_out, weights, ids, act, b_in, b_out
+
+
+SILU = ExpertActivation("silu")
+# (num_tokens, num_experts, top_k, hidden, intermediate, activation, bias, block_m)
+KERNEL_CASES = [
+    (1, 8, 2, 32, 16, SILU, False, None),  # one token: 6 of 8 experts empty
+    (5, 16, 4, 48, 24, SILU, False, 16),  # more experts than tokens
+    (19, 4, 2, 40, 20, SILU, False, 16),  # rows per expert not a multiple of the block
+    (33, 3, 1, 64, 48, ExpertActivation("relu2", gated=False), False, 32),  # NemotronH's plain experts
+    (7, 6, 3, 32, 16, ExpertActivation("silu", swiglu_limit=1.5, swiglu_alpha=1.702), True, 16),  # GPT-OSS
+]
+
+
+# (num_tokens, top_k, num_experts, block_m): the sorted path (rows > experts / 4), chunks of
+# rows not filling the last one, more experts than one tile of the offsets kernel.
+ALIGN_CASES = [(3, 4, 16, 16), (19, 2, 4, 16), (40, 1, 3, 32), (300, 8, 128, 64), (9, 2, 33, 16)]
+
+
+def _check_kernel(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
+    """Interpreted in float32 and float16 (the interpreter mangles bfloat16); compiled in all three."""
+    from slotrunner.core_runner.triton_utils import use_triton
+
+    assert use_triton(torch.device(device)), "the interpreter switch did not take: the reference would meet itself"
+    for num_tokens, top_k, num_experts, block_m in ALIGN_CASES:
+        gen = torch.Generator().manual_seed(num_tokens)
+        ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1)[1].to(device)
+        got, want = moe_align(ids, num_experts, block_m), moe_align_ref(ids, num_experts, block_m)
+        for field in ("sorted_rows", "block_expert", "num_padded"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), f"align {num_tokens}x{top_k}/{num_experts}: {field}"
+    for dtype in dtypes:
+        for num_tokens, num_experts, top_k, hidden, inter, act, bias, block_m in KERNEL_CASES:
+            name = f"{dtype} tokens={num_tokens} experts={num_experts} top_k={top_k} {act}"
+            args = [t.to(device) if isinstance(t, torch.Tensor) else t
+                    for t in _moe_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, act, bias)]  # fmt: skip
+            got = fused_moe(*args[:6], b_in=args[6], b_out=args[7], block_m=block_m)
+            want = fused_moe_ref(*args)
+            assert got.shape == want.shape and got.dtype == want.dtype, name
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+            else:  # roundings at the same points, sums in other orders
+                torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    x = torch.zeros(0, 32, device=device)
+    empty = fused_moe(x, torch.zeros(4, 32, 32, device=device), torch.zeros(4, 32, 16, device=device),
+                      torch.zeros(0, 2, device=device), torch.zeros(0, 2, dtype=torch.long, device=device), SILU)  # fmt: skip
+    assert empty.shape == (0, 32)
+
+
+def test_fused_moe_kernel_matches_reference(run_interpreted):
+    run_interpreted(_check_kernel)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_fused_moe_matches_reference():
+    _check_kernel("cuda", (torch.float32, torch.float16, torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_moe_is_sync_free_and_graph_capturable():
+    """The router, alignment and both GEMMs replay from a CUDA graph, and new routings (other
+    experts, other counts per expert) take effect on replay: nothing was sized on the host."""
+    spec = RouterSpec(num_experts=16, top_k=4)
+    x, w_in, w_out, *_ = _moe_inputs(24, 16, 4, 64, 32, torch.bfloat16, SILU)
+    x, w_in, w_out = x.cuda().contiguous(), w_in.cuda(), w_out.cuda()
+    router = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        weights, ids = select_experts(x @ router.T, spec)
+        return fused_moe(x, w_in, w_out, weights, ids, SILU)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        weights, ids = select_experts(x @ router.T, spec)
+        want = fused_moe_ref(x, w_in, w_out, weights, ids, SILU)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
