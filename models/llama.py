@@ -13,11 +13,11 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.models.layers.activation import GatedAct
-from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.linear import Linear, MergedLinear
 from slotrunner.models.layers.mrope import MRotaryEmbedding
 from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.qkv_attention import QKVAttention
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
 from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
 
@@ -81,24 +81,12 @@ class LlamaArgs:
         )
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(QKVAttention):
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
-        super().__init__()
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
-        self.head_dim = args.head_dim
-        self.qkv_proj = MergedLinear(
-            args.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=args.attention_bias
-        )
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-        self.qk_norm = args.qk_norm
         if args.mrope_section is None:
-            self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
+            rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
         else:
-            self.rotary_emb = MRotaryEmbedding(args.head_dim, args.max_position, args.rope, args.mrope_section)
+            rotary = MRotaryEmbedding(args.head_dim, args.max_position, args.rope, args.mrope_section)
         spec = AttentionSpec(
             num_heads=args.num_heads,
             num_kv_heads=args.num_kv_heads,
@@ -106,17 +94,10 @@ class LlamaAttention(nn.Module):
             scale=args.head_dim**-0.5,
             sliding_window=args.sliding_windows[layer_idx],
         )
-        self.attn = Attention(spec, layer_idx)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.qk_norm:  # one kernel for both norms and RoPE where Triton runs
-            q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        norms = None
+        if args.qk_norm:
+            norms = (RMSNorm(args.head_dim, args.rms_norm_eps), RMSNorm(args.head_dim, args.rms_norm_eps))
+        super().__init__(args.hidden_size, spec, layer_idx, rotary, args.attention_bias, args.o_bias, norms)
 
 
 class LlamaMLP(nn.Module):

@@ -1,0 +1,51 @@
+"""QKVAttention: the attention block of the Llama-style decoders, from fused q/k/v to o_proj.
+
+fused q/k/v projection -> optional per-head q/k RMSNorm -> rotary -> paged attention (the
+`Attention` layer binds the KV cache) -> o_proj. Llama, Mistral, Qwen2/3, Phi-3, the MoE decoders
+and Gemma differ only in what they build it from (scale, window, soft cap, norm form, rotary),
+so each architecture's attention class is a constructor over this one forward. Submodule names
+follow the checkpoints (`qkv_proj` is merged from q/k/v_proj by the loader).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.attention.layer import Attention
+from slotrunner.models.layers.linear import Linear, MergedLinear
+
+
+class QKVAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: AttentionSpec,
+        layer_idx: int,
+        rotary_emb: nn.Module,  # (positions, q, k) -> (q, k); with q/k norms also `norm_and_rotate`
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norms: tuple[nn.Module, nn.Module] | None = None,  # per-head RMSNorm of q and of k
+    ) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
+        self.qk_norm = qk_norms is not None
+        if qk_norms is not None:
+            self.q_norm, self.k_norm = qk_norms
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(spec, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.qk_norm:  # one kernel for both norms and RoPE where Triton runs
+            q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
