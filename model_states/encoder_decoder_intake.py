@@ -32,6 +32,7 @@ from slotrunner.core_runner.engine.intake import (
     text_to_token_ids,
     validate_token_ids,
 )
+from slotrunner.models.layers.media import check_audio_length
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class EncoderInputs(FamilyInputs):
 
     token_ids: tuple[int, ...] | None = None  # text encoders
     features: torch.Tensor | None = None  # [num_mel_bins, num_frames] float32 on the host: audio encoders
+    text: str | None = None  # the encoder prompt's text, when it was given as text (for outputs only)
 
     def __post_init__(self) -> None:
         assert (self.token_ids is None) != (self.features is None), "exactly one of token_ids and features"
@@ -53,6 +55,9 @@ class EncoderInputs(FamilyInputs):
 
     def cache_key_spans(self) -> tuple[KeySpan, ...]:
         return ((0, 1 << 62, self._key),)
+
+    def encoder_prompt(self) -> tuple[str | None, list[int] | None]:
+        return self.text, None if self.token_ids is None else list(self.token_ids)
 
     def as_tensor(self, device: torch.device) -> torch.Tensor:
         if self.token_ids is not None:
@@ -95,8 +100,9 @@ def process_text_encoder_prompt(prompt: PromptType, ctx: IntakeContext) -> Proce
         raise ValueError("the prompt has 'multi_modal_data', but this model takes text only (no audio or images)")
     encoder_part, decoder_part = split_prompt(prompt)
     encoder_ids = encoder_token_ids(encoder_part, ctx)
+    encoder_text = encoder_part if isinstance(encoder_part, str) else encoder_part.get("prompt")
     text, decoder_ids = decoder_token_ids(decoder_part, ctx)
-    return ProcessedPrompt(text, decoder_ids, EncoderInputs(token_ids=tuple(encoder_ids)))
+    return ProcessedPrompt(text, decoder_ids, EncoderInputs(token_ids=tuple(encoder_ids), text=encoder_text))
 
 
 def _part_token_ids(part: Any, ctx: IntakeContext, what: str, add_special_tokens: bool) -> tuple[str | None, list[int]]:
@@ -220,12 +226,11 @@ def audio_features(audio: Any, ctx: IntakeContext) -> torch.Tensor:  # [num_mel_
     waveform, sample_rate = _waveform(audio)
     if sample_rate != extractor.sampling_rate:
         raise ValueError(f"audio is sampled at {sample_rate} Hz; this model takes {extractor.sampling_rate} Hz: resample it first")
-    if waveform.size > extractor.n_samples:
-        raise ValueError(
-            f"audio has {waveform.size} samples ({waveform.size / sample_rate:.2f} s); this model's encoder takes at "
-            f"most {extractor.n_samples} ({extractor.n_samples / sample_rate:.2f} s): split it into chunks"
-        )
-    features = extractor(waveform, sampling_rate=sample_rate, return_tensors="np")["input_features"][0]
+    check_audio_length(waveform.size, sample_rate, extractor, "audio")  # as Qwen2-Audio's intake does
+    try:
+        features = extractor(waveform, sampling_rate=sample_rate, return_tensors="np")["input_features"][0]
+    except Exception as e:  # third-party code: any type
+        raise ValueError(f"the feature extractor rejected the audio: {type(e).__name__}: {e}") from e
     expected = 2 * int(ctx.hf_config.max_source_positions)
     if features.shape[-1] != expected:
         raise ValueError(

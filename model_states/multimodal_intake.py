@@ -4,7 +4,9 @@ The model class's MediaHandler (`media_handler_cls`, read from `IntakeContext.mo
 the engine resolves once) reads each item; the processor saved with the model preprocesses it
 and, for a text prompt, expands each placeholder into one token per embedding row. Each item
 becomes a `MediaItem` with its placeholder span and a content hash. Every mistake raises
-ValueError here, per request, before the request is queued.
+ValueError here, per request, before the request is queued: what the handler, PIL or the
+processor raise is worded as one. Media given as a string is read only as a data URL or a file
+under `IntakeContext.allowed_local_media_path` (models/layers/media_source.py).
 
 `MultimodalInputs` travels with the request (`NewRequestData.family_inputs`) to
 `MultimodalModelState.add_request`.
@@ -82,7 +84,7 @@ def media_handler(ctx: IntakeContext) -> MediaHandler:
     assert model_cls is not None, "IntakeContext.model_cls is unset: multimodal intake reads the model's media_handler_cls"
     handler_cls = getattr(model_cls, "media_handler_cls", None)
     assert handler_cls is not None, f"{model_cls.__name__} is served by the multimodal family but names no media_handler_cls"
-    return handler_cls(ctx.hf_config)
+    return handler_cls(ctx.hf_config, allowed_local_media_path=ctx.allowed_local_media_path)
 
 
 def _media_list(mm: Any, handler: MediaHandler) -> list[Any]:
@@ -140,8 +142,8 @@ def _process_text(
     kwargs = {handler.processor_kwarg: media, **handler.processor_kwargs(processor)}
     try:
         out = processor(text=[text], return_tensors="pt", **kwargs)
-    except (ValueError, TypeError, OSError, IndexError) as e:
-        raise ValueError(f"the model's processor rejected the prompt or its {handler.modality}(s): {e}") from None
+    except Exception as e:  # third-party code: any type (a 0-pixel image used to escape as ZeroDivisionError)
+        raise ValueError(f"the model's processor rejected the prompt or its {handler.modality}(s): {type(e).__name__}: {e}") from e
     datas = handler.split(out, len(read))
     for i, d in enumerate(datas):
         handler.check(d, i)
@@ -156,8 +158,8 @@ def _preprocess(read: list[Any], handler: MediaHandler, processor: Any) -> list[
         media = handler.processor_inputs([read[i] for i in raw], processor)
         try:
             out = handler.preprocess(media, processor)
-        except (ValueError, TypeError, OSError, IndexError) as e:
-            raise ValueError(f"the model's processor rejected the {handler.modality}(s): {e}") from None
+        except Exception as e:  # third-party code: any type
+            raise ValueError(f"the model's processor rejected the {handler.modality}(s): {type(e).__name__}: {e}") from e
         for i, d in zip(raw, handler.split(out, len(raw))):
             datas[i] = d
     for i, d in enumerate(datas):

@@ -37,7 +37,10 @@ class Qwen2AudioHandler(AudioHandler):
                 f"audio {index}: input_features {feats} and feature_attention_mask {mask}; this model takes "
                 f"[1, {ac.num_mel_bins}, {frames}] and [1, {frames}]"
             )
-        if int(data["feature_attention_mask"].sum()) < 2:
+        frame_mask = data["feature_attention_mask"]  # its sum is the item's length in frames
+        if not ((frame_mask == 0) | (frame_mask == 1)).all():
+            raise ValueError(f"audio {index}: feature_attention_mask must hold only 0 and 1 (1 = a real frame)")
+        if int(frame_mask.sum()) < 2:
             raise ValueError(f"audio {index} is too short: fewer than 2 feature frames")
 
 

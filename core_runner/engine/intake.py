@@ -39,6 +39,11 @@ class FamilyInputs:
         with equal tokens but other inputs would share wrong KV."""
         return ()
 
+    def encoder_prompt(self) -> tuple[str | None, list[int] | None]:
+        """The encoder's prompt (its text when given as text, its token ids) for
+        RequestOutput.encoder_prompt / encoder_prompt_token_ids; (None, None) without one."""
+        return None, None
+
 
 @dataclass(frozen=True)
 class IntakeContext:
@@ -52,6 +57,9 @@ class IntakeContext:
     # The model class resolved for hf_config, once per engine: a family's intake reads its class
     # attributes (the multimodal family: `media_handler_cls`) instead of resolving per request.
     model_cls: type | None = None
+    # The real path of the one directory media given as a local path may be read from (the
+    # engine argument, checked by the builder); None: no local file is read.
+    allowed_local_media_path: str | None = None
 
 
 @dataclass(frozen=True)

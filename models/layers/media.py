@@ -8,11 +8,12 @@ ValueError. What a user may give as one item of `multi_modal_data`:
 
 - "image": a PIL image, encoded bytes, an HxWxC uint8 array, a `data:` URL, or a path (or
   `file://` URL) under the engine's `allowed_local_media_path` (models/layers/media_source.py:
-  no path is read without it, nothing is fetched over the network) -- decoded here with a pixel
-  limit (`MAX_IMAGE_PIXELS`: decompression bombs and 0x0 images are refused before decoding),
-  then preprocessed by the processor saved with the model; or pre-computed processor outputs for one image, as a dict
-  (e.g. {"pixel_values": ..., "image_grid_thw": ...}) -- LLaVA also takes a bare pixel tensor
-  [3, H, W] -- used as given, for models whose processor cannot be built or loaded.
+  no path is read without it, nothing is fetched over the network) -- its size checked on the
+  header before it is decoded (`decode_image`: decompression bombs and 0x0 images are refused),
+  then preprocessed by the processor saved with the model; or pre-computed processor outputs
+  for one image, as a dict (e.g. {"pixel_values": ..., "image_grid_thw": ...}) -- LLaVA also
+  takes a bare pixel tensor [3, H, W] -- used as given, for models whose processor cannot be
+  built or loaded.
 - "audio": a 1-D waveform (numpy or torch), or (waveform, sampling_rate), at most the feature
   extractor's chunk (`n_samples`; 30 s for Qwen2-Audio): transformers' processor would silently
   keep only its first chunk, so longer audio is refused; or a dict of pre-computed features
@@ -37,6 +38,9 @@ from slotrunner.models.layers.media_source import read_media_source
 # Images with more pixels are refused before they are decoded (PIL's own default warning
 # threshold, ~0.25 GiB as RGB); checked on the header, without touching PIL's global limit.
 MAX_IMAGE_PIXELS = 89_478_485
+# Longer side / shorter side above this is refused (Qwen2-VL's processor's own bound): a 1 x 10^6
+# image is small, but resizing its short side to a tower's input size would make it huge.
+MAX_IMAGE_ASPECT_RATIO = 200
 
 
 def content_hash(modality: str, data: Mapping[str, torch.Tensor]) -> str:
@@ -120,7 +124,12 @@ class MediaHandler(abc.ABC):
             raise ValueError(f"{self.modality} {index}: unknown key(s) {sorted(unknown)}; an item takes {list(self.data_keys)}")
         data = {}
         for key, value in item.items():
-            t = torch.as_tensor(np.asarray(value)) if not isinstance(value, torch.Tensor) else value
+            try:
+                t = torch.as_tensor(np.asarray(value)) if not isinstance(value, torch.Tensor) else value
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"{self.modality} {index}: {key!r} must be a tensor or an array of numbers") from None
+            if t.dtype == torch.bool or t.is_complex():
+                raise ValueError(f"{self.modality} {index}: {key!r} must hold real numbers, got {t.dtype}")
             data[key] = t.detach().cpu()
         self.check(data, index)
         return data
@@ -128,9 +137,10 @@ class MediaHandler(abc.ABC):
 
 def decode_image(item: Any) -> Any:
     """A user's image (a PIL image, encoded bytes or a uint8 array) decoded as RGB. Its size is
-    checked on the header, before anything is decoded: 0x0 and more than MAX_IMAGE_PIXELS are
-    refused. Raises whatever PIL raises for a corrupt file (the caller words it)."""
-    from PIL import Image
+    checked on the header, before anything is decoded: 0x0, more than MAX_IMAGE_PIXELS and an
+    aspect ratio over MAX_IMAGE_ASPECT_RATIO are refused. Raises whatever PIL raises for a
+    corrupt file (the caller words it)."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         if isinstance(item, (bytes, bytearray, memoryview)):
@@ -141,8 +151,11 @@ def decode_image(item: Any) -> Any:
             item = Image.fromarray(item)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # PIL's own limit, hit in open
         raise ValueError(f"too many pixels, refused as a possible decompression bomb ({e})") from None
+    except UnidentifiedImageError:
+        raise ValueError("not an image file PIL can decode (unknown format, or a corrupt or empty header)") from None
     if not isinstance(item, Image.Image):
-        raise ValueError(f"expected a PIL image, bytes, a uint8 array, a data: URL, a path or pre-computed tensors, got {type(item).__name__}")
+        forms = "a PIL image, bytes, a uint8 array, a data: URL, a path or pre-computed tensors"
+        raise ValueError(f"expected {forms}, got {type(item).__name__}")
     width, height = item.size
     if width < 1 or height < 1:
         raise ValueError(f"the image has no pixels ({width}x{height})")
@@ -151,6 +164,8 @@ def decode_image(item: Any) -> Any:
             f"the image is {width}x{height} = {width * height} pixels, over the limit of {MAX_IMAGE_PIXELS} "
             "(refused as a possible decompression bomb): downscale it first"
         )
+    if max(width, height) > MAX_IMAGE_ASPECT_RATIO * min(width, height):
+        raise ValueError(f"the image is {width}x{height}, an aspect ratio over {MAX_IMAGE_ASPECT_RATIO}: crop or pad it first")
     item.load()  # decode now: a truncated or corrupt file fails here, not in the processor
     return item.convert("RGB")
 
@@ -169,7 +184,8 @@ class ImageHandler(MediaHandler):
                 item = read_media_source(item, self.allowed_local_media_path)
             return decode_image(item)
         except Exception as e:  # PIL's decoders raise many types (OSError, SyntaxError, struct.error, ...)
-            raise ValueError(f"image {index} cannot be read: {e}") from None
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            raise ValueError(f"image {index} cannot be read: {why}") from None
 
     def from_tensor(self, t: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
         """A bare tensor as pre-computed input; models whose items need more than one tensor

@@ -91,11 +91,16 @@ def test_token_ids_accept_one_placeholder_per_item_or_all_of_them(llava_ctx):
 
 
 def test_image_forms_agree(llava_ctx, tmp_path):
-    """A PIL image, its file, its bytes and its array are the same item (same content hash)."""
+    """A PIL image, its file (under allowed_local_media_path), its bytes and its array are the
+    same item (same content hash)."""
+    import dataclasses
+    import os
+
     img = image(3)
     img.save(tmp_path / "x.png")
+    ctx = dataclasses.replace(llava_ctx, allowed_local_media_path=os.path.realpath(tmp_path))
     hashes = {
-        process(llava_ctx, {"prompt": "<image>", "multi_modal_data": {"image": form}}).family_inputs.items[0].content_hash
+        process(ctx, {"prompt": "<image>", "multi_modal_data": {"image": form}}).family_inputs.items[0].content_hash
         for form in (img, str(tmp_path / "x.png"), png_bytes(img), np.asarray(img))
     }
     assert len(hashes) == 1
