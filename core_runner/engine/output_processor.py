@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Collection
 from typing import Any
 
 from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.runner.outputs import PromptLogprobs, TokenLogprobs
-from slotrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from slotrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 
 
 class RequestTracker:
     """What the engine keeps for a request between steps, beyond the scheduler's record."""
 
-    def __init__(self, request: Request, tokenizer: Any | None) -> None:
+    def __init__(self, request: Request, tokenizer: Any | None, arrival_time: float | None = None) -> None:
         self.request = request
         self.tokenizer = tokenizer
         sp = request.sampling_params
@@ -26,14 +28,36 @@ class RequestTracker:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         if sp.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        self.cumulative_logprob = 0.0  # of the sampled tokens, kept when logprobs are asked
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
 
-    def add_tokens(self, logprobs: TokenLogprobs | None) -> str | None:
-        """Feed the tokens `update()` appended; returns a stop string they completed."""
+    def add_tokens(self, logprobs: list[TokenLogprobs | None] | None) -> str | None:
+        """Feed the tokens `update()` appended (one per step, or several with speculative
+        decoding; `logprobs` has one entry per token); returns a stop string they completed.
+        Tokens after the one that completes a stop string are dropped, as if never sampled."""
         new_tokens = self.request.output_token_ids[self.num_seen :]
-        self.num_seen = len(self.request.output_token_ids)
-        if self.logprobs is not None and logprobs is not None and new_tokens:
-            self.logprobs.append(self._position(logprobs))
-        return self.detok.step(new_tokens)
+        if new_tokens:
+            self.metrics.last_token_time = time.time()
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = self.metrics.last_token_time
+        # The EOS or stop token that ended the request adds no text (vLLM's rule).
+        hidden = len(new_tokens) - 1 if self._stopped_by_token() else -1
+        for i, token_id in enumerate(new_tokens):
+            self.num_seen += 1
+            if self.logprobs is not None and logprobs is not None and i < len(logprobs) and logprobs[i] is not None:
+                self.logprobs.append(self._position(logprobs[i]))
+                self.cumulative_logprob += logprobs[i].logprobs[0]
+            if i == hidden:
+                break
+            stop = self.detok.step([token_id])
+            if stop is not None:
+                del self.request.output_token_ids[self.num_seen :]
+                return stop
+        return None
+
+    def _stopped_by_token(self) -> bool:
+        r = self.request  # a stop string is set by the engine after add_tokens: here it is EOS or a stop id
+        return r.status is RequestStatus.FINISHED_STOPPED and not r.sampling_params.include_stop_str_in_output
 
     def add_prompt_logprobs(self, lp: PromptLogprobs) -> None:
         """Record scored prompt positions; a recompute after preemption overwrites nothing."""
@@ -62,6 +86,7 @@ class RequestTracker:
             finish_reason=r.status.value if r.status.finished else None,
             stop_reason=r.stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
         )
 
 
@@ -93,12 +118,25 @@ class RequestGroup:
     def output(self) -> RequestOutput:
         parent = self.members[0]
         r = parent.request
+        finished = self.finished
+        if finished and parent.metrics.finished_time is None:
+            parent.metrics.finished_time = time.time()
+        metrics = dataclasses.replace(
+            parent.metrics,
+            num_generation_tokens=sum(len(m.request.output_token_ids) for m in self.members.values()),
+            num_draft_tokens=r.num_draft_tokens,
+            num_accepted_tokens=r.num_accepted_tokens,
+        )
+        encoder_prompt, encoder_ids = (None, None) if r.family_inputs is None else r.family_inputs.encoder_prompt()
         return RequestOutput(
             r.req_id,
             r.prompt,
             list(r.prompt_token_ids),
             [self.members[i].completion() for i in sorted(self.members)],
-            self.finished,
+            finished,
             prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs),
             num_cached_tokens=r.num_cached_tokens,
+            encoder_prompt=encoder_prompt,
+            encoder_prompt_token_ids=encoder_ids,
+            metrics=metrics,
         )
