@@ -36,6 +36,61 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+_SPEC_METHODS = ("ngram",)
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names): the speculator proposes up to
+    `num_speculative_tokens` drafts per decode row, the target verifies them in one forward.
+
+    method "ngram" (prompt lookup): the most recent earlier occurrence of the row's last n
+    tokens, n from prompt_lookup_max down to prompt_lookup_min, proposes the tokens after it.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError(
+                "speculative_config method 'draft_model' is not implemented yet; use {'method': 'ngram', ...} "
+                "(docs/architecture.md, 'Speculative decoding', says how a draft model plugs in)"
+            )
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {_SPEC_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config[{name!r}] must be a positive int, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config['prompt_lookup_min']={self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: object) -> "SpeculativeConfig":
+        """Read the user's dict; an unknown key or a missing method raises ValueError naming it."""
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        if "method" not in d:
+            raise ValueError("speculative_config needs 'method' (e.g. 'ngram')")
+        if d["method"] != "ngram":
+            cls(method=d["method"])  # the method's own message (draft_model: not implemented yet)
+        unknown = sorted(set(d) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known keys: {list(_SPEC_KEYS)}")
+        if d["method"] == "ngram" and "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'num_speculative_tokens' (drafts per step, e.g. 3)")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacities and choices of one engine. `max_*` are capacities, `num_*` counts."""
@@ -61,6 +116,8 @@ class EngineConfig:
     # Start each request from the longest cached prefix of its tokens (the engine builder turns
     # it on by default where the model's family can reuse KV blocks).
     enable_prefix_caching: bool = False
+    # Speculative decoding, or None. Runs with synchronous scheduling only (checked here).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
@@ -75,7 +132,14 @@ class EngineConfig:
                 f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
             )
         if self.async_scheduling is None:
-            object.__setattr__(self, "async_scheduling", self.device.type == "cuda")
+            # Speculative decoding needs each step's accepted count before the next is scheduled.
+            auto = self.device.type == "cuda" and self.speculative_config is None
+            object.__setattr__(self, "async_scheduling", auto)
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "speculative_config needs synchronous scheduling (the tokens a step accepts decide the next "
+                "step's schedule): pass async_scheduling=False or leave it unset"
+            )
         if not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
 

@@ -31,6 +31,9 @@ class MambaHybridModelState(ModelState):
     # A slot's state summarises every token before it and cannot be rebuilt from KV blocks:
     # forked parallel samples (and, later, prefix-cache hits) recompute the prompt instead.
     shares_prefix_kv = False
+    # The forward advances the recurrent state over every scheduled token, drafts included; a
+    # rollback to the last accepted token (per-token state checkpoints) is not implemented yet.
+    supports_speculative_rollback = False
 
     # The SSM state accumulates over the whole sequence: keep it in float32 whatever the model
     # dtype (the conv window holds raw inputs, so the model dtype loses nothing there).

@@ -42,7 +42,8 @@ ALLOWED = {
     "model_states": {"layers", "runner", "attention"},
     "layers": {"runner", "attention", "cpu", "loader"},
     "engine": {"runner", "attention", "sample"},
-    "runner": {"attention", "sample", "cpu"},
+    "runner": {"attention", "sample", "cpu", "spec_decode"},
+    "spec_decode": set(),  # speculators and verification: the runner calls them
     "attention": set(),
     "sample": set(),
     "cpu": {"attention"},

@@ -53,6 +53,13 @@ class Request:
     num_pending: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Speculative decoding: drafts the runner holds for the request's next step (proposed by the
+    # last step that sampled for it), drafts scheduled in the step being run, and the totals
+    # proposed to and accepted by the target (RequestOutput.metrics).
+    num_spec_tokens: int = 0
+    num_scheduled_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def group_id(self) -> str:
@@ -69,6 +76,15 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
+
+    def draft_room(self, max_model_len: int) -> int:
+        """Drafts a decode step may carry: all accepted plus the bonus token must stay within
+        max_tokens and max_model_len (drafts past a stop would be dropped anyway)."""
+        room = max_model_len - self.num_tokens - 1
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(self.output_token_ids) - 1)
+        return max(room, 0)
 
     def done_when_pending_arrive(self, max_model_len: int) -> bool:
         """Whether the tokens in flight already bring the request to max_tokens or to

@@ -134,6 +134,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
             request.num_pending = 0
+            request.num_spec_tokens = request.num_scheduled_drafts = 0
             self.waiting.appendleft(request)
 
     def stall_reason(self) -> str:
@@ -185,11 +186,19 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
                 i += 1
                 continue
+            num_drafts = 0
+            if request.num_spec_tokens and request.num_tokens - request.num_computed_tokens == 1:
+                # A decode with drafts: the last token and the drafts after it (their KV is
+                # written too; rejected ones are overwritten later, update() rolls back).
+                num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(self.max_model_len))
+                num_new += num_drafts
             new_block_ids = self._grow_or_preempt(request, request.num_computed_tokens + num_new, out)
             if new_block_ids is None:
                 break  # it preempted itself, so it was the last running request
             out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
             out.num_scheduled_tokens[request.req_id] = num_new
+            request.num_scheduled_drafts = num_drafts
+            # Hashes cover known tokens only: blocks that hold drafts are registered later.
             self._cache_blocks(request, request.num_computed_tokens + num_new)
             scheduled.append(request)
             budget -= num_new
@@ -281,6 +290,7 @@ class Scheduler:
         self.block_manager.free(request.req_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_spec_tokens = 0  # its drafts lived in the slot it loses
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -293,12 +303,24 @@ class Scheduler:
         """
         assert len(runner_out.req_ids) == len(runner_out.sampled_token_ids), "one sampled list per batch row"
         touched: list[Request] = []
-        for req_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+        next_drafts = runner_out.num_draft_tokens
+        for row, (req_id, sampled) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
             assert req_id in sched_out.num_scheduled_tokens, f"runner returned a row for unscheduled {req_id!r}"
             request = self._requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
-            assert self.async_scheduling or request.num_computed_tokens == request.num_tokens, (
+            if request.num_scheduled_drafts:
+                # The KV of rejected drafts is not the request's: it recomputes from the first
+                # rejected position (the new token's KV is computed next step, as in any decode).
+                num_accepted = len(sampled) - 1
+                assert 0 <= num_accepted <= request.num_scheduled_drafts, f"{req_id!r}: {len(sampled)} tokens for {request.num_scheduled_drafts} drafts"
+                request.num_computed_tokens -= request.num_scheduled_drafts - num_accepted
+                request.num_draft_tokens += request.num_scheduled_drafts
+                request.num_accepted_tokens += num_accepted
+                request.num_scheduled_drafts = 0
+            if next_drafts is not None:
+                request.num_spec_tokens = next_drafts[row]
+            assert self.async_scheduling or request.num_computed_tokens == request.num_tokens + len(sampled) - 1, (
                 f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
                 f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
             )

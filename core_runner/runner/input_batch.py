@@ -43,6 +43,17 @@ class InputBatch:
     num_reqs_padded: int
     num_tokens_padded: int
     buffers: InputBuffers
+    # Speculative decoding (None without a speculator): drafts per row, scheduled after the
+    # row's last known token; `logits_indices` then has 1 + num_draft rows per batch row, row r's
+    # at [cu_num_logits_np[r], cu_num_logits_np[r + 1]).
+    num_draft_np: np.ndarray | None = None  # [num_reqs]
+    num_draft: torch.Tensor | None = None  # [num_reqs] int32
+    cu_num_logits: torch.Tensor | None = None  # [num_reqs + 1] int32
+    cu_num_logits_np: np.ndarray | None = None  # [num_reqs + 1]
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_reqs if self.cu_num_logits_np is None else int(self.cu_num_logits_np[-1])
 
     @property
     def max_query_len(self) -> int:

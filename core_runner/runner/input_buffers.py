@@ -13,8 +13,11 @@ import torch
 
 
 class InputBuffers:
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_num_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_num_tokens: int, max_num_blocks_per_req: int, device: torch.device, max_draft: int = 0
+    ) -> None:
         self.max_num_reqs = max_num_reqs
+        self.max_draft = max_draft
         self.max_num_tokens = max_num_tokens
         self.device = device
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
@@ -28,11 +31,14 @@ class InputBuffers:
         self.input_ids = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
         self.positions = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
         self.slot_mapping = torch.full((max_num_tokens,), -1, **i64)  # [max_num_tokens] -1 on padding tokens
-        self.logits_indices = torch.zeros(max_num_reqs, **i64)  # [max_num_reqs]
+        # One logits row per batch row, plus one per draft (speculative decoding), rows in order.
+        self.logits_indices = torch.zeros(max_num_reqs * (1 + max_draft), **i64)  # [max_num_reqs * (1 + max_draft)]
+        self.num_draft = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] drafts scheduled per row
+        self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
 
         pin = device.type == "cuda"
         self._stage64 = torch.zeros(2 * max_num_reqs, dtype=torch.int64, pin_memory=pin)
-        self._stage32 = torch.zeros(2 * max_num_reqs + 1, dtype=torch.int32, pin_memory=pin)
+        self._stage32 = torch.zeros(3 * max_num_reqs + 1, dtype=torch.int32, pin_memory=pin)
         self._stage64_np = self._stage64.numpy()
         self._stage32_np = self._stage32.numpy()
         # The staging is rewritten next step only after this step's copies have read it.
@@ -45,6 +51,7 @@ class InputBuffers:
         query_start_loc_np: np.ndarray,  # [num_reqs + 1]
         sample_mask_np: np.ndarray,  # [num_reqs] bool
         num_reqs_padded: int,
+        num_draft_np: np.ndarray | None = None,  # [num_reqs] drafts per row (speculative decoding)
     ) -> None:
         """Copy the host description of the step to the device. Rows in [num_reqs,
         num_reqs_padded) are padding: slot 0, nothing cached, an empty query, no sample."""
@@ -65,5 +72,10 @@ class InputBuffers:
         self.num_computed[:num_reqs_padded].copy_(self._stage64[R : R + num_reqs_padded], non_blocking=True)
         self.query_start_loc[: num_reqs_padded + 1].copy_(self._stage32[: num_reqs_padded + 1], non_blocking=True)
         self.num_sampled[:num_reqs_padded].copy_(self._stage32[R + 1 : R + 1 + num_reqs_padded], non_blocking=True)
+        if num_draft_np is not None:
+            d0 = 2 * R + 1
+            s32[d0 : d0 + num_reqs_padded] = 0
+            s32[d0 : d0 + n] = num_draft_np
+            self.num_draft[:num_reqs_padded].copy_(self._stage32[d0 : d0 + num_reqs_padded], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

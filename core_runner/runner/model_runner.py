@@ -31,6 +31,9 @@ from slotrunner.core_runner.sample.logprobs import LogprobsTensors, prompt_logpr
 from slotrunner.core_runner.sample.sampler import Sampler, SamplerOutput, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates
 from slotrunner.core_runner.runner.model_state import CacheSpec, ModelState
+from slotrunner.core_runner.runner import sampled_token_kernels as sk
+from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator, build_speculator
+from slotrunner.core_runner.spec_decode.verify import accept_drafts
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,14 @@ class ModelRunner:
         self.device = config.device
         self.model = model
         self.model_state = model_state
-        self.req_state = RequestState(config.max_num_seqs, config.max_model_len, self.device)
+        spec = config.speculative_config
+        self.speculator: Speculator | None = None if spec is None else build_speculator(spec)
+        max_draft = 0 if spec is None else spec.num_speculative_tokens
+        assert spec is None or not config.async_scheduling, "speculative decoding runs with synchronous scheduling"
+        assert spec is None or model_state.supports_speculative_rollback, (
+            f"{type(model_state).__name__} cannot roll back rejected drafts (the engine builder refuses this)"
+        )
+        self.req_state = RequestState(config.max_num_seqs, config.max_model_len, self.device, max_draft)
         self.block_tables = BlockTables(
             config.max_num_seqs, config.max_num_blocks_per_req, config.block_size, self.device
         )
@@ -56,8 +66,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attn_backend = select_attn_backend(self.device)
         self.input_buffers = InputBuffers(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_blocks_per_req, self.device
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_blocks_per_req, self.device, max_draft
         )
+        # Drafts the speculator proposed per batch row of the last step (only counts reach the host).
+        self._next_num_draft = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
@@ -115,10 +127,15 @@ class ModelRunner:
         if step is None:
             return done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = step.batch
+        if self.speculator is not None:
+            return self._sample_and_verify(step)
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
-            out = self._sample(batch, logits)
+            rs = self.req_state
+            idx = batch.idx_mapping_np
+            # The sampled token takes position seq_len: that position keys its Gumbel noise.
+            out = self._sample(idx, rs.num_tokens_np[idx] - rs.prompt_len_np[idx], batch.seq_lens.to(torch.int64), logits)
             post_update(self.req_state, batch, out.sampled)
             self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.num_rejected[: batch.num_reqs])
         tensors = {"sampled": out.sampled}
@@ -139,10 +156,78 @@ class ModelRunner:
 
         return AsyncOutput(tensors, finish, self._copy_stream)
 
-    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> SamplerOutput:
-        idx = batch.idx_mapping_np
+    def _sample_and_verify(self, step: _ExecutedStep) -> AsyncOutput:
+        """Speculative decoding's sample_tokens: the target picks a token at every logits row
+        (each decode row's last token and its drafts), accepts the drafts that equal its picks
+        (`accept_drafts`), writes the emitted tokens into the history, then the speculator
+        proposes the next drafts from it. Only the tokens and counts reach the host."""
+        batch = step.batch
         rs = self.req_state
-        num_output_np = rs.num_tokens_np[idx] - rs.prompt_len_np[idx]
+        idx, num_draft_np, cu_np = batch.idx_mapping_np, batch.num_draft_np, batch.cu_num_logits_np
+        num_reqs, max_draft = batch.num_reqs, int(num_draft_np.max(initial=0))
+        with torch.inference_mode():
+            prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
+            logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
+            # Logits row j of batch row r predicts the token at position seq_len - num_draft + j,
+            # which keys its Gumbel noise; its output count (min_tokens) is the row's plus j.
+            num_logits_np = 1 + num_draft_np
+            j_np = np.arange(int(cu_np[-1])) - np.repeat(cu_np[:-1], num_logits_np)
+            rows_idx = np.repeat(idx, num_logits_np)
+            num_output_np = np.repeat(rs.num_tokens_np[idx] - rs.prompt_len_np[idx], num_logits_np) + j_np
+            positions_np = np.repeat(batch.seq_lens_np - num_draft_np, num_logits_np) + j_np
+            positions = torch.from_numpy(positions_np).to(self.device, non_blocking=True)
+            out = self._sample(rows_idx, num_output_np, positions, logits)
+            picks, num_accepted = accept_drafts(
+                out.sampled, rs.draft_tokens, batch.idx_mapping, batch.num_draft, batch.cu_num_logits, max_draft
+            )
+            samples = batch.num_sampled.long()  # [num_reqs] 1 where the row samples
+            num_sampled = samples * (num_accepted + 1)
+            num_rejected = samples * (batch.num_draft.long() - num_accepted)
+            sk.post_update(batch.idx_mapping, batch.seq_lens, picks, num_sampled, num_rejected, rs.token_ids, rs.last_sampled)
+            self.model_state.postprocess_state(batch, num_sampled, num_rejected)
+            # The next drafts, from the history the step just extended (length seq_len -
+            # num_rejected + 1 on sampling rows; rows whose sampling reads the history get none).
+            allowed = batch.sample_mask_np & self.sampling_states.drafts_allowed(idx)
+            allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
+            hist_len = torch.where(allowed_dev, batch.seq_lens.long() - num_rejected + 1, 0)
+            next_num_draft = self._next_num_draft[:num_reqs]
+            self.speculator.propose(
+                ProposeInputs(batch.idx_mapping, hist_len, rs.token_ids, step.hidden, batch.positions),
+                rs.draft_tokens,
+                next_num_draft,
+            )
+        tensors = {"picks": picks, "num_sampled": num_sampled, "next_num_draft": next_num_draft}
+        if out.logprobs is not None:
+            tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
+        wanted = self.sampling_states.num_logprobs_np[rows_idx]
+
+        def finish(host: dict[str, torch.Tensor]) -> ModelRunnerOutput:
+            counts = host["num_sampled"].tolist()
+            picks_rows = host["picks"].tolist()
+            sampled_ids = [row[:n] for row, n in zip(picks_rows, counts)]
+            # The history grew by the emitted tokens (synchronous scheduling: before the next step).
+            rs.num_tokens_np[idx] += host["num_sampled"].numpy()
+            row_logprobs: list = [None] * num_reqs
+            if "lp_ids" in host:
+                lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
+                entries = to_token_logprobs(lp, np.ones(len(rows_idx), dtype=bool), wanted)
+                for r, n in enumerate(counts):
+                    if n and entries[int(cu_np[r])] is not None:
+                        row_logprobs[r] = entries[int(cu_np[r]) : int(cu_np[r]) + n]
+            return ModelRunnerOutput(
+                batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, host["next_num_draft"].tolist()
+            )
+
+        return AsyncOutput(tensors, finish, self._copy_stream)
+
+    def _sample(
+        self,
+        idx: np.ndarray,  # [rows] slot of each logits row
+        num_output_np: np.ndarray,  # [rows] tokens generated before the one being sampled
+        positions: torch.Tensor,  # [rows] int64, position each sampled token will take
+        logits: torch.Tensor,  # [rows, vocab]
+    ) -> SamplerOutput:
+        rs = self.req_state
         history_lists = None
         if self.sampling_states.needs_history(idx):  # multi-token bad words: a small host copy
             history_lists = [rs.token_ids[s, : rs.num_tokens_np[s]].tolist() for s in idx]
@@ -155,8 +240,6 @@ class ModelRunner:
                 torch.from_numpy(rs.prompt_len_np[idx[rows_np]]).to(self.device),
                 torch.from_numpy(rs.num_tokens_np[idx[rows_np]]).to(self.device),
             )
-        # The sampled token takes position seq_len: that position keys its Gumbel noise.
-        positions = batch.seq_lens.to(torch.int64)
         return self.sampler(logits, params, positions, history)
 
     def _prompt_logprobs(self, step: _ExecutedStep) -> dict[str, PromptLogprobs]:
@@ -214,7 +297,8 @@ class ModelRunner:
         self.block_tables.commit()
 
     def _graph_size(self, sched: SchedulerOutput) -> int | None:
-        """The captured batch size a decode-only step replays at, or None: run eagerly."""
+        """The captured batch size a decode-only step replays at, or None: run eagerly. Rows
+        with drafts (speculative decoding) have query length 1 + drafts: such steps run eagerly."""
         if self.cuda_graphs is None or any(n != 1 for n in sched.num_scheduled_tokens.values()):
             return None
         return self.cuda_graphs.padded_size(len(sched.num_scheduled_tokens))

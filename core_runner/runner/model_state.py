@@ -87,6 +87,11 @@ class ModelState(abc.ABC):
     # (persistent buffers the hooks rewrite in place): a graph replays the capture's tensors,
     # not the step's.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether speculative decoding may run: rejected drafts must leave no trace. True when the
+    # family's per-request state is only in KV blocks (rejected positions are overwritten later)
+    # or when `postprocess_state` rolls its state back to the last accepted token. False: the
+    # engine builder refuses a speculative_config for the family, naming it.
+    supports_speculative_rollback: ClassVar[bool] = True
     # What the family requires of its model beyond forward / compute_logits / load_weights: a
     # `typing.Protocol` declared beside the state. The registry checks a model class against it
     # when the architecture is resolved, naming any missing member (`missing_members`).

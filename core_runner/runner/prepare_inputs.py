@@ -37,13 +37,18 @@ def prepare_inputs(
     num_reqs_padded = num_reqs if num_reqs_padded is None else num_reqs_padded
     num_tokens_padded = num_tokens if num_tokens_padded is None else num_tokens_padded
     if buffers is None:  # a one-off batch (tests): buffers of exactly this size
-        buffers = InputBuffers(num_reqs_padded, num_tokens_padded, block_tables.max_num_blocks_per_req, state.device)
+        buffers = InputBuffers(
+            num_reqs_padded, num_tokens_padded, block_tables.max_num_blocks_per_req, state.device, state.draft_tokens.shape[1]
+        )
     # A row samples when this step brings its KV cache up to every token it has: the next
     # token is then unknown. A prefill chunk that stops short samples nothing.
     sample_mask_np = seq_lens_np >= state.num_tokens_np[idx_mapping_np]
+    # Speculative decoding: the tokens a decode row computes past its history are its drafts.
+    speculative = state.draft_tokens.shape[1] > 0
+    num_draft_np = np.maximum(seq_lens_np - state.num_tokens_np[idx_mapping_np], 0) if speculative else None
 
     b = buffers
-    b.stage(idx_mapping_np, num_computed_np, query_start_loc_np, sample_mask_np, num_reqs_padded)
+    b.stage(idx_mapping_np, num_computed_np, query_start_loc_np, sample_mask_np, num_reqs_padded, num_draft_np)
     idx_mapping, num_computed = b.idx_mapping[:num_reqs], b.num_computed[:num_reqs]
     ik.prepare_input_ids_positions(
         idx_mapping, b.query_start_loc, num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
@@ -54,7 +59,19 @@ def prepare_inputs(
     )
     max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
     ik.gather_block_tables(idx_mapping, block_tables.table, b.block_tables, num_reqs_padded, max_blocks)
-    torch.sub(b.query_start_loc[1 : num_reqs + 1], 1, out=b.logits_indices[:num_reqs])
+    cu_num_logits_np = None
+    if speculative:
+        assert int(num_draft_np.max(initial=0)) <= state.draft_tokens.shape[1], "more drafts scheduled than proposed"
+        # Decode rows' drafts into their queries; logits rows: the last 1 + num_draft tokens per row.
+        sk.combine_sampled_and_draft_tokens(
+            b.input_ids, idx_mapping, state.last_sampled, b.query_start_loc, b.seq_lens[:num_reqs], state.prefill_len,
+            state.draft_tokens, b.num_draft[:num_reqs], b.logits_indices, b.cu_num_logits,
+        )
+        cu_num_logits_np = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(1 + num_draft_np, out=cu_num_logits_np[1:])
+    else:
+        torch.sub(b.query_start_loc[1 : num_reqs + 1], 1, out=b.logits_indices[:num_reqs])
+    num_logits = num_reqs if cu_num_logits_np is None else int(cu_num_logits_np[-1])
     return InputBatch(
         req_ids=req_ids,
         num_reqs=num_reqs,
@@ -69,7 +86,7 @@ def prepare_inputs(
         seq_lens_np=seq_lens_np,
         input_ids=b.input_ids[:num_tokens],
         positions=b.positions[:num_tokens],
-        logits_indices=b.logits_indices[:num_reqs],
+        logits_indices=b.logits_indices[:num_logits],
         sample_mask_np=sample_mask_np,
         num_sampled=b.num_sampled[:num_reqs],
         block_tables=b.block_tables[:num_reqs],
@@ -77,6 +94,10 @@ def prepare_inputs(
         num_reqs_padded=num_reqs_padded,
         num_tokens_padded=num_tokens_padded,
         buffers=b,
+        num_draft_np=num_draft_np,
+        num_draft=b.num_draft[:num_reqs] if speculative else None,
+        cu_num_logits=b.cu_num_logits[: num_reqs + 1] if speculative else None,
+        cu_num_logits_np=cu_num_logits_np,
     )
 
 

@@ -15,7 +15,7 @@ class RequestState:
     on the device, where sampled tokens are appended without a round trip.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device, max_draft: int = 0) -> None:
         self.max_model_len = max_model_len
         self.device = device
         self.req_id_to_slot: dict[str, int] = {}
@@ -25,6 +25,11 @@ class RequestState:
 
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64, device=device)  # [slots, max_model_len]
         self.last_sampled = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [slots]
+        # Speculative decoding: each slot's drafts for its next step (written by the speculator)
+        # and its prefill length on the device (combine_sampled_and_draft_tokens tells decode
+        # rows from prefill rows by it).
+        self.draft_tokens = torch.zeros(max_num_reqs, max_draft, dtype=torch.int64, device=device)  # [slots, max_draft]
+        self.prefill_len = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [slots]
         self.prompt_len_np = np.zeros(max_num_reqs, dtype=np.int64)  # [slots]
         self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int64)  # [slots] >= prompt_len after preemption
         self.num_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [slots] tokens in the history
@@ -44,6 +49,8 @@ class RequestState:
         self.token_ids[slot, :n] = torch.tensor(req.prefill_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         self.prompt_len_np[slot] = req.prompt_len
         self.prefill_len_np[slot] = n
+        if self.draft_tokens.shape[1]:
+            self.prefill_len[slot] = n
         self.num_tokens_np[slot] = n
         self.num_computed_tokens_np[slot] = req.num_computed_tokens
         return slot

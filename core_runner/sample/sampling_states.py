@@ -146,6 +146,15 @@ class SamplingStates:
             num_logprobs_np=num_logprobs,
         )
 
+    def drafts_allowed(self, idx_mapping_np: np.ndarray) -> np.ndarray:
+        """[rows] bool: rows whose pick at a draft position depends only on the logits and the
+        output count (speculative decoding verifies them exactly). Penalties and multi-token bad
+        words read the history, which would have to include the drafts before each position:
+        such rows decode one token per step."""
+        idx = idx_mapping_np
+        penalized = (self.repetition_np[idx] != 1.0) | (self.frequency_np[idx] != 0.0) | (self.presence_np[idx] != 0.0)
+        return ~(penalized | self.multi_token_bad_words_np[idx])
+
     def needs_history(self, idx_mapping_np: np.ndarray) -> bool:
         """Whether `gather` needs the rows' token history (multi-token bad words)."""
         return bool(self.multi_token_bad_words_np[idx_mapping_np].any())

@@ -57,6 +57,8 @@ class RwkvModelState(ModelState):
     # A slot's state summarises every token before it and cannot be rebuilt from shared KV
     # blocks: no prefix caching; parallel samples recompute the prompt.
     shares_prefix_kv = False
+    # Rejected speculative drafts would stay in the recurrent state: no speculative decoding.
+    supports_speculative_rollback = False
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)

@@ -1,0 +1,148 @@
+"""Speculative decoding (n-gram drafts): time per output token with and without it.
+
+Prompts ask the model to repeat or lightly edit a given passage (code, prose, a list): the
+output copies long spans of the prompt, which is what prompt lookup proposes. Per batch size it
+runs the same prompts greedy, EOS ignored, exactly `--max-tokens` tokens each, once without and
+once with `speculative_config={"method": "ngram", ...}`, and prints the wall time per output
+token (ms/token: wall time x batch size / tokens, i.e. the latency each request sees per
+token), the speedup, the acceptance rate (accepted / proposed drafts, from
+RequestOutput.metrics), the mean tokens per decode step of a request, and whether the token ids
+are identical (they must be: verification is exact).
+
+    python benchmarks/spec_decode.py                      # CPU: SmolLM2-135M (LLM()), batch 1 and 16
+    python benchmarks/spec_decode.py --qwen3-shape        # GPU: Qwen3-0.6B shape, random weights
+
+`--qwen3-shape` builds a random-weight model of Qwen3-0.6B's shape (as benchmarks/throughput.py
+does); random weights do not copy their prompt, so there it measures the cost of verification
+(acceptance near 0) unless `--model` names a real checkpoint.
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+PASSAGE = (
+    "def merge_sorted(a, b):\n"
+    "    result = []\n"
+    "    i = j = 0\n"
+    "    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n"
+    "            result.append(a[i])\n"
+    "            i += 1\n"
+    "        else:\n"
+    "            result.append(b[j])\n"
+    "            j += 1\n"
+    "    result.extend(a[i:])\n"
+    "    result.extend(b[j:])\n"
+    "    return result\n"
+)
+PROSE = (
+    "The old lighthouse stood at the end of the pier, its white paint peeling in long strips. "
+    "Every evening the keeper climbed the ninety-two steps, lit the lamp, and wrote the weather "
+    "in a small blue notebook. Ships passed far out at sea, and none of them knew his name."
+)
+TASKS = (
+    f"Repeat the following code exactly, without any comment:\n\n{PASSAGE}",
+    f"Rename the function merge_sorted to merge_lists in this code and print the whole code:\n\n{PASSAGE}",
+    f"Copy this paragraph word for word:\n\n{PROSE}",
+    f"Rewrite this paragraph replacing 'keeper' with 'watchman', changing nothing else:\n\n{PROSE}",
+)
+
+
+def build_prompts(llm, batch_size: int) -> list[dict]:
+    tok = llm.engine.tokenizer
+    prompts = []
+    for i in range(batch_size):
+        task = TASKS[i % len(TASKS)]
+        if tok is None:
+            prompts.append({"prompt_token_ids": [(7 * i + j) % 1000 + 3 for j in range(64)]})
+            continue
+        ids = tok.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        prompts.append({"prompt_token_ids": list(ids)})
+    return prompts
+
+
+def run(llm, prompts, max_tokens: int):
+    from slotrunner import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return outs, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--qwen3-shape", action="store_true", help="random-weight Qwen3-0.6B shape (GPU)")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+
+    from slotrunner import LLM
+
+    model = args.model
+    if args.qwen3_shape and model is None:
+        model = qwen3_shape_dir()
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    common = dict(device=args.device, max_model_len=1024, max_num_seqs=32, enable_prefix_caching=False, async_scheduling=False)
+    base = LLM(model, **common)
+    fast = LLM(model, speculative_config=spec, **common)
+    print(f"model={model or 'SmolLM2-135M-Instruct'} device={base.config.device} dtype={base.config.dtype} "
+          f"k={args.num_speculative_tokens} n={args.prompt_lookup_min}..{args.prompt_lookup_max} max_tokens={args.max_tokens}")
+    print(f"{'batch':>5} {'base ms/tok':>11} {'spec ms/tok':>11} {'base tok/s':>10} {'spec tok/s':>10} {'speedup':>7} "
+          f"{'accept':>6} {'tok/step':>8} identical")
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        prompts = build_prompts(base, b)
+        ref, t_base = run(base, prompts, args.max_tokens)
+        got, t_spec = run(fast, prompts, args.max_tokens)
+        tokens = sum(len(o.outputs[0].token_ids) for o in ref)
+        drafts = sum(o.metrics.num_draft_tokens for o in got)
+        accepted = sum(o.metrics.num_accepted_tokens for o in got)
+        decode_tokens = tokens - b  # the first token of each request comes from its prefill
+        steps = decode_tokens - accepted  # decode steps summed over requests
+        same = all(a.outputs[0].token_ids == c.outputs[0].token_ids for a, c in zip(ref, got))
+        per_tok = lambda wall: 1000 * wall * b / tokens  # noqa: E731 - ms per token each request sees
+        print(
+            f"{b:>5} {per_tok(t_base):>11.2f} {per_tok(t_spec):>11.2f} {tokens / t_base:>10.1f} {tokens / t_spec:>10.1f} "
+            f"{t_base / t_spec:>6.2f}x "
+            f"{accepted / max(drafts, 1):>6.1%} {decode_tokens / max(steps, 1):>8.2f} {same}"
+        )
+
+
+def qwen3_shape_dir() -> str:
+    """A random-weight checkpoint of Qwen3-0.6B's shape (benchmarks/throughput.py's workload)."""
+    import tempfile
+
+    from transformers import Qwen3Config
+
+    from slotrunner.conformance import build_case
+
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
+        torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"],
+    )
+    directory = tempfile.mkdtemp(prefix="qwen3_shape_")
+    build_case(config, directory)
+    return directory
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Speculative decoding (n-gram drafts, exact verification): outputs are token for token the
+same with and without speculation, for every family that can roll back.
+
+Covers greedy and seeded rows (with filters, logprobs, min_tokens; penalised rows decode one
+token per step) in one batch, under chunked prefill and under preemption; drafts accepted not
+at all, partly and fully; max_tokens and stop tokens landing inside a run of accepted drafts;
+a multimodal model (drafts after an image prompt, M-RoPE positions) and an encoder-decoder
+(decoder-side drafts); the refusals (Mamba hybrids, async scheduling, bad configs).
+
+Guards against: a draft accepted against the wrong position's noise or logits row, the KV of
+rejected drafts leaking into later steps (num_computed_tokens not rolled back), tokens emitted
+past a stop, drafts scheduled past max_tokens / max_model_len, the runner's history length
+drifting from the scheduler's, and the prefix cache registering blocks that hold drafts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from slotrunner import LLM, SamplingParams
+from slotrunner.conformance import build_case
+from slotrunner.registry import tiny_config
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def make_requests(vocab: int = 1000):
+    """Prompts that repeat a pattern (the speculator proposes from the start) and random ones
+    (a random tiny model's greedy output often cycles, so drafts come later)."""
+    rng = random.Random(0)
+    prompts, params = [], []
+    for i in range(12):
+        pattern = [rng.randrange(3, vocab) for _ in range(rng.choice([2, 3, 5]))]
+        ids = pattern * rng.choice([2, 4]) if i % 2 == 0 else [rng.randrange(3, vocab) for _ in range(rng.choice([1, 6, 13]))]
+        prompts.append({"prompt_token_ids": ids})
+        common = dict(max_tokens=rng.randrange(9, 30), ignore_eos=True, seed=100 + i)
+        kind = i % 4
+        if kind == 0:
+            sp = SamplingParams(temperature=0, logprobs=2, **common)
+        elif kind == 1:
+            sp = SamplingParams(temperature=0.8, top_k=5, min_tokens=3, **common)  # seeded
+        elif kind == 2:
+            sp = SamplingParams(temperature=0, **common)
+        else:
+            sp = SamplingParams(temperature=0.7, repetition_penalty=1.2, **common)  # no drafts: reads history
+        params.append(sp)
+    return prompts, params
+
+
+def record_acceptance(llm: LLM) -> list[tuple[int, int]]:
+    """(drafts scheduled, drafts accepted) of every decode row with drafts, as update() sees them."""
+    scheduler = llm.engine.scheduler
+    seen: list[tuple[int, int]] = []
+    update = scheduler.update
+
+    def spy(sched_out, runner_out):
+        for req_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            request = scheduler._requests.get(req_id)
+            if request is not None and request.num_scheduled_drafts and sampled:
+                seen.append((request.num_scheduled_drafts, len(sampled) - 1))
+        return update(sched_out, runner_out)
+
+    scheduler.update = spy
+    return seen
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("spec_llama")
+    build_case(tiny_config("LlamaForCausalLM"), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def baseline(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, max_num_seqs=12)
+    prompts, params = make_requests()
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(max_num_seqs=12),
+        dict(max_num_seqs=3, max_num_batched_tokens=7),  # chunked prefill; requests join mid-run
+        dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=30),  # preemption
+    ],
+    ids=["one-batch", "chunked", "preempting"],
+)
+def test_same_tokens_with_and_without_speculation(llama_dir, baseline, engine_args):
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM, **engine_args)
+    seen = record_acceptance(llm)
+    prompts, params = make_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == token_ids(baseline)
+    for got, want in zip(outs, baseline):
+        if want.outputs[0].logprobs is not None:  # logprobs of accepted tokens too, one per token
+            assert len(got.outputs[0].logprobs) == len(want.outputs[0].logprobs)
+            for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    patterns = {"none": any(a == 0 for _, a in seen), "some": any(0 < a < d for d, a in seen), "all": any(a == d for d, a in seen)}
+    assert all(patterns.values()), f"acceptance patterns not all exercised: {patterns}"
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == sum(a for _, a in seen)
+    penalised = [o for o, sp in zip(outs, params) if sp.repetition_penalty != 1.0]
+    assert all(o.metrics.num_draft_tokens == 0 for o in penalised), "rows with penalties must not be speculated"
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
+
+
+def test_stops_inside_accepted_runs(llama_dir):
+    """max_tokens and stop token ids cut exactly where decoding one token per step would,
+    also when they fall inside a step's accepted drafts."""
+    base = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4)
+    spec = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM)
+    # A prompt ending in the model's own greedy cycle: the drafts (copied from the prompt) are
+    # accepted from the first decode step, so stop tokens (which only count in the output) are
+    # met inside runs of accepted drafts.
+    rng = random.Random(21)
+    ids = [rng.randrange(3, 1000) for _ in range(4)] * 4
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids += base.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    prompt = {"prompt_token_ids": ids}
+    out = base.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    cases = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 2, 5, 6, 7, 13)]
+    cases += [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[out[i]]) for i in (1, 2, 3)]
+    want = base.generate([prompt] * len(cases), cases, use_tqdm=False)
+    seen = record_acceptance(spec)
+    got = spec.generate([prompt] * len(cases), cases, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (w.outputs[0].finish_reason, w.outputs[0].stop_reason)
+    assert any(a >= 2 for _, a in seen), "no step accepted several drafts: the stops were not tested inside a run"
+    stopped = [g for g, sp in zip(got, cases) if sp.stop_token_ids]
+    assert all(g.metrics.num_accepted_tokens >= len(g.outputs[0].token_ids) - 1 > 0 for g in stopped), (
+        "the stop tokens must be met among accepted drafts"
+    )
+
+
+def test_multimodal_and_encoder_decoder(tmp_path):
+    """Drafts after an image prompt (Qwen2-VL: M-RoPE positions past the prompt) and on the
+    decoder side of an encoder-decoder (BART) give the tokens decoding without them gives."""
+    import numpy as np
+    import torch
+    import transformers
+    from PIL import Image
+
+    from slotrunner.registry import tiny_configs as tc
+
+    vl_dir = tmp_path / "qwen2_vl"
+    torch.manual_seed(0)
+    arch = "Qwen2VLForConditionalGeneration"
+    model = getattr(transformers, arch)(tiny_config(arch)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight[[3, 4, 5, 6]] = 0  # placeholders are never generated
+    model.save_pretrained(str(vl_dir))
+    tc.qwen2_vl_image_processor(model.config).save_pretrained(str(vl_dir))
+    tc.qwen2_vl_tokenizer().save_pretrained(str(vl_dir))
+    img = Image.fromarray((np.random.RandomState(0).rand(16, 32, 3) * 255).astype(np.uint8))
+    vis = "<|vision_start|><|image_pad|><|vision_end|>"
+    vl_prompts = [
+        {"prompt": f"w10 w11 {vis} w12 w10 w11 w12 w10 w11", "multi_modal_data": {"image": [img]}},
+        {"prompt": "w30 w31 w30 w31 w30 w31"},
+    ]
+    bart_dir = tmp_path / "bart"
+    build_case(tiny_config("BartForConditionalGeneration"), bart_dir)
+    rng = random.Random(2)
+    enc = [rng.randrange(3, 90) for _ in range(11)]
+    bart_prompts = [
+        {"encoder_prompt": {"prompt_token_ids": enc}, "decoder_prompt": {"prompt_token_ids": [7, 8, 7, 8, 7]}},
+        {"encoder_prompt": {"prompt_token_ids": enc[:4]}},
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)]
+    for directory, prompts in ((vl_dir, vl_prompts), (bart_dir, bart_prompts)):
+        kw = dict(device="cpu", max_model_len=96, block_size=4, max_num_batched_tokens=9)
+        want = LLM(str(directory), **kw).generate(prompts * 2, params + params[::-1], use_tqdm=False)
+        spec = LLM(str(directory), speculative_config=NGRAM, **kw)
+        got = spec.generate(prompts * 2, params + params[::-1], use_tqdm=False)
+        assert token_ids(got) == token_ids(want), directory.name
+        assert sum(o.metrics.num_draft_tokens for o in got) > 0, f"{directory.name}: no drafts were verified"
+
+
+def test_refusals(tmp_path, llama_dir):
+    from slotrunner.builder import EngineArgs
+
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0})
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineArgs(speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineArgs(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="synchronous scheduling"):
+        EngineArgs(speculative_config=NGRAM, async_scheduling=True)
+    mamba_dir = tmp_path / "mamba"
+    build_case(tiny_config("Mamba2ForCausalLM"), mamba_dir)
+    with pytest.raises(ValueError, match="Mamba hybrid"):
+        LLM(str(mamba_dir), device="cpu", max_model_len=64, speculative_config=NGRAM)
+
+
+def test_stop_string_inside_several_tokens_drops_the_rest():
+    """A step that appends several tokens (accepted drafts) and completes a stop string with
+    one of them ends the output at that token, as decoding one token per step would."""
+    from slotrunner.core_runner.engine.output_processor import RequestTracker
+    from slotrunner.core_runner.engine.request import Request
+
+    class Letters:  # token i decodes to one letter
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    params = SamplingParams(temperature=0, max_tokens=20, stop=["cd"])
+    request = Request("r", [0, 1], params, (), 0, 0)
+    tracker = RequestTracker(request, Letters())
+    request.output_token_ids += [1, 2]  # "bc"
+    assert tracker.add_tokens(None) is None
+    request.output_token_ids += [3, 4, 5]  # "def": "cd" completes at the first of them
+    assert tracker.add_tokens(None) == "cd"
+    assert request.output_token_ids == [1, 2, 3]
+    assert tracker.completion().text == "b"
