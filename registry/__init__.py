@@ -247,6 +247,25 @@ def describe_architectures() -> list[tuple[str, str, str]]:
     return rows
 
 
+def model_state_classes(in_tree_only: bool = False) -> list[type]:
+    """The ModelState classes that serve the registered architectures (each once, in
+    architecture order): the rows of the capability table. `in_tree_only` leaves plugins out."""
+    archs = sorted(IN_TREE) if in_tree_only else supported_architectures()
+    classes: dict[type, None] = {}
+    for arch in archs:
+        state_ref = _entry(arch)[1]
+        if state_ref is None:
+            try:
+                state_ref = resolve(tiny_config(arch), arch).model_state_cls
+            except Exception as e:  # noqa: BLE001 - a broken plugin entry must not hide the others
+                logger.warning("capability table: %s skipped (%s: %s)", arch, type(e).__name__, e)
+                continue
+        cls = _import(state_ref, arch, "ModelState") if isinstance(state_ref, str) else state_ref
+        classes[cls] = None
+    # The default decoder first, then the other families by name.
+    return sorted(classes, key=lambda c: (c.__name__ != "DefaultModelState", c.__name__))
+
+
 def gguf_architectures() -> list[str]:
     """GGUF `general.architecture` values a reader is registered for."""
     return sorted(GGUF_READERS)

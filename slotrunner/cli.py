@@ -182,8 +182,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from slotrunner.registry import describe_architectures
 
+    from slotrunner.capabilities import render_markdown, render_text
+    from slotrunner.registry import model_state_classes
+
+    if args.capabilities_markdown:
+        # docs/capabilities.md's table: in-tree families only, so the file does not depend on
+        # which plugins are installed.
+        print(render_markdown(model_state_classes(in_tree_only=True)), end="")
+        return 0
     for arch, model_cls, state in describe_architectures():
         print(f"{arch:<36} {model_cls:<48} {state}")
+    print("\nWhat each family gets (docs/capabilities.md):\n")
+    print(render_text(model_state_classes()), end="")
     return 0
 
 
@@ -236,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat, max_tokens=256)
     m = sub.add_parser("models", help="list supported architectures and their ModelState")
+    m.add_argument(
+        "--capabilities-markdown", action="store_true", help="print only the capability table of the in-tree families, as Markdown"
+    )
     m.set_defaults(func=cmd_models)
     k = sub.add_parser(
         "conformance",
