@@ -7,6 +7,7 @@ ModelState hooks, called in the order `core_runner/runner/model_state.py` lists.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from slotrunner.core_runner.runner.model_state import CacheSpec, ModelState
 from slotrunner.core_runner.runner import sampled_token_kernels as sk
 from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator, build_speculator
 from slotrunner.core_runner.spec_decode.verify import accept_drafts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,11 @@ class ModelRunner:
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: CudaGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and not model_state.supports_cuda_graphs:
+            logger.info(
+                "CUDA graphs: off for %s (supports_cuda_graphs is False): every step runs eagerly "
+                "(docs/capabilities.md)", type(model_state).__name__
+            )
         if self.device.type == "cuda" and not config.enforce_eager and model_state.supports_cuda_graphs:
             self.cuda_graphs = CudaGraphs(
                 model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len
