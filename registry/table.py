@@ -21,7 +21,7 @@ _S = "slotrunner.model_states"
 
 # The families, by the ModelState that serves them: every in-tree entry names its own.
 DEFAULT = f"{_S}.default:DefaultModelState"
-MAMBA_HYBRID = f"{_S}.mamba_hybrid:MambaHybridModelState"
+RECURRENT_HYBRID = f"{_S}.recurrent_hybrid:RecurrentHybridModelState"
 ENCODER_DECODER = f"{_S}.encoder_decoder:EncoderDecoderModelState"
 AUDIO_ENCODER_DECODER = f"{_S}.encoder_decoder:AudioEncoderDecoderModelState"
 MULTIMODAL = f"{_S}.multimodal:MultimodalModelState"
@@ -37,13 +37,13 @@ IN_TREE: dict[str, ArchEntry] = {
     "MixtralForCausalLM": ArchEntry(f"{_M}.mixtral:MixtralForCausalLM", DEFAULT, f"{_T}:mixtral"),
     "Qwen3MoeForCausalLM": ArchEntry(f"{_M}.qwen3_moe:Qwen3MoeForCausalLM", DEFAULT, f"{_T}:qwen3_moe"),
     "GptOssForCausalLM": ArchEntry(f"{_M}.gpt_oss:GptOssForCausalLM", DEFAULT, f"{_T}:gpt_oss"),
-    "Mamba2ForCausalLM": ArchEntry(f"{_M}.mamba2:Mamba2ForCausalLM", MAMBA_HYBRID, f"{_T}:mamba2"),
-    "BambaForCausalLM": ArchEntry(f"{_M}.bamba:BambaForCausalLM", MAMBA_HYBRID, f"{_T}:bamba"),
+    "Mamba2ForCausalLM": ArchEntry(f"{_M}.mamba2:Mamba2ForCausalLM", RECURRENT_HYBRID, f"{_T}:mamba2"),
+    "BambaForCausalLM": ArchEntry(f"{_M}.bamba:BambaForCausalLM", RECURRENT_HYBRID, f"{_T}:bamba"),
     "GraniteMoeHybridForCausalLM": ArchEntry(
-        f"{_M}.granite_moe_hybrid:GraniteMoeHybridForCausalLM", MAMBA_HYBRID, f"{_T}:granite_moe_hybrid"
+        f"{_M}.granite_moe_hybrid:GraniteMoeHybridForCausalLM", RECURRENT_HYBRID, f"{_T}:granite_moe_hybrid"
     ),
-    "NemotronHForCausalLM": ArchEntry(f"{_M}.nemotron_h:NemotronHForCausalLM", MAMBA_HYBRID, f"{_T}:nemotron_h"),
-    "FalconH1ForCausalLM": ArchEntry(f"{_M}.falcon_h1:FalconH1ForCausalLM", MAMBA_HYBRID, f"{_T}:falcon_h1"),
+    "NemotronHForCausalLM": ArchEntry(f"{_M}.nemotron_h:NemotronHForCausalLM", RECURRENT_HYBRID, f"{_T}:nemotron_h"),
+    "FalconH1ForCausalLM": ArchEntry(f"{_M}.falcon_h1:FalconH1ForCausalLM", RECURRENT_HYBRID, f"{_T}:falcon_h1"),
     "BartForConditionalGeneration": ArchEntry(f"{_M}.bart:BartForConditionalGeneration", ENCODER_DECODER, f"{_T}:bart"),
     "T5ForConditionalGeneration": ArchEntry(f"{_M}.t5:T5ForConditionalGeneration", ENCODER_DECODER, f"{_T}:t5"),
     "WhisperForConditionalGeneration": ArchEntry(

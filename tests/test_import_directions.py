@@ -121,8 +121,8 @@ def test_every_import_follows_the_documented_direction():
         ("slotrunner.core_runner.runner.model_runner", "slotrunner.model_states.default"),  # runner -> a family
         ("slotrunner.core_runner.loader.model_loader", "slotrunner.registry"),  # loader -> registry
         ("slotrunner.model_states.multimodal", "slotrunner.registry"),  # a family resolving architectures
-        ("slotrunner.models.layers.mamba.mixer", "slotrunner.model_states.mamba_hybrid"),  # a layer -> a family
-        ("slotrunner.model_states.mamba_hybrid", "slotrunner.models.bamba"),  # a family -> a model
+        ("slotrunner.models.layers.mamba.mixer", "slotrunner.model_states.recurrent_hybrid"),  # a layer -> a family
+        ("slotrunner.model_states.recurrent_hybrid", "slotrunner.models.bamba"),  # a family -> a model
         ("slotrunner.core_runner.engine.intake", "slotrunner.core_runner.engine.scheduler"),  # a leaf importing up
     ],
 )

@@ -5,7 +5,7 @@ Covers greedy and seeded rows (with filters, logprobs, min_tokens; penalised row
 token per step) in one batch, under chunked prefill and under preemption; drafts accepted not
 at all, partly and fully; max_tokens and stop tokens landing inside a run of accepted drafts;
 a multimodal model (drafts after an image prompt, M-RoPE positions) and an encoder-decoder
-(decoder-side drafts); the refusals (Mamba hybrids, async scheduling, bad configs).
+(decoder-side drafts); the refusals (recurrent hybrids, async scheduling, bad configs).
 
 Guards against: a draft accepted against the wrong position's noise or logits row, the KV of
 rejected drafts leaking into later steps (num_computed_tokens not rolled back), tokens emitted
@@ -201,7 +201,7 @@ def test_refusals(tmp_path, llama_dir):
         EngineArgs(speculative_config=NGRAM, async_scheduling=True)
     mamba_dir = tmp_path / "mamba"
     build_case(tiny_config("Mamba2ForCausalLM"), mamba_dir)
-    with pytest.raises(ValueError, match="Mamba hybrid"):
+    with pytest.raises(ValueError, match="recurrent hybrid"):
         LLM(str(mamba_dir), device="cpu", max_model_len=64, speculative_config=NGRAM)
 
 

@@ -1,7 +1,7 @@
 """ModelState.cache_bytes predicts what initialize_cache allocates, and the KV cache is sized
 from what is left.
 
-Guards against: a family's state pools (Mamba conv/SSM state, cross-attention caches) taking
+Guards against: a family's state pools (recurrent conv/SSM state, cross-attention caches) taking
 memory the KV cache was already given -- an out-of-memory error on a GPU at large max_num_seqs.
 """
 
@@ -17,7 +17,7 @@ from slotrunner.builder import default_num_kv_blocks
 
 
 def _allocated_state_bytes(state) -> int:
-    tensors = [getattr(state, name, None) for name in ("conv_states", "ssm_states")]
+    tensors = list(getattr(state, "pools", []))
     tensors += [layer.cross_kv for layer in getattr(state, "cross_layers", [])]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -2,10 +2,11 @@
 
 in_proj -> [z | xBC | dt]; causal conv1d + SiLU over xBC -> [x | B | C]; selective scan with
 A = -exp(A_log), dt = softplus(dt + dt_bias) and the D skip; gated grouped RMSNorm with z;
-out_proj. Per-request state -- the conv window and the SSM state -- lives in per-slot pools that
-`MambaHybridModelState` allocates and binds (`conv_state`, `ssm_state`), as the runner binds
-`kv_cache` to attention layers. The layer reads the step's `MambaMetadata` from the forward
-context: decode rows take the single-step kernels, prefill rows the varlen chunked ones.
+out_proj. Per-request state -- the conv window and the SSM state -- is declared by `state_spec`
+and lives in per-slot pools that `RecurrentHybridModelState` allocates and binds (`conv_state`,
+`ssm_state`), as the runner binds `kv_cache` to attention layers. The layer reads the step's
+`RecurrentMetadata` from the forward context: decode rows take the single-step kernels, prefill
+rows the varlen chunked ones.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from slotrunner.core_runner.attention.forward_context import get_forward_context
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from slotrunner.models.layers.mamba.gated_norm import GatedRMSNorm
-from slotrunner.models.layers.mamba.metadata import MambaMetadata
 from slotrunner.models.layers.mamba.selective_state_update import selective_state_update
 from slotrunner.models.layers.mamba.ssd_chunk_scan import ssd_chunk_scan_varlen
+from slotrunner.models.layers.recurrent_metadata import RecurrentMetadata
+from slotrunner.models.layers.recurrent_state import RecurrentLayer, RecurrentStateSpec, StateTensorSpec
 
 
 def parse_time_step_limit(value: Any) -> tuple[float, float]:
@@ -103,7 +105,7 @@ class Mamba2MixerArgs:
         return (self.num_heads, self.head_dim, self.state_size)
 
 
-class MambaMixer2(nn.Module):
+class MambaMixer2(RecurrentLayer):
     def __init__(self, args: Mamba2MixerArgs, layer_idx: int) -> None:
         super().__init__()
         self.args = args
@@ -117,19 +119,24 @@ class MambaMixer2(nn.Module):
         self.D = nn.Parameter(torch.empty(a.num_heads))
         self.norm = GatedRMSNorm(a.intermediate_size, a.intermediate_size // a.n_groups, a.norm_eps)
         self.out_proj = Linear(a.intermediate_size, a.hidden_size, bias=a.use_bias)
-        # Per-slot pools, bound by MambaHybridModelState.initialize_cache.
+        # Per-slot pools, bound by RecurrentHybridModelState.initialize_cache (bind_state).
         self.conv_state: torch.Tensor | None = None  # [max_num_seqs, conv_dim, conv_kernel - 1]
         self.ssm_state: torch.Tensor | None = None  # [max_num_seqs, num_heads, head_dim, state_size] float32
 
+    def state_spec(self) -> RecurrentStateSpec:
+        # The SSM state accumulates over the whole sequence: float32 whatever the model dtype
+        # (the conv window holds raw inputs, so the model dtype loses nothing there).
+        conv = StateTensorSpec("conv_state", self.args.conv_state_shape)
+        ssm = StateTensorSpec("ssm_state", self.args.ssm_state_shape, torch.float32)
+        return RecurrentStateSpec("mamba2", (conv, ssm))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         meta = get_forward_context().family_attn
-        assert isinstance(meta, MambaMetadata), (
-            f"Mamba layer {self.layer_idx}: the forward context carries {type(meta).__name__}, not MambaMetadata "
-            "(is the model served by MambaHybridModelState?)"
+        assert isinstance(meta, RecurrentMetadata), (
+            f"Mamba layer {self.layer_idx}: the forward context carries {type(meta).__name__}, not RecurrentMetadata "
+            "(is the model served by RecurrentHybridModelState?)"
         )
-        assert self.conv_state is not None and self.ssm_state is not None, (
-            f"Mamba layer {self.layer_idx}: state pools not bound before the forward"
-        )
+        self.bound_states()
         a = self.args
         z, xbc, dt = self.in_proj(hidden).split([a.intermediate_size, a.conv_dim, a.num_heads], dim=-1)
         y = torch.empty(hidden.shape[0], a.num_heads, a.head_dim, dtype=hidden.dtype, device=hidden.device)
@@ -146,7 +153,7 @@ class MambaMixer2(nn.Module):
         token_idx: torch.Tensor | None,  # the rows' tokens; None: all of them, in order
         y: torch.Tensor,  # [num_tokens, num_heads, head_dim], written at token_idx
         decode: bool,
-        meta: MambaMetadata,
+        meta: RecurrentMetadata,
     ) -> None:
         a = self.args
         if token_idx is not None:

@@ -1,8 +1,10 @@
-"""MambaHybridModelState: pools sized and bound per Mamba layer, reset per admitted slot.
+"""RecurrentHybridModelState: pools sized from each recurrent layer's spec and bound to it,
+reset per admitted slot.
 
 Guards against: a re-admitted (preempted) or reused slot starting from the previous request's
 state, pools bound to the wrong layers or shared between layers, attention layers of a hybrid
-mistaken for Mamba layers, and a postprocess hook that silently accepts rejected drafts.
+mistaken for recurrent layers, a state dtype other than declared, and a postprocess hook that
+silently accepts rejected drafts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from slotrunner.core_runner.runner.model_state import CacheSpec
-from slotrunner.model_states.mamba_hybrid import MambaHybridModelState
+from slotrunner.model_states.recurrent_hybrid import RecurrentHybridModelState
 from slotrunner.models.bamba import BambaForCausalLM
 from slotrunner.models.llama import LlamaForCausalLM
 from slotrunner.registry import tiny_config
@@ -21,9 +23,9 @@ from slotrunner.registry import tiny_config
 MAX_NUM_SEQS = 3
 
 
-def make_state(model: torch.nn.Module) -> MambaHybridModelState:
+def make_state(model: torch.nn.Module) -> RecurrentHybridModelState:
     # The ModelState reads only max_num_seqs from the engine config.
-    state = MambaHybridModelState(SimpleNamespace(max_num_seqs=MAX_NUM_SEQS), model, torch.device("cpu"))
+    state = RecurrentHybridModelState(SimpleNamespace(max_num_seqs=MAX_NUM_SEQS), model, torch.device("cpu"))
     state.initialize_cache(CacheSpec(8, 4, torch.float32, torch.device("cpu")))
     return state
 
@@ -32,23 +34,25 @@ def test_pools_bound_to_each_mamba_layer_only():
     model = BambaForCausalLM(tiny_config("BambaForCausalLM"))  # layers 1 and 3 are attention
     state = make_state(model)
     mixers = [layer.mamba for layer in model.model.layers if not layer.is_attention]
-    assert state.mixers == mixers and len(mixers) == 2
+    assert state.layers == mixers and len(mixers) == 2
+    assert len(state.pools) == 2  # one spec: a stacked conv pool and a stacked SSM pool
     for i, mixer in enumerate(mixers):
         a = mixer.args
         assert mixer.conv_state.shape == (MAX_NUM_SEQS, a.conv_dim, a.conv_kernel - 1)
         assert mixer.ssm_state.shape == (MAX_NUM_SEQS, a.num_heads, a.head_dim, a.state_size)
         assert mixer.ssm_state.dtype == torch.float32
-        assert mixer.conv_state.data_ptr() == state.conv_states[i].data_ptr()
+        assert mixer.conv_state.data_ptr() == state.pools[0][i].data_ptr()
+        assert mixer.ssm_state.data_ptr() == state.pools[1][i].data_ptr()
     assert mixers[0].ssm_state.data_ptr() != mixers[1].ssm_state.data_ptr()
 
 
 def test_add_request_resets_only_its_slot():
     state = make_state(BambaForCausalLM(tiny_config("BambaForCausalLM")))
-    state.conv_states.fill_(1.0)
-    state.ssm_states.fill_(1.0)
+    for pool in state.pools:
+        pool.fill_(1.0)
     state.add_request(1, new_request=None)  # the reset needs nothing from the request
-    assert not state.conv_states[:, 1].any() and not state.ssm_states[:, 1].any()
-    assert state.conv_states[:, [0, 2]].eq(1).all() and state.ssm_states[:, [0, 2]].eq(1).all()
+    for pool in state.pools:
+        assert not pool[:, 1].any() and pool[:, [0, 2]].eq(1).all()
 
 
 def test_postprocess_rejects_rejected_drafts():
@@ -59,6 +63,6 @@ def test_postprocess_rejects_rejected_drafts():
         state.postprocess_state(None, ones, ones)
 
 
-def test_model_without_mamba_layers_is_refused():
-    with pytest.raises(ValueError, match="no MambaMixer2 layers"):
+def test_model_without_recurrent_layers_is_refused():
+    with pytest.raises(ValueError, match="no recurrent layers"):
         make_state(LlamaForCausalLM(tiny_config("LlamaForCausalLM")))

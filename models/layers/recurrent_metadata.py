@@ -1,7 +1,8 @@
-"""MambaMetadata: what Mamba mixer layers read from the forward context in one step.
+"""RecurrentMetadata: what recurrent layers (Mamba2 mixers, gated delta-nets) read from the
+forward context in one step.
 
-Built once per step by `MambaHybridModelState.prepare_attn` from the InputBatch (host-side numpy
-plus non-blocking copies: no host<->device sync), shared by every mixer layer of the model.
+Built once per step by `RecurrentHybridModelState.prepare_attn` from the InputBatch (host-side
+numpy plus non-blocking copies: no host<->device sync), shared by every recurrent layer of the model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from slotrunner.core_runner.runner.model_state import FamilyAttnMetadata
 
 
 @dataclass(frozen=True)
-class MambaMetadata(FamilyAttnMetadata):
+class RecurrentMetadata(FamilyAttnMetadata):
     """Batch rows split into decode rows and prefill rows; rows keep the batch order.
 
     A *decode row* has exactly one query token: conv update + single-step recurrence advance its
@@ -51,7 +52,7 @@ class MambaMetadata(FamilyAttnMetadata):
         num_computed_tokens_np: np.ndarray,  # [num_reqs]
         num_scheduled_tokens_np: np.ndarray,  # [num_reqs]
         query_start_loc: torch.Tensor,  # [num_reqs + 1] on the device
-    ) -> MambaMetadata:
+    ) -> RecurrentMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(idx_mapping.device, non_blocking=True)
 

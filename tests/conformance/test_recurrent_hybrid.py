@@ -1,5 +1,5 @@
-"""Mamba hybrid conformance: Mamba2, Bamba, GraniteMoeHybrid, NemotronH and FalconH1 equal
-transformers, alone and in any batch. Each case runs what `python -m slotrunner conformance`
+"""Recurrent hybrid conformance: Mamba2, Bamba, GraniteMoeHybrid, NemotronH and FalconH1 (Mamba2
+mixers) equal transformers, alone and in any batch. Each case runs what `python -m slotrunner conformance`
 runs (`run_conformance`): logits and greedy tokens alone, chunked prefill at budgets 1, 2, 3
 and 5 (chunk boundaries at every offset of the scan's chunk_size 4), and a mixed batch run all
 at once, chunked with slots reused, and preempted.

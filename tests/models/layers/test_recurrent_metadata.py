@@ -1,4 +1,4 @@
-"""MambaMetadata: the split of a step's batch rows into decode and prefill rows.
+"""RecurrentMetadata: the split of a step's batch rows into decode and prefill rows.
 
 Guards against: a row served by the wrong kernel (a 1-token row of a new request must take the
 decode path, whose state was zeroed at admission; a 1-token chunk of a chunked prefill too),
@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slotrunner.models.layers.mamba.metadata import MambaMetadata
+from slotrunner.models.layers.recurrent_metadata import RecurrentMetadata
 
 
-def build(slots, computed, scheduled) -> MambaMetadata:
+def build(slots, computed, scheduled) -> RecurrentMetadata:
     scheduled = np.array(scheduled)
     qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32))
-    return MambaMetadata.build(torch.tensor(slots), np.array(slots), np.array(computed), scheduled, qsl)
+    return RecurrentMetadata.build(torch.tensor(slots), np.array(slots), np.array(computed), scheduled, qsl)
 
 
 def test_interleaved_rows_gather_their_own_tokens():
