@@ -7,18 +7,22 @@ forward context. The runner binds `kv_cache` once after allocating the cache.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.attention.cache_spec import KVCacheSpec, PagedCacheLayer
 from slotrunner.core_runner.attention.forward_context import get_forward_context
 
 
-class Attention(nn.Module):
+class Attention(PagedCacheLayer):
     def __init__(self, spec: AttentionSpec, layer_idx: int) -> None:
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, dim], bound by the runner
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """K and V per KV head: the layout `kv_cache_shape` describes and every backend reads."""
+        return KVCacheSpec("kv", (2, self.spec.num_kv_heads, self.spec.head_dim), block_dim=1)
 
     def forward(
         self,

@@ -1,22 +1,25 @@
-"""The paged KV cache: one tensor per attention layer, bound to the layer once."""
+"""The paged KV cache: one tensor per caching layer, laid out as the layer declares, bound once.
+
+Every `PagedCacheLayer` in the model declares its entries per token (`KVCacheSpec`: full
+attention's K and V per KV head, an MLA latent, ...); the cache is sized and allocated from
+those specs alone, so a new layout needs no change here.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from slotrunner.core_runner.attention.backend import kv_cache_shape
-from slotrunner.core_runner.attention.layer import Attention
+from slotrunner.core_runner.attention.cache_spec import PagedCacheLayer
 
 
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
+def cache_layers(model: nn.Module) -> list[PagedCacheLayer]:
+    return [m for m in model.modules() if isinstance(m, PagedCacheLayer)]
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all attention layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * a.spec.num_kv_heads * a.spec.head_dim * elem for a in attention_layers(model))
+    """Bytes one block costs across all caching layers, from each layer's declared spec."""
+    return sum(layer.kv_cache_spec().bytes_per_block(block_size, dtype) for layer in cache_layers(model))
 
 
 def allocate_kv_cache(
@@ -24,12 +27,11 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """Allocate each layer's cache and bind it to the layer; returns them in layer order."""
     caches = []
-    for layer in attention_layers(model):
-        s = layer.spec
+    for layer in cache_layers(model):
+        spec = layer.kv_cache_spec()
         # Uninitialised on purpose: every position is written before it is read (a row reads only
         # its first seq_len positions), and untouched pages of a large CPU cache cost nothing.
-        cache = torch.empty(kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
+        cache = torch.empty(spec.cache_shape(num_blocks, block_size), dtype=spec.dtype_for(dtype), device=device)
         layer.kv_cache = cache
         caches.append(cache)
     return caches
-
