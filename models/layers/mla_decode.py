@@ -1,0 +1,212 @@
+"""Paged multi-head latent attention kernels: the latent cache write and the absorbed decode.
+
+The MLA cache holds, per token, one row of `rank + rope` channels: the compressed latent
+(kv_a_layernorm's output, `kv_lora_rank` wide) then the rotated decoupled key (`qk_rope_head_dim`),
+shared by every head. In the absorbed form a decode query never expands that latent into K/V:
+its no-rope part is first multiplied into the latent space (q_lat = q_nope @ W_UK per head), so
+
+    score(h, j) = scale * (q_lat[h] . latent[j] + q_pe[h] . k_pe[j])
+    out_lat[h]  = sum_j softmax_j(score(h, j)) * latent[j]
+
+and the caller maps `out_lat` back through W_UV. Each op sits above its torch specification:
+
+- `_write_latent_kernel` -> `write_latent()` / `write_latent_ref()`: one program per token
+  stores its latent and rope key at its flat cache slot; slot -1 (a padding token of a
+  CUDA-graph batch) writes nothing.
+- `_mla_decode_kernel` -> `mla_decode()` / `mla_decode_ref()`: one query token per row, grid
+  (rows, head blocks); FlashAttention-style online softmax over key tiles gathered through the
+  row's block table, the BLOCK_H heads of a program stacked as the M dimension of both dots so
+  that each latent tile is read once per head block. A row with seq_len 0 (a padding row)
+  outputs zeros. No host reads of device tensors: graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _write_latent_kernel(
+        latent_ptr,  # [num_tokens, rank]
+        stride_lt,
+        k_pe_ptr,  # [num_tokens, rope]
+        stride_kt,
+        cache_ptr,  # [num_blocks * block_size, rank + rope] contiguous
+        slot_mapping_ptr,  # [num_tokens] int64, -1 = padding token
+        RANK: tl.constexpr,
+        ROPE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot < 0:
+            return
+        row = cache_ptr + slot * (RANK + ROPE)
+        r = tl.arange(0, BLOCK_R)
+        c = tl.load(latent_ptr + t * stride_lt + r, mask=r < RANK)
+        tl.store(row + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+        p = tl.arange(0, BLOCK_P)
+        k = tl.load(k_pe_ptr + t * stride_kt + p, mask=p < ROPE)
+        tl.store(row + RANK + p, k.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+
+    @triton.jit
+    def _mla_decode_kernel(
+        q_lat_ptr,  # [num_rows, num_heads, rank]
+        stride_lr,
+        stride_lh,
+        q_pe_ptr,  # [num_rows, num_heads, rope]
+        stride_pr,
+        stride_ph,
+        cache_ptr,  # [num_blocks * block_size, rank + rope] contiguous
+        out_ptr,  # [num_rows, num_heads, rank] contiguous
+        block_tables_ptr,  # [num_rows, max_num_blocks_per_req] int32
+        stride_bt,
+        seq_lens_ptr,  # [num_rows] int32
+        scale,
+        NUM_HEADS: tl.constexpr,
+        RANK: tl.constexpr,
+        ROPE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        TILE_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = heads < NUM_HEADS
+        r = tl.arange(0, BLOCK_R)
+        p = tl.arange(0, BLOCK_P)
+        seq_len = tl.load(seq_lens_ptr + row)
+        q_lat = tl.load(
+            q_lat_ptr + row * stride_lr + heads[:, None] * stride_lh + r[None, :],
+            mask=h_mask[:, None] & (r[None, :] < RANK), other=0.0,
+        )  # fmt: skip
+        q_pe = tl.load(
+            q_pe_ptr + row * stride_pr + heads[:, None] * stride_ph + p[None, :],
+            mask=h_mask[:, None] & (p[None, :] < ROPE), other=0.0,
+        )  # fmt: skip
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for start in range(0, seq_len, TILE_N):
+            pos = start + tl.arange(0, TILE_N)
+            k_mask = pos < seq_len
+            block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=k_mask, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            entry = cache_ptr + slot[:, None] * (RANK + ROPE)
+            c = tl.load(entry + r[None, :], mask=k_mask[:, None] & (r[None, :] < RANK), other=0.0)  # [TILE_N, BLOCK_R]
+            k_pe = tl.load(entry + RANK + p[None, :], mask=k_mask[:, None] & (p[None, :] < ROPE), other=0.0)
+            s = tl.dot(q_lat.to(c.dtype), tl.trans(c), input_precision=DOT_PRECISION)
+            s += tl.dot(q_pe.to(k_pe.dtype), tl.trans(k_pe), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
+            s = tl.where(k_mask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            prob = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(c.dtype), c, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]  # seq_len 0: acc and l_i are 0 -> zeros
+        tl.store(
+            out_ptr + row * (NUM_HEADS * RANK) + heads[:, None] * RANK + r[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (r[None, :] < RANK),
+        )  # fmt: skip
+
+
+def write_latent_ref(
+    cache: torch.Tensor,  # [num_blocks, block_size, rank + rope]
+    latent: torch.Tensor,  # [num_tokens, rank]
+    k_pe: torch.Tensor,  # [num_tokens, rope]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding token
+) -> None:
+    flat = cache.view(-1, cache.shape[-1])
+    keep = slot_mapping >= 0
+    flat.index_copy_(0, slot_mapping[keep], torch.cat([latent, k_pe], dim=-1)[keep].to(cache.dtype))
+
+
+def write_latent(
+    cache: torch.Tensor,  # [num_blocks, block_size, rank + rope] contiguous
+    latent: torch.Tensor,  # [num_tokens, rank], unit channel stride
+    k_pe: torch.Tensor,  # [num_tokens, rope], unit channel stride
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding token
+) -> None:
+    """Store each token's latent and rotated rope key at its flat cache slot."""
+    num_tokens, rank = latent.shape
+    rope = k_pe.shape[1]
+    assert cache.shape[-1] == rank + rope, f"cache rows of {cache.shape[-1]} for a latent {rank} + rope {rope}"
+    assert k_pe.shape[0] == num_tokens and slot_mapping.shape == (num_tokens,), "one slot and rope key per token"
+    if not use_triton(latent.device):
+        return write_latent_ref(cache, latent, k_pe, slot_mapping)
+    assert cache.is_contiguous() and latent.stride(1) == 1 and k_pe.stride(1) == 1, "contiguous channels expected"
+    if num_tokens == 0:
+        return
+    _write_latent_kernel[(num_tokens,)](
+        latent, latent.stride(0), k_pe, k_pe.stride(0), cache, slot_mapping,
+        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+    )  # fmt: skip
+
+
+def mla_decode_ref(
+    q_lat: torch.Tensor,  # [num_rows, num_heads, rank]
+    q_pe: torch.Tensor,  # [num_rows, num_heads, rope]
+    cache: torch.Tensor,  # [num_blocks, block_size, rank + rope]
+    block_tables: torch.Tensor,  # [num_rows, max_num_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_rows] int32
+    scale: float,
+) -> torch.Tensor:  # [num_rows, num_heads, rank], q_lat's dtype
+    """Each row's one query against its first seq_len cached tokens, in float32."""
+    num_rows, num_heads, rank = q_lat.shape
+    block_size = cache.shape[1]
+    flat = cache.view(-1, cache.shape[-1])
+    out = torch.zeros(num_rows, num_heads, rank, dtype=torch.float32, device=q_lat.device)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=cache.device)
+        slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        entries = flat[slots].float()  # [seq_len, rank + rope]
+        latent, k_pe = entries[:, :rank], entries[:, rank:]
+        scores = (q_lat[i].float() @ latent.T + q_pe[i].float() @ k_pe.T) * scale  # [heads, seq_len]
+        out[i] = scores.softmax(-1) @ latent
+    return out.to(q_lat.dtype)
+
+
+def mla_decode(
+    q_lat: torch.Tensor,  # [num_rows, num_heads, rank], unit channel stride
+    q_pe: torch.Tensor,  # [num_rows, num_heads, rope], unit channel stride
+    cache: torch.Tensor,  # [num_blocks, block_size, rank + rope] contiguous
+    block_tables: torch.Tensor,  # [num_rows, max_num_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_rows] int32
+    scale: float,
+    block_h: int = 16,  # heads per program (tl.dot needs >= 16 rows)
+    tile_n: int = 32,  # cached tokens per key tile
+) -> torch.Tensor:  # [num_rows, num_heads, rank], q_lat's dtype
+    """Absorbed-form paged decode: one query token per row (see the module docstring)."""
+    num_rows, num_heads, rank = q_lat.shape
+    rope = q_pe.shape[2]
+    assert q_pe.shape[:2] == (num_rows, num_heads), f"q_pe {tuple(q_pe.shape)} for q_lat {tuple(q_lat.shape)}"
+    assert cache.dim() == 3 and cache.shape[2] == rank + rope, f"cache {tuple(cache.shape)} for rank {rank} + rope {rope}"
+    assert seq_lens.shape == (num_rows,) and block_tables.shape[0] == num_rows, "one block-table row and length per row"
+    if not use_triton(q_lat.device):
+        return mla_decode_ref(q_lat, q_pe, cache, block_tables, seq_lens, scale)
+    assert cache.is_contiguous() and q_lat.stride(2) == 1 and q_pe.stride(2) == 1, "contiguous channels expected"
+    assert q_lat.dtype in _DTYPES and cache.dtype in _DTYPES, f"dtypes q {q_lat.dtype}, cache {cache.dtype}"
+    out = torch.empty(num_rows, num_heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    if num_rows == 0:
+        return out
+    grid = (num_rows, triton.cdiv(num_heads, block_h))
+    _mla_decode_kernel[grid](
+        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), cache, out,
+        block_tables, block_tables.stride(0), seq_lens, float(scale),
+        NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(rope)), TILE_N=tile_n,
+        DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
