@@ -5,8 +5,9 @@
   NemotronH) of the router logits; experts are chosen on the scores plus an optional
   correction bias (`e_score_correction_bias`: it steers the choice, never the weights),
   optionally only within the best `topk_group` of `n_group` expert groups (DeepSeek-V3: a
-  group scores the sum of its two best); the chosen scores are optionally renormalised to sum
-  to 1 (`norm_topk_prob`) and times `routed_scaling_factor`.
+  group scores the sum of its two best; DeepSeek-V2's `group_limited_greedy`: its best); the
+  chosen scores are optionally renormalised to sum to 1 (`norm_topk_prob`) and times
+  `routed_scaling_factor`.
 - `TopKRouter`: the gate's linear (checkpoint `gate.weight`, GPT-OSS's `bias`) + the selection.
 - `FusedExperts`: the experts' stacked weights -- `w_in` [num_experts, (2 if gated) *
   intermediate, hidden] (gate rows first, then up) and `w_out` [num_experts, hidden,
@@ -28,6 +29,7 @@ from torch import nn
 from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
 
 SCORING = ("softmax", "sigmoid")
+GROUP_SCORING = ("top2_sum", "max")  # a group's score: the sum of its two best experts (V3), its best (V2)
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,13 @@ class RouterSpec:
     n_group: int = 1  # expert groups (DeepSeek-V3's `n_group`); 1: no group limit
     topk_group: int = 1  # experts are chosen only within this many best groups
     routed_scaling_factor: float = 1.0
+    group_scoring: str = "top2_sum"  # one of GROUP_SCORING
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING:
             raise ValueError(f"router scoring {self.scoring!r} is not supported (supported: {SCORING})")
+        if self.group_scoring not in GROUP_SCORING:
+            raise ValueError(f"router group scoring {self.group_scoring!r} is not supported (supported: {GROUP_SCORING})")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.n_group > 1:
@@ -71,7 +76,10 @@ def select_experts(
     if spec.n_group > 1:
         num_tokens = choice.shape[0]
         grouped = choice.view(num_tokens, spec.n_group, -1)  # [num_tokens, n_group, experts per group]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [num_tokens, n_group]
+        if spec.group_scoring == "max":
+            group_scores = grouped.amax(dim=-1)  # [num_tokens, n_group]
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         best_groups = group_scores.topk(spec.topk_group, dim=-1)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
