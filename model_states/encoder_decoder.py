@@ -1,27 +1,34 @@
-"""EncoderDecoderModelState: one encoder run per admission, cross-attention K/V kept per slot.
+"""EncoderDecoderModelState: encoder outputs cached by encoder input, cross-attention K/V in rows.
 
 The decoder is an ordinary request to the runner: its prompt is the decoder prompt, its
 self-attention uses the paged KV cache. What the family adds:
 
 - intake (`process_prompt`, in encoder_decoder_intake.py): split a prompt into the decoder
   prompt (the request's tokens) and the encoder input (`EncoderInputs`: token ids, or audio
-  features for the audio subclass);
-- `add_request` stashes the encoder input for the slot; `preprocess_state` runs the encoder
-  for the slots admitted since the last step and writes every decoder layer's cross-attention
-  K/V into the slot's row of a per-slot cache allocated once in `initialize_cache`;
-- `prepare_attn` tells the cross-attention layers each batch row's slot and encoder length.
+  features for the audio subclass, with a content hash `key`);
+- a cross-attention cache of max_num_seqs rows per decoder layer, allocated once in
+  `initialize_cache`. A row holds the cross-attention K/V of one encoder input and is keyed by
+  its hash. `add_request` maps the slot to the row that already holds its encoder input (another
+  running request's, or a finished or preempted one's not yet reused: no encoder run), or else
+  takes the least recently used free row and queues the encoder; `preprocess_state` runs the
+  queued encoders and writes their rows. Rows are refcounted by the slots that read them; a row
+  no slot reads stays cached until it is taken for another input. There is always a free row:
+  at most max_num_seqs - 1 other slots are live when one is admitted.
+- `prepare_attn` tells the cross-attention layers each batch row's cache row and encoder length.
 
-A preempted request loses its row with its slot and is encoded again on re-admission. See
-docs/encoder_decoder.md for the design and its memory cost.
+So requests over one document or one recording (n > 1, several questions, a re-admission
+after preemption) run the encoder once. See docs/encoder_decoder.md for the design and its
+memory cost.
 
 The model module of an encoder-decoder provides, besides forward / compute_logits /
 load_weights: `hf_config`, `encode(encoder_input) -> [encoder_len, hidden]` for one request,
-`store_cross_kv(slot, encoder_hidden)`, and one `CrossAttention` layer per decoder layer.
+`store_cross_kv(row, encoder_hidden)`, and one `CrossAttention` layer per decoder layer.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -63,7 +70,7 @@ class EncoderDecoderModel(Protocol):
     def encode(self, encoder_input: torch.Tensor) -> torch.Tensor:  # token ids [n] or features -> [encoder_len, hidden]
         ...
 
-    def store_cross_kv(self, slot: int, encoder_hidden: torch.Tensor) -> None:  # writes the slot's cross K/V
+    def store_cross_kv(self, row: int, encoder_hidden: torch.Tensor) -> None:  # writes a cache row's cross K/V
         ...
 
 
@@ -74,8 +81,7 @@ class EncoderDecoderModelState(ModelState):
     model_protocol = EncoderDecoderModel
     # Decoder K/V depend on the encoder input through cross-attention: prefix-cache blocks are
     # keyed by it too (`EncoderInputs.cache_key_spans`), so a request reuses only the decoder
-    # prefix of an identical encoder input. The encoder itself runs again for every admission:
-    # the cross-attention cache is per slot (`add_request` queues it whatever was cached).
+    # prefix of an identical encoder input; its cross-attention row is reused the same way.
     shares_prefix_kv = True
     # Decode steps replay CUDA graphs: the cross-attention metadata lives in persistent buffers
     # that prepare_attn rewrites in place (prepare_dummy_attn hands them to the capture).
@@ -97,13 +103,25 @@ class EncoderDecoderModelState(ModelState):
         self.max_encoder_len = max_encoder_len(hf_config, config.max_model_len)
         self.cross_layers = cross_attention_layers(model)
         assert self.cross_layers, f"{type(model).__name__} has no CrossAttention layers: not an encoder-decoder"
-        self.encoder_lens_np = np.zeros(config.max_num_seqs, dtype=np.int32)  # [slots], 0: no encoder output
+        n = config.max_num_seqs
+        self._row_of_slot = np.full(n, -1, dtype=np.int64)  # [slots] cache row each slot reads, -1: none
+        self._row_lens = np.zeros(n, dtype=np.int32)  # [rows] encoder length a row holds, 0: not written
+        self._row_refs = np.zeros(n, dtype=np.int32)  # [rows] slots reading the row
+        self._row_key: list[str | None] = [None] * n  # [rows] encoder-input hash the row holds (or is queued for)
+        self._key_row: dict[str, int] = {}  # hash -> row, for every keyed row
+        self._free_rows: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))  # refs 0, least recently used first
+        self._pending: dict[int, EncoderInputs] = {}  # row -> encoder input queued for it
+        self.num_encoder_runs = 0  # encoder runs so far (the rest of the admissions found their row cached)
         # Per batch row, rewritten every step at fixed addresses (CUDA graphs read them).
-        self._row_encoder_lens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=device)  # [max_num_reqs]
-        self._row_tables = torch.zeros(config.max_num_seqs, 1, dtype=torch.int32, device=device)  # [max_num_reqs, 1]
-        # Slots admitted since the last step whose encoder has not run yet.
-        self._pending: dict[int, EncoderInputs] = {}
+        self._row_encoder_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [max_num_reqs]
+        self._row_tables = torch.zeros(n, 1, dtype=torch.int32, device=device)  # [max_num_reqs, 1]
         self.cross_kv_bytes = 0
+
+    @property
+    def encoder_lens_np(self) -> np.ndarray:
+        """[slots] encoder length each slot's request reads (0: no request, or not encoded yet)."""
+        rows = self._row_of_slot
+        return np.where(rows >= 0, self._row_lens[np.maximum(rows, 0)], 0).astype(np.int32)
 
     def cache_bytes(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
@@ -111,46 +129,68 @@ class EncoderDecoderModelState(ModelState):
         return sum(math.prod(shape) for shape in shapes) * elem
 
     def initialize_cache(self, spec: CacheSpec) -> None:
-        """One [2, max_num_seqs, max_encoder_len, kv_heads, head_dim] cache per decoder layer."""
+        """One [2, max_num_seqs rows, max_encoder_len, kv_heads, head_dim] cache per decoder layer."""
         for layer in self.cross_layers:
             shape = cross_kv_shape(self.config.max_num_seqs, self.max_encoder_len, layer.num_kv_heads, layer.head_dim)
-            # Uninitialised: a row reads only the encoder positions its request wrote.
+            # Uninitialised: a row reads only the encoder positions its input wrote.
             layer.cross_kv = torch.empty(shape, dtype=spec.dtype, device=spec.device)
             self.cross_kv_bytes += layer.cross_kv.numel() * layer.cross_kv.element_size()
 
     def add_request(self, slot: int, new_request: NewRequestData) -> None:
         inputs = new_request.family_inputs
         assert isinstance(inputs, EncoderInputs), f"request {new_request.req_id}: no encoder inputs (intake must supply them)"
-        self._pending[slot] = inputs
-        self.encoder_lens_np[slot] = 0
+        assert self._row_of_slot[slot] < 0, f"slot {slot} admitted twice without remove_request"
+        row = self._key_row.get(inputs.key)
+        if row is None:
+            row = next(iter(self._free_rows))  # least recently used; one is always free (see the module doc)
+            old = self._row_key[row]
+            if old is not None:
+                del self._key_row[old]  # its encoder output is overwritten: evicted
+            self._row_key[row], self._key_row[inputs.key] = inputs.key, row
+            self._row_lens[row] = 0
+            self._pending[row] = inputs
+        self._free_rows.pop(row, None)
+        self._row_refs[row] += 1
+        self._row_of_slot[slot] = row
 
     def remove_request(self, slot: int) -> None:
-        # The slot's cache row is simply reused by the next request; its length marks it empty.
-        self._pending.pop(slot, None)
-        self.encoder_lens_np[slot] = 0
+        row = int(self._row_of_slot[slot])
+        if row < 0:
+            return
+        self._row_of_slot[slot] = -1
+        self._row_refs[row] -= 1
+        if self._row_refs[row]:
+            return
+        if row in self._pending:  # never encoded (aborted or failed before its step): nothing to keep
+            del self._pending[row]
+            del self._key_row[self._row_key[row]]
+            self._row_key[row] = None
+            self._free_rows[row] = None
+            self._free_rows.move_to_end(row, last=False)  # an empty row is the first to take
+        else:
+            self._free_rows[row] = None  # cached, most recently used
 
     def preprocess_state(self, batch: InputBatch) -> None:
-        """Run the encoder of each newly admitted request in this batch, one request at a time,
-        and store its cross-attention K/V in the request's slot."""
+        """Run the encoder of each encoder input queued since the last step, one input at a
+        time, and store its cross-attention K/V in its row."""
         if not self._pending:
             return
         with torch.inference_mode():
-            for slot in batch.idx_mapping_np.tolist():
-                inputs = self._pending.pop(slot, None)
-                if inputs is None:
-                    continue
-                hidden = self.model.encode(inputs.as_tensor(self.device))  # [encoder_len, hidden]
-                self.model.store_cross_kv(slot, hidden)
-                self.encoder_lens_np[slot] = hidden.shape[0]
+            for row in list(self._pending):
+                hidden = self.model.encode(self._pending[row].as_tensor(self.device))  # [encoder_len, hidden]
+                self.model.store_cross_kv(row, hidden)
+                self._row_lens[row] = hidden.shape[0]
+                del self._pending[row]
+                self.num_encoder_runs += 1
 
     def prepare_attn(self, batch: InputBatch) -> CrossAttnMetadata:
         n = batch.num_reqs
-        lens_np = self.encoder_lens_np[batch.idx_mapping_np]
+        rows_np = self._row_of_slot[batch.idx_mapping_np]
+        lens_np = self._row_lens[rows_np]
         self._row_encoder_lens[:n].copy_(torch.from_numpy(lens_np), non_blocking=True)
-        self._row_tables[:n, 0].copy_(batch.idx_mapping)
+        self._row_tables[:n, 0].copy_(torch.from_numpy(rows_np), non_blocking=True)
         return CrossAttnMetadata(
-            slots=batch.idx_mapping,
-            slots_np=batch.idx_mapping_np,
+            rows_np=rows_np,
             encoder_lens=self._row_encoder_lens[:n],
             encoder_lens_np=lens_np,
             block_tables=self._row_tables[:n],
@@ -158,8 +198,7 @@ class EncoderDecoderModelState(ModelState):
 
     def prepare_dummy_attn(self, num_reqs: int) -> CrossAttnMetadata:
         return CrossAttnMetadata(
-            slots=self._row_tables[:num_reqs, 0],
-            slots_np=np.zeros(num_reqs, dtype=np.int64),
+            rows_np=np.zeros(num_reqs, dtype=np.int64),
             encoder_lens=self._row_encoder_lens[:num_reqs],
             encoder_lens_np=np.zeros(num_reqs, dtype=np.int32),
             block_tables=self._row_tables[:num_reqs],

@@ -37,7 +37,8 @@ from slotrunner.models.layers.media import check_audio_length
 
 @dataclass(frozen=True)
 class EncoderInputs(FamilyInputs):
-    """One request's encoder input, kept with the request (a re-admission encodes it again)."""
+    """One request's encoder input, kept with the request (a re-admission whose encoder output
+    is no longer cached encodes it again)."""
 
     token_ids: tuple[int, ...] | None = None  # text encoders
     features: torch.Tensor | None = None  # [num_mel_bins, num_frames] float32 on the host: audio encoders
@@ -52,6 +53,12 @@ class EncoderInputs(FamilyInputs):
         else:
             data = self.features.detach().cpu().contiguous().numpy().tobytes() + str(tuple(self.features.shape)).encode()
         object.__setattr__(self, "_key", "encoder:" + hashlib.blake2b(data, digest_size=16).hexdigest())
+
+    @property
+    def key(self) -> str:
+        """The encoder input's content hash: keys prefix-cache blocks and the state's cache of
+        encoder outputs (two requests with equal keys have equal cross-attention K/V)."""
+        return self._key
 
     def cache_key_spans(self) -> tuple[KeySpan, ...]:
         return ((0, 1 << 62, self._key),)

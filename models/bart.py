@@ -96,14 +96,14 @@ class DecoderSelfAttention(_Projections):
 
 
 class DecoderCrossAttention(_Projections):
-    """Attention to the request's encoder output, through its slot's cross K/V cache."""
+    """Attention to the request's encoder output, through its cache row of cross K/V."""
 
     def __init__(self, a: StackArgs) -> None:
         super().__init__(a)
         self.attn = CrossAttention(a.num_heads, a.num_heads, a.head_dim, self.scale)
 
-    def store(self, slot: int, encoder_hidden: torch.Tensor) -> None:  # [encoder_len, d_model]
-        self.attn.store(slot, self.k_proj(encoder_hidden), self.v_proj(encoder_hidden))
+    def store(self, row: int, encoder_hidden: torch.Tensor) -> None:  # [encoder_len, d_model]
+        self.attn.store(row, self.k_proj(encoder_hidden), self.v_proj(encoder_hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, d_model]
         return self.out_proj(self.attn(self.q_proj(x)))
@@ -155,9 +155,9 @@ class DecoderLayer(nn.Module):
         return _sublayer(self.pre_norm, x, self._ffn, self.final_layer_norm)
 
 
-def store_cross_kv(layers: Iterable[DecoderLayer], slot: int, encoder_hidden: torch.Tensor) -> None:
+def store_cross_kv(layers: Iterable[DecoderLayer], row: int, encoder_hidden: torch.Tensor) -> None:
     for layer in layers:
-        layer.encoder_attn.store(slot, encoder_hidden)
+        layer.encoder_attn.store(row, encoder_hidden)
 
 
 # -- BART -----------------------------------------------------------------------------------
@@ -223,8 +223,8 @@ class BartForConditionalGeneration(nn.Module):
     def encode(self, token_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, d_model]
         return self.model.encoder(token_ids)
 
-    def store_cross_kv(self, slot: int, encoder_hidden: torch.Tensor) -> None:
-        store_cross_kv(self.model.decoder.layers, slot, encoder_hidden)
+    def store_cross_kv(self, row: int, encoder_hidden: torch.Tensor) -> None:
+        store_cross_kv(self.model.decoder.layers, row, encoder_hidden)
 
     def forward(
         self,

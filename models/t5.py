@@ -108,8 +108,8 @@ class T5CrossAttention(_Projections):
         super().__init__(a)
         self.attn = CrossAttention(a.num_heads, a.num_heads, a.d_kv, 1.0)
 
-    def store(self, slot: int, encoder_hidden: torch.Tensor) -> None:
-        self.attn.store(slot, self.k(encoder_hidden), self.v(encoder_hidden))
+    def store(self, row: int, encoder_hidden: torch.Tensor) -> None:
+        self.attn.store(row, self.k(encoder_hidden), self.v(encoder_hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.o(self.attn(self.q(x)))
@@ -207,9 +207,9 @@ class T5ForConditionalGeneration(nn.Module):
         enc = self.encoder
         return enc.run(enc.embed_tokens(token_ids), enc.relative_bias.dense(token_ids.shape[0]))
 
-    def store_cross_kv(self, slot: int, encoder_hidden: torch.Tensor) -> None:
+    def store_cross_kv(self, row: int, encoder_hidden: torch.Tensor) -> None:
         for block in self.decoder.block:
-            block.layer[1].EncDecAttention.store(slot, encoder_hidden)
+            block.layer[1].EncDecAttention.store(row, encoder_hidden)
 
     def forward(
         self,

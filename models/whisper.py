@@ -77,8 +77,8 @@ class WhisperForConditionalGeneration(nn.Module):
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # [mel, frames] -> [positions, d_model]
         return self.model.encoder(features)
 
-    def store_cross_kv(self, slot: int, encoder_hidden: torch.Tensor) -> None:
-        store_cross_kv(self.model.decoder.layers, slot, encoder_hidden)
+    def store_cross_kv(self, row: int, encoder_hidden: torch.Tensor) -> None:
+        store_cross_kv(self.model.decoder.layers, row, encoder_hidden)
 
     def forward(
         self,

@@ -1,9 +1,10 @@
 """Cross-attention: decoder queries attend to their request's encoder keys/values.
 
-The keys/values are computed once per request, when its encoder runs, and stay in a per-slot
-cache (`cross_kv`, bound by the family's ModelState like the paged KV cache is bound to
-`Attention`). Each step, `CrossAttnMetadata` says which slot and how many encoder positions
-every batch row uses; the layer reads it from the forward context.
+The keys/values are computed once per encoder input, when its encoder runs, and stay in a row
+of the layer's cache (`cross_kv`, bound by the family's ModelState like the paged KV cache is
+bound to `Attention`; requests with the same encoder input read the same row). Each step,
+`CrossAttnMetadata` says which row and how many encoder positions every batch row uses; the
+layer reads it from the forward context.
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ from slotrunner.models.layers.dense_attention import dense_attention
 
 @dataclass(frozen=True)
 class CrossAttnMetadata(FamilyAttnMetadata):
-    """Per batch row: the slot whose encoder K/V it reads, and the encoder length there."""
+    """Per batch row: the cache row whose encoder K/V it reads, and the encoder length there."""
 
-    slots: torch.Tensor  # [num_reqs] int64, = batch.idx_mapping
-    slots_np: np.ndarray  # [num_reqs]
+    rows_np: np.ndarray  # [num_reqs] int64, cache row of each batch row
     encoder_lens: torch.Tensor  # [num_reqs] int32
     encoder_lens_np: np.ndarray  # [num_reqs]
-    # Each row's slot as a one-block table: the per-slot cache seen as a paged cache whose block
-    # size is max_encoder_len, so decode rows run through the paged-attention kernel.
+    # Each batch row's cache row as a one-block table: the row cache seen as a paged cache whose
+    # block size is max_encoder_len, so decode rows run through the paged-attention kernel.
     block_tables: torch.Tensor | None = None  # [num_reqs, 1] int32
 
 
 def cross_kv_shape(max_num_seqs: int, max_encoder_len: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """One layer's cross K/V cache: K and V, each [slots, max_encoder_len, heads, dim]."""
+    """One layer's cross K/V cache: K and V, each [rows, max_encoder_len, heads, dim] (a row per
+    slot: every live request can hold a different encoder input)."""
     return (2, max_num_seqs, max_encoder_len, num_kv_heads, head_dim)
 
 
@@ -46,20 +47,21 @@ def cross_attention_ref(
     query_start_loc_np: np.ndarray,  # [num_reqs + 1]
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-    """Reference: row by row, every query token attends to all of its slot's encoder positions."""
+    """Reference: batch row by batch row, every query token attends to all encoder positions of
+    its cache row."""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for row in range(len(meta.slots_np)):
-        start, end = int(query_start_loc_np[row]), int(query_start_loc_np[row + 1])
+    for i in range(len(meta.rows_np)):
+        start, end = int(query_start_loc_np[i]), int(query_start_loc_np[i + 1])
         if end == start:
             continue
-        slot, n = int(meta.slots_np[row]), int(meta.encoder_lens_np[row])
-        assert n > 0, f"batch row {row} (slot {slot}) has no encoder output: its encoder never ran"
-        out[start:end] = dense_attention(q[start:end], cross_kv[0, slot, :n], cross_kv[1, slot, :n], scale)
+        row, n = int(meta.rows_np[i]), int(meta.encoder_lens_np[i])
+        assert n > 0, f"batch row {i} (cache row {row}) has no encoder output: its encoder never ran"
+        out[start:end] = dense_attention(q[start:end], cross_kv[0, row, :n], cross_kv[1, row, :n], scale)
     return out
 
 
 class CrossAttention(nn.Module):
-    """The model-side handle of one decoder layer's per-slot cross K/V cache."""
+    """The model-side handle of one decoder layer's cross K/V cache (rows of encoder outputs)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -74,16 +76,16 @@ class CrossAttention(nn.Module):
 
     def store(
         self,
-        slot: int,
+        row: int,
         k: torch.Tensor,  # [encoder_len, num_kv_heads * head_dim]
         v: torch.Tensor,  # [encoder_len, num_kv_heads * head_dim]
     ) -> None:
-        """Write one request's encoder K/V into its slot (called once per admission)."""
+        """Write one encoder input's K/V into its cache row (once per encoder run)."""
         assert self.cross_kv is not None, "cross-attention cache not bound: the ModelState's initialize_cache must run first"
         n = k.shape[0]
         assert n <= self.cross_kv.shape[2], f"encoder length {n} exceeds the cache's {self.cross_kv.shape[2]} positions"
-        self.cross_kv[0, slot, :n] = k.view(n, self.num_kv_heads, self.head_dim).to(self.cross_kv.dtype)
-        self.cross_kv[1, slot, :n] = v.view(n, self.num_kv_heads, self.head_dim).to(self.cross_kv.dtype)
+        self.cross_kv[0, row, :n] = k.view(n, self.num_kv_heads, self.head_dim).to(self.cross_kv.dtype)
+        self.cross_kv[1, row, :n] = v.view(n, self.num_kv_heads, self.head_dim).to(self.cross_kv.dtype)
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads * dim] -> same
         assert self.cross_kv is not None, "cross-attention cache not bound before the forward"

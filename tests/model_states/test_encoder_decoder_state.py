@@ -9,6 +9,8 @@ resolving to the wrong ModelState.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -194,3 +196,81 @@ def test_abort_frees_the_slot_and_cache_cost_is_per_slot(bart):
     engine.abort_request("b")
     engine.step()
     assert not state.encoder_lens_np.any() and not engine.has_unfinished_requests()
+
+
+def test_one_encoder_run_per_distinct_encoder_input(bart, tmp_path):
+    """Requests over the same encoder input share one cross-attention row (running together,
+    n > 1, or later while the row is cached); outputs equal those of a state that encodes every
+    request; the least recently used free row is the one a new input evicts."""
+    state = bart.engine.runner.model_state
+    doc, other = {"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12, 13]}
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    runs = state.num_encoder_runs
+    together = [o.outputs[0].token_ids for o in bart.generate([doc, doc, other, doc], GREEDY, use_tqdm=False)]
+    assert state.num_encoder_runs - runs == 2, "three requests over one document ran its encoder once"
+    parallel = bart.generate(doc, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert state.num_encoder_runs - runs == 2, "the finished requests' rows stayed cached"
+
+    fresh_dir = tmp_path / "bart_fresh"
+    build_seq2seq_case(tiny_config("BartForConditionalGeneration"), fresh_dir)
+    fresh = LLM(str(fresh_dir), device="cpu", max_model_len=32, block_size=4, max_num_seqs=4, enable_prefix_caching=False)
+    alone = [fresh.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (doc, doc, other, doc)]
+    assert together == alone
+    fresh_parallel = fresh.generate(doc, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in parallel[0].outputs] == [c.token_ids for c in fresh_parallel[0].outputs]
+    assert bart.generate(doc, seeded, use_tqdm=False)[0].outputs[0].token_ids == fresh.generate(doc, seeded, use_tqdm=False)[0].outputs[0].token_ids
+
+    # Rows are reused for other inputs once evicted: every output still matches.
+    news = [{"prompt_token_ids": [20 + i, 21, 22]} for i in range(5)]
+    got = [o.outputs[0].token_ids for o in bart.generate(news + [doc], GREEDY, use_tqdm=False)]
+    assert got == [fresh.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in news] + [alone[0]]
+
+
+def test_rows_are_evicted_least_recently_used_first(tmp_path):
+    """Through the hooks, in a fixed order: a new input takes the least recently freed row; a
+    row some slot reads is never taken; a freed row keeps its input until taken."""
+    build_seq2seq_case(tiny_config("BartForConditionalGeneration"), tmp_path)
+    engine = LLM(str(tmp_path), device="cpu", max_model_len=32, block_size=4, max_num_seqs=4).engine
+    state = engine.runner.model_state  # driven directly: this engine runs no step
+    inputs = [EncoderDecoderModelState.process_prompt({"prompt_token_ids": [60 + i, 1]}, engine.intake).family_inputs for i in range(6)]
+
+    def admit(slot, i):
+        state.add_request(slot, SimpleNamespace(family_inputs=inputs[i], req_id=str(i)))
+
+    for slot in range(4):
+        admit(slot, slot)  # rows 0..3 hold inputs 0..3
+    state.preprocess_state(None)
+    assert state.num_encoder_runs == 4
+    for slot in (2, 0, 3):  # freed in this order: rows 2, 0, 3 are free, least recently used first
+        state.remove_request(slot)
+    admit(0, 4)  # takes row 2 (input 2 evicted)
+    admit(2, 0)  # input 0's row 0 is still cached: no encoder run
+    state.preprocess_state(None)
+    assert state.num_encoder_runs == 5
+    assert state._row_of_slot[0] == 2 and state._row_of_slot[2] == 0
+    assert inputs[2].key not in state._key_row and state._key_row[inputs[0].key] == 0
+    admit(3, 5)  # the only free row is 3 (input 3 evicted); row 1 (slot 1 reads it) is never taken
+    state.preprocess_state(None)
+    assert state._row_of_slot[3] == 3 and inputs[3].key not in state._key_row and state._key_row[inputs[1].key] == 1
+    assert state.num_encoder_runs == 6 and list(state._row_refs) == [1, 1, 1, 1]
+
+def test_an_aborted_request_leaves_no_unencoded_row_behind(bart):
+    """A request aborted between admission and its encoder run must not leave its input keyed
+    to a row that was never written: the next request with that input encodes it."""
+    engine, state = bart.engine, bart.engine.runner.model_state
+    prompt = {"prompt_token_ids": [40, 41, 42, 43]}
+    engine.add_request("x", prompt, GREEDY)
+    engine.step()  # admitted and encoded
+    engine.abort_request("x")
+    engine.step()
+    row = state._key_row[EncoderDecoderModelState.process_prompt(prompt, engine.intake).family_inputs.key]
+    assert state._row_refs[row] == 0 and row in state._free_rows and state._row_lens[row] == 4, "cached, unread"
+    # Admit through the hooks directly, then remove before preprocess_state runs (what an
+    # abort between scheduling and the step, or a failed step, does).
+    slot = 0
+    inputs = EncoderDecoderModelState.process_prompt({"prompt_token_ids": [50, 51]}, engine.intake).family_inputs
+    state.add_request(slot, SimpleNamespace(family_inputs=inputs, req_id="y"))
+    assert inputs.key in state._key_row and state._pending
+    state.remove_request(slot)
+    assert inputs.key not in state._key_row and not state._pending
+    assert bart.generate({"prompt_token_ids": [50, 51]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
