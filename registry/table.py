@@ -37,6 +37,8 @@ IN_TREE: dict[str, ArchEntry] = {
     "MixtralForCausalLM": ArchEntry(f"{_M}.mixtral:MixtralForCausalLM", DEFAULT, f"{_T}:mixtral"),
     "Qwen3MoeForCausalLM": ArchEntry(f"{_M}.qwen3_moe:Qwen3MoeForCausalLM", DEFAULT, f"{_T}:qwen3_moe"),
     "GptOssForCausalLM": ArchEntry(f"{_M}.gpt_oss:GptOssForCausalLM", DEFAULT, f"{_T}:gpt_oss"),
+    "DeepseekV2ForCausalLM": ArchEntry(f"{_M}.deepseek:DeepseekV2ForCausalLM", DEFAULT, f"{_T}:deepseek_v2"),
+    "DeepseekV3ForCausalLM": ArchEntry(f"{_M}.deepseek:DeepseekV3ForCausalLM", DEFAULT, f"{_T}:deepseek_v3"),
     "Mamba2ForCausalLM": ArchEntry(f"{_M}.mamba2:Mamba2ForCausalLM", RECURRENT_HYBRID, f"{_T}:mamba2"),
     "BambaForCausalLM": ArchEntry(f"{_M}.bamba:BambaForCausalLM", RECURRENT_HYBRID, f"{_T}:bamba"),
     "GraniteMoeHybridForCausalLM": ArchEntry(

@@ -108,6 +108,40 @@ def gpt_oss(**overrides: Any) -> Any:
     )  # fmt: skip
 
 
+# DeepSeek: multi-head latent attention (latent 32 + rope 8 per token; nope 16 != v 12), one
+# dense layer before the MoE ones, 16 experts in 4 groups with the best 2 groups open, so most
+# experts get no token in a decode step. num_key_value_heads = heads, as DeepSeek checkpoints
+# have it (transformers would repeat the expanded heads otherwise).
+_DEEPSEEK = dict(
+    num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    moe_intermediate_size=16, n_routed_experts=16, n_group=4, topk_group=2, first_k_dense_replace=1, initializer_range=0.1,
+)  # fmt: skip
+
+
+def deepseek_v2(**overrides: Any) -> Any:
+    # V2-Lite's shape: no q LoRA, YaRN with mscale = mscale_all_dim (cos/sin unscaled, the softmax
+    # scale raised by mscale^2); group-limited greedy softmax routing, top-3, 2 shared experts.
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.707, mscale_all_dim=0.707,
+                beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=64)  # fmt: skip
+    return _build(
+        "DeepseekV2Config", **_DEEPSEEK, q_lora_rank=None, num_experts_per_tok=3, n_shared_experts=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, rope_parameters=rope, overrides=overrides,
+    )  # fmt: skip
+
+
+def deepseek_v3(**overrides: Any) -> Any:
+    # q LoRA (rank 24), YaRN with mscale != mscale_all_dim (both the cos/sin factor and the
+    # softmax scale move), interleaved rope, sigmoid grouped top-4 with a correction bias,
+    # renormalised and scaled by 2.5; an MTP layer in the config but none in the file.
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=64)  # fmt: skip
+    return _build(
+        "DeepseekV3Config", **_DEEPSEEK, q_lora_rank=24, num_experts_per_tok=4, n_shared_experts=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True, num_nextn_predict_layers=1,
+        rope_parameters=rope, overrides=overrides,
+    )  # fmt: skip
+
+
 # Mamba2 has no attention or MLP: the text defaults' attention/MLP fields do not apply.
 _MAMBA2 = {k: v for k, v in _TEXT.items() if k not in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
 
