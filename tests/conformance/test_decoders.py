@@ -12,7 +12,10 @@ scores, final logits), Gemma's (1 + w) norms read as w, one RoPE base for local 
 layers, LongRoPE's attention factor or short factors lost; MoE routing renormalised when
 `norm_topk_prob` is off (or not when on), per-expert checkpoint tensors stacked with gate and up
 swapped, layers of `mlp_only_layers` / `decoder_sparse_step` built sparse (or dense), GPT-OSS's
-attention sinks dropped, its interleaved gate/up columns read as halves, its SwiGLU unclamped.
+attention sinks dropped, its interleaved gate/up columns read as halves, its SwiGLU unclamped; DeepSeek's latent or rope
+key cached at the wrong offset, W_UK / W_UV swapped or taken from the wrong rows of kv_b_proj,
+interleaved rope pairs rotated as halves, YaRN's mscale missing from the softmax scale, V2's
+group score or V3's correction bias wrong, the dense layers before `first_k_dense_replace`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ CASES = {
     # cannot outgrow it (short factors). tests/models/test_phi3.py: the limit itself.
     "phi3-longrope": ("Phi3ForCausalLM", {}),
     "phi3-longrope-short": ("Phi3ForCausalLM", {"max_position_embeddings": 64, "original_max_position_embeddings": 64}),
+    # DeepSeek: multi-head latent attention with a latent cache (prefill expands it, decode and
+    # one-token chunks take the absorbed form), YaRN's mscale in the softmax scale, one dense layer.
+    # V2: no q LoRA, group-limited greedy softmax routing; then plain greedy with q LoRA.
+    "deepseek-v2-mla-grouped": ("DeepseekV2ForCausalLM", {}),
+    "deepseek-v2-greedy-qlora": ("DeepseekV2ForCausalLM", {"topk_method": "greedy", "q_lora_rank": 24}),
+    # V3: q LoRA, interleaved rope, sigmoid grouped routing with a correction bias (perturbed),
+    # an MTP layer in the config but not in the file; then no q LoRA, neox rope, plain RoPE
+    # (no mscale), weights not renormalised.
+    "deepseek-v3-mla-grouped": ("DeepseekV3ForCausalLM", {}),
+    "deepseek-v3-no-qlora-neox": (
+        "DeepseekV3ForCausalLM",
+        {"q_lora_rank": None, "rope_interleave": False, "norm_topk_prob": False,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),  # fmt: skip
 }
 
 

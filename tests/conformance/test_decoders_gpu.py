@@ -26,6 +26,8 @@ BF16_RTOL = 0.05
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Gemma: the compiled (1 + w) norm and q/k-norm kernels, soft caps in the Triton attention.
 ARCHS += ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+# DeepSeek: the latent cache write and the absorbed MLA decode kernel compiled, bf16 latents.
+ARCHS += ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""MLAAttention: multi-head latent attention over a paged cache of compressed latents.
+
+DeepSeek-V2/V3 project each token to a latent `c` (kv_lora_rank wide, after kv_a_layernorm) and
+one rotary key `k_pe` shared by all heads; per-head keys and values are `c @ W_UK[h]^T` (no
+rope part) and `c @ W_UV[h]^T`, with `W_UK`, `W_UV` the two halves of each head's rows of
+`kv_b_proj`. The cache keeps only `c` and `k_pe` per token (`KVCacheSpec` "mla_latent": one row
+of rank + rope channels), about 2 * heads * head_dim / (rank + rope) times less than K and V.
+
+How a batch row attends depends on its query length alone (so a row's output never depends on
+the other rows of its batch):
+- one query token (decode): the absorbed form -- the query is taken into the latent space
+  through W_UK, attends over the cached latents (`mla_decode`: Triton where it runs, its torch
+  reference elsewhere) and leaves through W_UV. A decode-only step (every CUDA-graph step) reads
+  no device value on the host.
+- several query tokens (a prefill chunk, speculative drafts): the row's cached latents,
+  including any cached prefix, are expanded into per-head K/V and attended causally (SDPA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from slotrunner.core_runner.attention.backend import AttentionMetadata
+from slotrunner.core_runner.attention.cache_spec import KVCacheSpec, PagedCacheLayer
+from slotrunner.core_runner.attention.forward_context import get_forward_context
+from slotrunner.models.layers.mla_decode import mla_decode, write_latent
+
+
+class MLAAttention(PagedCacheLayer):
+    def __init__(
+        self,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        kv_lora_rank: int,
+        scale: float,
+        layer_idx: int,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.nope = qk_nope_head_dim
+        self.rope = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.rank = kv_lora_rank
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, rank + rope], bound by the runner
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec("mla_latent", (self.rank + self.rope,))
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank], normed
+        k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
+        w_kv_b: torch.Tensor,  # [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]: kv_b_proj.weight
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        assert self.kv_cache is not None, f"layer {self.layer_idx}: KV cache not bound before the forward"
+        meta = get_forward_context().attn
+        write_latent(self.kv_cache, latent, k_pe, meta.slot_mapping)
+        w = w_kv_b.view(self.num_heads, self.nope + self.v_head_dim, self.rank)
+        num_tokens = q_nope.shape[0]
+        if meta.max_query_len == 1 and num_tokens == meta.num_reqs:  # decode only: token i is row i
+            return self._decode(q_nope, q_pe, w, meta.block_tables, meta.seq_lens)
+        out = q_nope.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        qsl = meta.query_start_loc_np
+        query_lens = np.diff(qsl[: meta.num_reqs + 1])
+        decode_rows = np.flatnonzero(query_lens == 1)
+        if len(decode_rows):
+            rows = torch.from_numpy(decode_rows).to(q_nope.device)
+            tokens = torch.from_numpy(qsl[decode_rows].astype(np.int64)).to(q_nope.device)
+            o = self._decode(q_nope[tokens], q_pe[tokens], w, meta.block_tables[rows], meta.seq_lens[rows])
+            out.index_copy_(0, tokens, o)
+        for row in np.flatnonzero(query_lens > 1):
+            start, end = int(qsl[row]), int(qsl[row + 1])
+            out[start:end] = self._prefill(q_nope[start:end], q_pe[start:end], w, meta, int(row))
+        return out
+
+    def _decode(
+        self,
+        q_nope: torch.Tensor,  # [rows, num_heads, nope]: one query token per row
+        q_pe: torch.Tensor,  # [rows, num_heads, rope]
+        w: torch.Tensor,  # [num_heads, nope + v_head_dim, rank]
+        block_tables: torch.Tensor,  # [rows, max_num_blocks_per_req]
+        seq_lens: torch.Tensor,  # [rows]
+    ) -> torch.Tensor:  # [rows, num_heads, v_head_dim]
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w[:, : self.nope])  # absorbed through W_UK
+        o_lat = mla_decode(q_lat, q_pe, self.kv_cache, block_tables, seq_lens, self.scale)
+        return torch.einsum("thc,hvc->thv", o_lat, w[:, self.nope :])  # out through W_UV
+
+    def _prefill(
+        self,
+        q_nope: torch.Tensor,  # [num_q, num_heads, nope]: the row's query tokens, the last of its sequence
+        q_pe: torch.Tensor,  # [num_q, num_heads, rope]
+        w: torch.Tensor,  # [num_heads, nope + v_head_dim, rank]
+        meta: AttentionMetadata,
+        row: int,
+    ) -> torch.Tensor:  # [num_q, num_heads, v_head_dim]
+        seq_len, num_q = int(meta.seq_lens_np[row]), q_nope.shape[0]
+        block_size = self.kv_cache.shape[1]
+        pos = torch.arange(seq_len, device=q_nope.device)
+        slots = meta.block_tables[row, pos // block_size].long() * block_size + pos % block_size
+        entries = self.kv_cache.view(-1, self.rank + self.rope)[slots].to(q_nope.dtype)  # [seq_len, rank + rope]
+        kv = torch.einsum("sc,hdc->hsd", entries[:, : self.rank], w)  # [heads, seq_len, nope + v]: expanded
+        k_pe = entries[None, :, self.rank :].expand(self.num_heads, -1, -1)
+        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)  # [heads, seq_len, nope + rope]
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, num_q, nope + rope]
+        allowed = pos[None, :] <= (pos[seq_len - num_q :, None])  # [num_q, seq_len] causal
+        o = F.scaled_dot_product_attention(q, k, kv[..., self.nope :], attn_mask=allowed, scale=self.scale)
+        return o.transpose(0, 1)
