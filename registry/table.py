@@ -46,6 +46,9 @@ IN_TREE: dict[str, ArchEntry] = {
     ),
     "NemotronHForCausalLM": ArchEntry(f"{_M}.nemotron_h:NemotronHForCausalLM", RECURRENT_HYBRID, f"{_T}:nemotron_h"),
     "FalconH1ForCausalLM": ArchEntry(f"{_M}.falcon_h1:FalconH1ForCausalLM", RECURRENT_HYBRID, f"{_T}:falcon_h1"),
+    "Qwen3NextForCausalLM": ArchEntry(f"{_M}.qwen3_next:Qwen3NextForCausalLM", RECURRENT_HYBRID, f"{_T}:qwen3_next"),
+    "Qwen3_5ForCausalLM": ArchEntry(f"{_M}.qwen3_next:Qwen3_5ForCausalLM", RECURRENT_HYBRID, f"{_T}:qwen3_5"),
+    "Qwen3_5MoeForCausalLM": ArchEntry(f"{_M}.qwen3_next:Qwen3_5MoeForCausalLM", RECURRENT_HYBRID, f"{_T}:qwen3_5_moe"),
     "BartForConditionalGeneration": ArchEntry(f"{_M}.bart:BartForConditionalGeneration", ENCODER_DECODER, f"{_T}:bart"),
     "T5ForConditionalGeneration": ArchEntry(f"{_M}.t5:T5ForConditionalGeneration", ENCODER_DECODER, f"{_T}:t5"),
     "WhisperForConditionalGeneration": ArchEntry(

@@ -241,6 +241,32 @@ def falcon_h1(**overrides: Any) -> Any:
         overrides=overrides,
     )
 
+
+# Gated delta-net hybrids: delta-net layers (2 key heads serving 4 value heads, head dims 16 and
+# 8) between gated full-attention layers with partial rotary (a quarter of each head, as released).
+_GDN = dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+)  # fmt: skip
+_GDN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def qwen3_next(**overrides: Any) -> Any:
+    # Layer 2 dense (mlp_only_layers), the others sparse with a gated shared expert.
+    return _build("Qwen3NextConfig", **_GDN, **_GDN_MOE, norm_topk_prob=True, mlp_only_layers=[2], overrides=overrides)
+
+
+def qwen3_5(**overrides: Any) -> Any:
+    return _build("Qwen3_5TextConfig", **_GDN, overrides=overrides)
+
+
+def qwen3_5_moe(**overrides: Any) -> Any:
+    text = {k: v for k, v in _TEXT.items() if k != "intermediate_size"}  # every layer is sparse
+    import transformers
+
+    return transformers.Qwen3_5MoeTextConfig(**{**text, **_GDN, **_GDN_MOE, **overrides})
+
 # Encoder-decoders (CONFORMANCE.md's table). Built field by field: the decoder-only text
 # defaults above name fields these configs do not have.
 def whisper(**overrides: Any) -> Any:

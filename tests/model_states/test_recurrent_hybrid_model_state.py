@@ -66,3 +66,52 @@ def test_postprocess_rejects_rejected_drafts():
 def test_model_without_recurrent_layers_is_refused():
     with pytest.raises(ValueError, match="no recurrent layers"):
         make_state(LlamaForCausalLM(tiny_config("LlamaForCausalLM")))
+
+
+def test_gated_delta_net_layers_get_their_declared_state():
+    from slotrunner.models.qwen3_next import Qwen3NextForCausalLM
+
+    model = Qwen3NextForCausalLM(tiny_config("Qwen3NextForCausalLM"))  # layers 1 and 3 are attention
+    state = make_state(model)
+    nets = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
+    assert state.layers == nets and len(nets) == 2
+    for net in nets:
+        a = net.args
+        assert net.conv_state.shape == (MAX_NUM_SEQS, a.conv_dim, a.conv_kernel - 1)
+        assert net.recurrent_state.shape == (MAX_NUM_SEQS, a.num_v_heads, a.head_k_dim, a.head_v_dim)
+        assert net.recurrent_state.dtype == torch.float32
+    assert nets[0].recurrent_state.data_ptr() != nets[1].recurrent_state.data_ptr()
+    assert state.cache_bytes(torch.float32) == sum(p.numel() * p.element_size() for p in state.pools)
+
+
+def test_layers_with_different_specs_get_pools_of_their_own():
+    """A model mixing Mamba2 mixers and gated delta-nets: one stacked pool set per spec, each
+    layer bound to rows of its own spec's pools, and the reset reaches all of them."""
+    from slotrunner.models.bamba import mixer_args
+    from slotrunner.models.layers.gated_delta_net.layer import GatedDeltaNet, GatedDeltaNetArgs
+    from slotrunner.models.layers.mamba.mixer import MambaMixer2
+
+    gdn_args = GatedDeltaNetArgs.from_hf(tiny_config("Qwen3_5ForCausalLM"), fused_projections=False)
+    mamba = mixer_args(tiny_config("BambaForCausalLM"))
+    model = torch.nn.ModuleList([MambaMixer2(mamba, 0), GatedDeltaNet(gdn_args, 1), MambaMixer2(mamba, 2)])
+    state = make_state(model)
+    assert len(state.groups) == 2 and len(state.pools) == 4
+    assert model[0].conv_state.data_ptr() != model[2].conv_state.data_ptr()
+    assert model[1].recurrent_state.shape[1:] == (gdn_args.num_v_heads, gdn_args.head_k_dim, gdn_args.head_v_dim)
+    for pool in state.pools:
+        pool.fill_(1.0)
+    state.add_request(2, new_request=None)
+    assert not model[1].recurrent_state[2].any() and not model[2].ssm_state[2].any()
+    assert model[1].conv_state[1].eq(1).all()
+    assert state.cache_bytes(torch.float32) == sum(p.numel() * p.element_size() for p in state.pools)
+
+
+def test_state_spec_rejects_bad_declarations():
+    from slotrunner.models.layers.recurrent_state import RecurrentStateSpec, StateTensorSpec
+
+    with pytest.raises(ValueError, match="identifier"):
+        StateTensorSpec("conv-state", (4, 3))
+    with pytest.raises(ValueError, match="positive"):
+        StateTensorSpec("conv_state", (4, 0))
+    with pytest.raises(ValueError, match="distinct"):
+        RecurrentStateSpec("x", (StateTensorSpec("s", (1,)), StateTensorSpec("s", (2,))))
