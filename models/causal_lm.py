@@ -17,8 +17,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from slotrunner.models.layers.linear import Linear, VocabEmbedding
+from slotrunner.models.layers.linear import VocabEmbedding
 from slotrunner.models.layers.lm_head import LogitScale, vocab_logits
+from slotrunner.models.layers.parallel_linear import output_head, vocab_embedding
 from slotrunner.models.weights import WeightLoader
 
 
@@ -59,7 +60,7 @@ class DecoderStack(nn.Module):
     ) -> None:
         super().__init__()
         self.names = names
-        self.add_module(names.embedding, VocabEmbedding(vocab_size, hidden_size))
+        self.add_module(names.embedding, vocab_embedding(vocab_size, hidden_size))  # split by rank under TP
         self.layers = nn.ModuleList(layers)
         self.add_module(names.final_norm, final_norm)
         self.residual_in_norm = residual_in_norm
@@ -112,9 +113,7 @@ class CausalLM(nn.Module):
         self.stack_name = stack.names.stack
         embedding = stack.token_embedding
         # None when tied: the embedding's table serves, and the loader skips a stored lm_head.weight.
-        self.lm_head = (
-            None if tie_word_embeddings else Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
-        )
+        self.lm_head = None if tie_word_embeddings else output_head(embedding)
         self.logit_scale = logit_scale
 
     @property

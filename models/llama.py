@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
-from slotrunner.models.layers.linear import Linear, MergedLinear
 from slotrunner.models.layers.mrope import MRotaryEmbedding
 from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.parallel_linear import merged_column_linear, row_linear
 from slotrunner.models.layers.qkv_attention import QKVAttention
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
 from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
@@ -103,11 +104,11 @@ class LlamaAttention(QKVAttention):
 class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = merged_column_linear(
             args.hidden_size, {"gate": args.intermediate_size, "up": args.intermediate_size}, bias=args.mlp_bias
         )
         self.act = GatedAct(args.hidden_act)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = row_linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -139,6 +140,14 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias: bool | None = None  # None: follow the config's `attention_bias`
     qk_norm: bool = False
     merged = QKV_SHARDS | GATE_UP_SHARDS
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the heads or the MLP cannot be split over `world_size` ranks (called
+        before any rank is started; the layers split by query head, KV head, MLP row)."""
+        args = LlamaArgs.from_hf(hf_config, qkv_bias=cls.qkv_bias, qk_norm=cls.qk_norm)
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        even_shard(args.intermediate_size, 0, world_size, "intermediate_size")
 
     def __init__(self, hf_config: object) -> None:
         args = LlamaArgs.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)

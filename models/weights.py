@@ -16,6 +16,7 @@ from torch import nn
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.models.layers.linear import MergedLinear
+from slotrunner.models.layers.parallel_linear import ShardedWeights
 
 
 # WeightLoader's `merged` maps for the usual fusions: checkpoint q/k/v -> one `qkv_proj`, gate/up
@@ -83,6 +84,14 @@ class WeightLoader:
                     "WeightLoader(ignore_unexpected=...) if the model does not need it; a checkpoint of another "
                     "architecture fails here too"
                 )
+            module = self.modules.get(name.rpartition(".")[0])
+            if isinstance(module, ShardedWeights):  # tensor parallel: the layer keeps its rank's part
+                try:
+                    module.load_full(name.rpartition(".")[2], tensor)
+                except ValueError as e:
+                    raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
+                loaded.add(name)
+                continue
             if tuple(tensor.shape) != tuple(param.shape):
                 shape, expected = tuple(tensor.shape), tuple(param.shape)
                 hint = ""

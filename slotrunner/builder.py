@@ -22,11 +22,12 @@ from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
 from slotrunner.core_runner.loader.hub import HubOptions, resolve_model_path
 from slotrunner.core_runner.loader.source import open_model, read_generation_config
 from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
-from slotrunner.core_runner.runner.model_runner import ModelRunner
+from slotrunner.core_runner.distributed.parallel_state import tensor_parallel_scope
 from slotrunner.models.layers.media_source import media_root
 from slotrunner.llm_engine import LLMEngine, sampling_defaults
 from slotrunner.registry import read_gguf, resolve
 from slotrunner.sampling_params import MAX_LOGPROBS
+from slotrunner.tensor_parallel import TensorParallelLaunch, check_tensor_parallel, join_tensor_parallel
 from slotrunner.vllm_options import check_vllm_options, mm_limits, unknown_option
 
 _CPU_KV_CACHE_BYTES = 2 << 30  # default KV-cache budget on CPU
@@ -81,9 +82,11 @@ class EngineArgs:
     generation_config: str = "auto"  # default sampling: "auto" the model's, "vllm" none, or a directory's
     override_generation_config: dict[str, Any] | None = None  # e.g. {"temperature": 0.5}
     limit_mm_per_prompt: dict[str, Any] | None = None  # e.g. {"image": 1}
+    # Ranks the model is split over (tensor parallelism, docs/architecture.md): LLM starts them,
+    # or a launcher (torchrun) runs the script on each.
+    tensor_parallel_size: int = 1
     # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
     trust_remote_code: bool = False
-    tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -134,6 +137,16 @@ class EngineArgs:
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
+    launches: list[TensorParallelLaunch] = []  # the group this build joined, left again if it fails
+    try:
+        return _build_engine(args, launches)
+    except BaseException:
+        for launch in launches:
+            launch.close()
+        raise
+
+
+def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLMEngine:
     dev = torch.device(args.device) if args.device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = parse_dtype(args.dtype, dev)
     if args.load_format not in LOAD_FORMATS:
@@ -170,7 +183,12 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     arch = resolve(hf_config)  # once per engine: the model class, its ModelState, its checks
     prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls)
     speculative = _speculative(args.speculative_config, arch.model_state_cls)
-    nn_model = load_model(arch.model_cls, hf_config, source.weights, dtype, dev, args.load_format, args.seed)
+    tp_size = args.tensor_parallel_size
+    check_tensor_parallel(arch.model_cls, arch.model_state_cls.family, arch.architecture, hf_config, tp_size)
+    launches.append(launch := join_tensor_parallel(args, dev))  # rank 0 starts the other ranks here
+    dev = launch.device
+    with tensor_parallel_scope(launch.tp):  # the layers keep this rank's shard
+        nn_model = load_model(arch.model_cls, hf_config, source.weights, dtype, dev, args.load_format, args.seed)
     config = EngineConfig(
         model=source.path,
         device=dev,
@@ -195,13 +213,14 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     if num_kv_blocks is None:
         reserved = model_state.cache_bytes(dtype)
         num_kv_blocks = default_num_kv_blocks(nn_model, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
+        num_kv_blocks = launch.tp.agree_min(num_kv_blocks, launch.check_peers)  # what fits on every rank
     config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
     if args.enable_chunked_prefill is False and config.max_num_batched_tokens < max_model_len:
         raise ValueError(
             f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len ({max_model_len}) so that a "
             f"whole prompt fits in one step; got {config.max_num_batched_tokens}"
         )
-    runner = ModelRunner(config, nn_model, model_state)
+    runner = launch.make_runner(config, nn_model, model_state)  # a ModelRunner; rank 0's sends its steps
     intake = IntakeContext(source.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len, model_cls=arch.model_cls,
                            allowed_local_media_path=media_root(args.allowed_local_media_path))
     generation = source.generation_config
@@ -213,6 +232,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         config, runner, intake, source.eos_token_ids, architecture=arch.architecture,
         sampling_defaults=sampling_defaults(generation, args.override_generation_config),
         max_logprobs=args.max_logprobs, limit_mm_per_prompt=mm_limits(args.limit_mm_per_prompt),
+        tensor_parallel=launch,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from slotrunner.core_runner.engine.intake import PromptType
 from slotrunner.llm_engine import LLMEngine
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
+from slotrunner.tensor_parallel import serve_worker
 
 
 class LLM:
@@ -57,12 +58,17 @@ class LLM:
             "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}: drafts
             verified exactly (outputs are token for token the same); synchronous scheduling only;
             refused for recurrent hybrids.
+        tensor_parallel_size (in kwargs): split the model over this many ranks, one process each
+            (CPU ranks talk through gloo, GPU ranks through NCCL, one GPU per rank); the LLM
+            starts ranks 1.. itself and `close()` stops them, or a launcher such as torchrun
+            runs the script on every rank (then `LLM(...)` on ranks > 0 serves rank 0 and ends
+            the process). Llama, Mistral, Qwen2 and Qwen3 only, for now.
         allowed_local_media_path: the one directory whose regular files may be given as media
             paths (or file:// URLs); default None: media given as a path is refused.
         **kwargs: vLLM's other engine options, `EngineArgs`' fields: honoured ones (revision,
             tokenizer, gpu_memory_utilization, kv_cache_memory_bytes, max_logprobs,
             generation_config, hf_overrides, limit_mm_per_prompt, ...), ones slotrunner runs
-            at one value only (trust_remote_code=False, tensor_parallel_size=1,
+            at one value only (trust_remote_code=False, pipeline_parallel_size=1,
             kv_cache_dtype="auto", ...: another value raises ValueError saying why), and ones
             without effect here (swap_space, disable_log_stats, ...). A name EngineArgs lacks
             raises ValueError naming the nearest one it has.
@@ -114,6 +120,9 @@ class LLM:
             **kwargs,
         )
         self.engine = build_engine(args)
+        if not self.engine.tensor_parallel.tp.is_driver:  # a rank > 0 started by torchrun
+            serve_worker(self.engine)  # rank 0's steps, until its LLM closes
+            raise SystemExit(0)
         self.config = self.engine.config
         self.architecture = self.engine.architecture
         self.tokenizer = self.engine.tokenizer
@@ -126,6 +135,11 @@ class LLM:
         self._outbox: dict[str, RequestOutput] = {}  # newest output of an owned request, kept for its consumer
         self._errors: dict[str, StepFailedError] = {}  # why an owned request failed in another consumer's step
         self._chat: ChatRenderer | None = None  # built on the first chat
+
+    def close(self) -> None:
+        """With tensor_parallel_size > 1: stop the other ranks and leave the process group, so
+        that another parallel LLM can start in this process (also done at exit). Idempotent."""
+        self.engine.close()
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -11,12 +11,15 @@ sampling parameters (generation_config.json), the per-prompt limits vLLM checks 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slotrunner.core_runner.engine import engine as core
 from slotrunner.core_runner.engine.intake import PromptType
 from slotrunner.sampling_params import MAX_LOGPROBS, SamplingParams
 from slotrunner.vllm_options import GENERATION_KEYS
+
+if TYPE_CHECKING:
+    from slotrunner.tensor_parallel import TensorParallelLaunch
 
 _RENAMED = {"max_new_tokens": "max_tokens"}  # generation_config.json name -> SamplingParams name
 
@@ -33,9 +36,12 @@ class LLMEngine(core.LLMEngine):
         sampling_defaults: Mapping[str, Any] | None = None,
         max_logprobs: int = MAX_LOGPROBS,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
+        tensor_parallel: TensorParallelLaunch | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        # This process's rank of a tensor-parallel engine (a single rank when not parallel).
+        self.tensor_parallel = tensor_parallel
         self.sampling_defaults = dict(sampling_defaults or {})  # SamplingParams fields from generation_config
         self.max_logprobs = MAX_LOGPROBS if max_logprobs < 0 else max_logprobs
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
@@ -58,6 +64,12 @@ class LLMEngine(core.LLMEngine):
         top_p, min_p, repetition_penalty, max_new_tokens as max_tokens), vLLM's defaults for the
         rest; `EngineArgs.generation_config="vllm"` ignores the file."""
         return SamplingParams(**self.sampling_defaults)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks and leave its process group (nothing to do
+        on one device); no step runs afterwards. Idempotent, and run at exit anyway."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def add_request(
         self,

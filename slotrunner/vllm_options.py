@@ -5,7 +5,7 @@ Three kinds (README's "vLLM names" list them):
 
 - honoured: they do what vLLM's do (hub `revision`, `tokenizer`, `gpu_memory_utilization`,
   `max_logprobs`, `generation_config`, ...), each value checked here;
-- one value only: slotrunner runs that one value (`tensor_parallel_size=1`,
+- one value only: slotrunner runs that one value (`pipeline_parallel_size=1`,
   `trust_remote_code=False`, ...); any other is refused with a ValueError saying why and what to
   do instead (`ONE_VALUE`);
 - without effect here: accepted as vLLM accepts them (`swap_space`, `disable_log_stats`, ...).
@@ -31,7 +31,6 @@ ONE_VALUE: dict[str, tuple[tuple[Any, ...], str]] = {
         "implementation (`python -m slotrunner models` lists them). Leave trust_remote_code False, or add the "
         "architecture as a plugin (docs/adding_a_model.md)",
     ),
-    "tensor_parallel_size": ((1,), "an engine runs on one device; pick it with device='cuda:N'"),
     "pipeline_parallel_size": ((1,), "an engine runs on one device; pick it with device='cuda:N'"),
     "data_parallel_size": ((1,), "an engine runs on one device: build one LLM per GPU (device='cuda:N') instead"),
     "enable_expert_parallel": ((False,), "an engine runs on one device; MoE experts all run on it"),
@@ -110,6 +109,9 @@ def check_vllm_options(args: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
     if args["hf_token"] is not None and not isinstance(args["hf_token"], (str, bool)):
         raise ValueError(f"hf_token must be a string (or True: the saved login), got {type(args['hf_token']).__name__}")
+    tp = args["tensor_parallel_size"]
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int (the number of ranks), got {tp!r}")
     for name in ("skip_tokenizer_init", "disable_log_stats", "disable_custom_all_reduce"):
         if not isinstance(args[name], bool):
             raise ValueError(f"{name} must be True or False, got {args[name]!r}")

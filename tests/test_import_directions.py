@@ -2,7 +2,8 @@
 module level or inside a function) must point down the documented direction.
 
     slotrunner (face) -> registry -> models -> model_states -> models.layers
-        -> core_runner: engine -> runner -> {attention, sample, cpu}; loader -> cpu
+        -> core_runner: engine -> runner -> {attention, sample, cpu, distributed}; loader -> cpu
+    (models and models.layers may import core_runner.distributed: the sharded layers)
     leaves (importable from anywhere): sampling_params, outputs, config, triton_utils, intake
 
 Guards against: a layer importing a model (models.layers.multimodal_lm importing models.llama),
@@ -36,13 +37,15 @@ LEAVES = {
 
 # unit -> the units it may import (besides itself and the leaves).
 ALLOWED = {
-    "face": {"registry", "models", "layers", "model_states", "engine", "runner", "attention", "sample", "cpu", "loader"},
+    "face": {"registry", "models", "layers", "model_states", "engine", "runner", "attention", "sample", "cpu", "loader",
+             "distributed"},
     "registry": {"models", "layers", "model_states", "engine", "runner", "attention", "sample", "cpu", "loader"},
-    "models": {"model_states", "layers", "runner", "attention", "cpu", "loader"},
+    "models": {"model_states", "layers", "runner", "attention", "cpu", "loader", "distributed"},
     "model_states": {"layers", "runner", "attention"},
-    "layers": {"runner", "attention", "cpu", "loader"},
+    "layers": {"runner", "attention", "cpu", "loader", "distributed"},
     "engine": {"runner", "attention", "sample"},
-    "runner": {"attention", "sample", "cpu", "spec_decode"},
+    "runner": {"attention", "sample", "cpu", "spec_decode", "distributed"},
+    "distributed": set(),  # process groups, collectives, shard arithmetic: the runner and layers call them
     "spec_decode": set(),  # speculators and verification: the runner calls them
     "attention": set(),
     "sample": set(),
@@ -124,6 +127,7 @@ def test_every_import_follows_the_documented_direction():
         ("slotrunner.models.layers.mamba.mixer", "slotrunner.model_states.recurrent_hybrid"),  # a layer -> a family
         ("slotrunner.model_states.recurrent_hybrid", "slotrunner.models.bamba"),  # a family -> a model
         ("slotrunner.core_runner.engine.intake", "slotrunner.core_runner.engine.scheduler"),  # a leaf importing up
+        ("slotrunner.core_runner.distributed.parallel_state", "slotrunner.core_runner.runner.model_runner"),  # up
     ],
 )
 def test_the_check_fails_on_an_upward_edge(module, target, tmp_path):

@@ -69,17 +69,23 @@ def test_common_vllm_options_are_accepted(model_dir):
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("trust_remote_code", True), ("tensor_parallel_size", 2), ("pipeline_parallel_size", 2), ("data_parallel_size", 2),
+        ("trust_remote_code", True), ("pipeline_parallel_size", 2), ("data_parallel_size", 2),
         ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("tokenizer_mode", "mistral"), ("runner", "pooling"),
         ("task", "embed"), ("enable_lora", True), ("cpu_offload_gb", 4), ("scheduling_policy", "priority"),
         ("logits_processors", [print]), ("mm_processor_kwargs", {"num_crops": 4}), ("enable_sleep_mode", True),
-        ("tensor_parallel_size", True),  # True is not 1
+        ("pipeline_parallel_size", True),  # True is not 1
     ],
 )  # fmt: skip
 def test_options_slotrunner_runs_at_one_value_are_refused_saying_why(name, value):
     with pytest.raises(ValueError, match=f"^{name}=.* is not supported: .+") as info:
         EngineArgs(**{name: value})
     assert ONE_VALUE[name][1] in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.0, "2"])
+def test_tensor_parallel_size_must_be_a_positive_int(value):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        EngineArgs(tensor_parallel_size=value)
 
 
 def test_trust_remote_code_says_why(model_dir):

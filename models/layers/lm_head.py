@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from slotrunner.core_runner.cpu.packed import packed_linear
 from slotrunner.models.layers.linear import Linear, VocabEmbedding
+from slotrunner.models.layers.parallel_linear import VocabParallel
 
 
 @dataclass(frozen=True)
@@ -55,4 +56,6 @@ def vocab_logits(
         logits = packed_linear(hidden, table.packed)
     else:
         logits = F.linear(hidden.to(table.weight.dtype), table.weight)
+    if isinstance(table, VocabParallel):  # each rank holds a slice of the vocabulary: gather them
+        logits = table.gather_logits(logits)
     return scale.apply(logits)

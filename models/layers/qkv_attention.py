@@ -14,7 +14,7 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.core_runner.attention.layer import Attention
-from slotrunner.models.layers.linear import Linear, MergedLinear
+from slotrunner.models.layers.parallel_linear import qkv_linear, rank_spec, row_linear
 
 
 class QKVAttention(nn.Module):
@@ -30,10 +30,11 @@ class QKVAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
+        self.qkv_proj = qkv_linear(hidden_size, spec, qkv_bias)
+        self.o_proj = row_linear(spec.num_heads * spec.head_dim, hidden_size, o_bias)
+        spec = rank_spec(spec)  # under tensor parallelism: this rank's heads, and KV cache for them
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
         self.qk_norm = qk_norms is not None
         if qk_norms is not None:
             self.q_norm, self.k_norm = qk_norms

@@ -1,0 +1,160 @@
+"""The tensor-parallel group of this process: its rank, size, process groups and collectives.
+
+A process joins one group per engine (`init_tensor_parallel`) and leaves it when the engine
+closes (`destroy_tensor_parallel`). Two process groups serve it: `device_group` carries the
+tensor collectives of the forward (NCCL on CUDA, gloo on CPU) with a finite timeout, so a rank
+that stops answering fails the others instead of hanging them; `cpu_group` (always gloo)
+carries the step broadcast from rank 0, with a long timeout because the other ranks wait on it
+while the engine is idle (a rank that dies closes its sockets, so gloo fails at once anyway).
+
+Layers learn the group while the model is built: the builder installs it with
+`tensor_parallel_scope`, each layer keeps `current_tp()` in its constructor, and outside a scope
+(every engine with tensor_parallel_size=1) `current_tp()` is `SINGLE`, for which every
+collective is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A forward's collective that waits longer than this fails: a rank died or hangs.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# The other ranks wait this long for rank 0's next step (an idle engine sends none).
+STEP_WAIT_TIMEOUT = timedelta(days=30)
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a launcher (torchrun, or `LLM` spawning its workers) tells each process."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # the process's index on its node: its GPU
+    master_addr: str
+    master_port: int
+
+
+def launch_env() -> LaunchEnv | None:
+    """The launcher's environment variables (the one place they are read), or None when this
+    process was not started by a launcher (no RANK / WORLD_SIZE)."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+        )
+    except ValueError as e:
+        raise ValueError(f"RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers: {e}") from None
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+    device_group: Any = None  # ProcessGroup for tensor collectives; None when world_size == 1
+    cpu_group: Any = None  # gloo ProcessGroup for the step broadcast; None when world_size == 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the engine (scheduler, sampling results); the others follow its steps."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows, world_size * n]
+        """Every rank's `x`, concatenated along the last dimension in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=-1)
+
+    def agree_min(self, value: int, check_peers: Callable[[], None] | None = None) -> int:
+        """The smallest of the ranks' `value`s (KV blocks that fit on every rank). `check_peers`
+        raises when a rank has died; it is polled while waiting, so a rank that failed to build
+        fails this one instead of leaving it waiting out the timeout."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group, async_op=True)
+        while not work.is_completed():
+            if check_peers is not None:
+                check_peers()
+            time.sleep(_POLL_S)
+        work.wait()
+        return int(t.item())
+
+    def broadcast_step(self, message: Any) -> Any:
+        """Rank 0 sends `message` (one pickled object), every other rank returns it: one
+        broadcast_object_list per step on the gloo group."""
+        box = [message if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+
+SINGLE = TensorParallelGroup(rank=0, world_size=1)
+
+_scope: TensorParallelGroup | None = None
+
+
+def current_tp() -> TensorParallelGroup:
+    """The group the model being built shards for (`SINGLE` outside `tensor_parallel_scope`)."""
+    return SINGLE if _scope is None else _scope
+
+
+@contextmanager
+def tensor_parallel_scope(tp: TensorParallelGroup) -> Iterator[None]:
+    """Install `tp` for the layers constructed inside (one model build; no nesting)."""
+    global _scope
+    assert _scope is None, "tensor_parallel_scope does not nest: one model is built at a time"
+    _scope = tp
+    try:
+        yield
+    finally:
+        _scope = None
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT
+) -> TensorParallelGroup:
+    """Join the group as `rank` (blocks until every rank has joined). NCCL where the device is
+    CUDA, gloo otherwise; raises ValueError when NCCL is needed and missing."""
+    if dist.is_initialized():
+        raise ValueError(
+            "a torch.distributed process group already exists in this process: close the other tensor-parallel "
+            "LLM (llm.close()) or call slotrunner.distributed.cleanup_dist_env_and_memory() first"
+        )
+    backend = "gloo"
+    if device.type == "cuda":
+        if not dist.is_nccl_available():
+            raise ValueError("tensor_parallel_size > 1 on CUDA needs NCCL, and this torch build has none")
+        backend = "nccl"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=STEP_WAIT_TIMEOUT)
+    return TensorParallelGroup(rank, world_size, dist.group.WORLD, cpu_group)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the process group (if any); the process may join another afterwards."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
