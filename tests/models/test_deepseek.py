@@ -1,0 +1,108 @@
+"""DeepSeek-V2/V3 beyond the conformance cases: the latent cache as sized and allocated, MTP
+layers loaded when present, unsupported routing refused, and the whole model with the MLA
+kernels interpreted equal to transformers.
+
+Guards against: an MLA layer cached as K and V per head (the runner sizing it from anything but
+its spec), MTP tensors in a V3 checkpoint failing the load (or silently dropped when present),
+a `topk_method` nothing implements routed as greedy, the Triton latent write or absorbed decode
+wrong inside a real batch (decode rows beside prefill chunks, rows across blocks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotrunner import LLM
+from slotrunner.conformance import build_case
+from slotrunner.registry import tiny_config
+
+V3 = "DeepseekV3ForCausalLM"
+
+
+def test_cache_holds_one_latent_row_per_token(tmp_path):
+    build_case(tiny_config(V3), tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=2, block_size=4)
+    runner = llm.engine.runner
+    c = tiny_config(V3)
+    width = c.kv_lora_rank + c.qk_rope_head_dim  # 40: not 2 * heads * (nope + rope) = 192
+    assert [tuple(t.shape) for t in runner.kv_caches] == [(llm.config.num_kv_blocks, 4, width)] * c.num_hidden_layers
+    from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
+
+    assert kv_bytes_per_block(runner.model, 4, torch.float32) == c.num_hidden_layers * 4 * width * 4
+
+
+def _add_mtp_tensors(directory, hf_config) -> dict[str, torch.Tensor]:
+    """A V3 file with one MTP layer: layer 1's tensors again as layer n, plus its own."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    n, h = hf_config.num_hidden_layers, hf_config.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    mtp = {f"model.layers.{n}.{k[len('model.layers.1.'):]}": v + 0.01 for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    mtp[f"model.layers.{n}.enorm.weight"] = torch.rand(h, generator=gen)
+    mtp[f"model.layers.{n}.hnorm.weight"] = torch.rand(h, generator=gen)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(h, 2 * h, generator=gen)
+    mtp[f"model.layers.{n}.shared_head.norm.weight"] = torch.rand(h, generator=gen)
+    mtp[f"model.layers.{n}.shared_head.head.weight"] = torch.randn(hf_config.vocab_size, h, generator=gen)
+    save_file({**tensors, **mtp}, str(path), metadata={"format": "pt"})
+    return mtp
+
+
+def test_mtp_layers_load_when_present_and_change_nothing_else(tmp_path):
+    c = tiny_config(V3)
+    build_case(c, tmp_path / "plain")
+    build_case(c, tmp_path / "mtp")
+    mtp = _add_mtp_tensors(tmp_path / "mtp", c)
+    prompt = {"prompt_token_ids": [5, 17, 300, 42, 7]}
+    from slotrunner.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = LLM(str(tmp_path / "plain"), device="cpu", max_model_len=64, max_num_seqs=2)
+    assert plain.engine.runner.model.mtp is None  # num_nextn_predict_layers=1, nothing in the file: skipped
+    with_mtp = LLM(str(tmp_path / "mtp"), device="cpu", max_model_len=64, max_num_seqs=2)
+    model = with_mtp.engine.runner.model
+    assert model.mtp is not None and len(model.mtp) == 1
+    n = c.num_hidden_layers
+    torch.testing.assert_close(model.mtp[0].eh_proj.weight, mtp[f"model.layers.{n}.eh_proj.weight"])
+    torch.testing.assert_close(model.mtp[0].layer.mlp.gate.weight, mtp[f"model.layers.{n}.mlp.gate.weight"])
+    assert model.mtp[0].embed_tokens is None and model.mtp[0].shared_head.head is not None
+    ids = [o.outputs[0].token_ids for o in (plain.generate([prompt], params)[0], with_mtp.generate([prompt], params)[0])]
+    assert ids[0] == ids[1]
+
+
+def test_unsupported_topk_method_is_refused(tmp_path):
+    build_case(tiny_config("DeepseekV2ForCausalLM"), tmp_path)
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not supported"):
+        LLM(str(tmp_path), device="cpu", max_model_len=64, hf_overrides={"topk_method": "noaux_tc"})
+
+
+def _check_interpreted_model():
+    """Every kernel interpreted (MLA write and decode, MoE, rotary, norms, input preparation)
+    against transformers' logits, for two requests batched with chunked prefill: decode rows
+    of one request run beside prefill chunks of the other."""
+    import tempfile
+    from pathlib import Path
+
+    from slotrunner.conformance import compare_logits
+    from slotrunner.conformance_recorder import greedy_params, run_batch
+    from slotrunner.core_runner.triton_utils import use_triton
+
+    assert use_triton(torch.device("cpu")), "the interpreter switch did not take"
+    with tempfile.TemporaryDirectory() as d:
+        hf = build_case(tiny_config(V3), Path(d))
+        llm = LLM(d, device="cpu", max_model_len=64, max_num_seqs=2, block_size=4, max_num_batched_tokens=6,
+                  enable_prefix_caching=False)  # fmt: skip
+        prompts = [[5, 17, 300], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+        runs = run_batch(llm, [{"prompt_token_ids": p} for p in prompts], [greedy_params(4)] * 2)
+        for prompt, run in zip(prompts, runs):
+            ids = prompt + run.output_token_ids[:-1]
+            with torch.no_grad():
+                ref = hf(input_ids=torch.tensor([ids])).logits[0].float()
+            result = compare_logits("interpreted", run.logits.float(), ref)
+            assert result.passed, result.detail
+
+
+def test_interpreted_kernels_match_transformers(run_interpreted):
+    run_interpreted(_check_interpreted_model)
