@@ -106,3 +106,20 @@ def _check_interpreted_model():
 
 def test_interpreted_kernels_match_transformers(run_interpreted):
     run_interpreted(_check_interpreted_model)
+
+
+def test_speculative_decoding_keeps_greedy_tokens(tmp_path):
+    """Rows with drafts have several query tokens and take the expanded path, their plain
+    decode the absorbed one: accepted drafts must leave every greedy token unchanged."""
+    from slotrunner.sampling_params import SamplingParams
+
+    build_case(tiny_config(V3), tmp_path)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [40, 41, 40, 41, 40]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    outs = []
+    for extra in ({}, {"speculative_config": spec}):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=2, block_size=4, **extra)
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    assert sum(o.metrics.num_accepted_tokens for o in outs[1]) > 0, "no draft was accepted: the test tested nothing"
