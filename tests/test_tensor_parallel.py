@@ -1,0 +1,185 @@
+"""Tensor parallelism end to end on CPU: two ranks in two processes talking through gloo.
+
+`LLM(..., tensor_parallel_size=2)` makes this process rank 0 and spawns rank 1; a second run
+starts both ranks as a launcher (torchrun) would, through RANK / WORLD_SIZE / MASTER_*.
+
+Guards against: a sharded forward that differs from the single-device one (a head or MLP row
+computed by the wrong rank, a missing all-reduce, partial sums added twice, logits gathered in
+the wrong order or with the padding kept), ranks whose slot or sampling tables drift apart
+under chunked prefill, prefix-cache hits and preemption (rank 1 would then attend the wrong
+blocks), families without sharded layers running anyway, head counts that do not divide
+failing deep inside a rank, a dead rank leaving rank 0 waiting forever, and close() leaving
+processes or the process group behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slotrunner import LLM, SamplingParams
+from slotrunner.conformance import LOGITS_ATOL, LOGITS_RTOL, build_case, compare_greedy
+from slotrunner.conformance_oracle import hf_greedy, hf_logits
+from slotrunner.core_runner.engine.engine import StepFailedError
+from slotrunner.registry import tiny_config
+
+MAX_TOKENS = 6
+ENGINE = dict(device="cpu", max_model_len=32, max_num_seqs=4, block_size=4, max_num_batched_tokens=12, num_kv_blocks=12)
+ALONE = [[5, 9, 13, 17, 21], list(range(30, 41)), [50 + 3 * i for i in range(20)]]
+# A mixed batch: two prompts sharing their first 8 tokens (prefix-cache hits), prompts longer
+# than the step budget (chunked prefill), more KV blocks wanted than the 12 there are (preemption).
+SHARED = list(range(100, 108))
+BATCH = [SHARED + [7, 8, 9], SHARED + [11, 12], list(range(200, 219)), list(range(300, 317))]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tp_llama")
+    hf_model = build_case(tiny_config("LlamaForCausalLM", tie_word_embeddings=False), directory)
+    return directory, hf_model
+
+
+@pytest.fixture(scope="module")
+def one_rank(case):
+    return LLM(str(case[0]), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(case):
+    llm = LLM(str(case[0]), tensor_parallel_size=2, **ENGINE)
+    yield llm
+    llm.close()
+
+
+def _greedy(n: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def _record_hidden(llm: LLM) -> tuple[dict, callable]:
+    """Rank 0's hidden state at every (request, position) it computed (every rank holds the
+    whole hidden state; only the vocabulary is split)."""
+    rows: dict[tuple[str, int], torch.Tensor] = {}
+
+    def observe(batch, hidden):
+        positions = batch.positions.tolist()
+        for r, req_id in enumerate(batch.req_ids):
+            for t in range(int(batch.query_start_loc_np[r]), int(batch.query_start_loc_np[r + 1])):
+                rows[(req_id, positions[t])] = hidden[t].clone()
+
+    return rows, llm.engine.runner.add_step_observer(observe)
+
+
+def test_two_ranks_match_transformers_and_one_rank_at_every_position(case, one_rank, two_ranks):
+    directory, hf_model = case
+    head = load_file(str(directory / "model.safetensors"))["lm_head.weight"]  # the whole vocabulary
+    for i, prompt in enumerate(ALONE):
+        rows, remove = _record_hidden(two_ranks)
+        try:
+            out = two_ranks.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0]
+        finally:
+            remove()
+        ids = list(out.outputs[0].token_ids)
+        seq = prompt + ids
+        hidden = torch.stack([rows[(out.request_id, p)] for p in range(len(seq) - 1)])
+        ref = hf_logits(hf_model, seq)[: len(seq) - 1]
+        torch.testing.assert_close(hidden @ head.T, ref, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+        assert compare_greedy(f"request {i}", ids, hf_greedy(hf_model, prompt, MAX_TOKENS), ref, len(prompt)).passed
+        single = one_rank.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0]
+        assert ids == list(single.outputs[0].token_ids)
+
+
+def test_two_ranks_stay_in_step_through_chunks_cache_hits_and_preemption(one_rank, two_ranks):
+    prompts = [{"prompt_token_ids": p} for p in BATCH]
+    params = _greedy(6, logprobs=3)
+    before = two_ranks.engine.scheduler.num_preemptions
+    ours = two_ranks.generate(prompts, params, use_tqdm=False)
+    assert two_ranks.engine.scheduler.num_preemptions > before, "the batch must preempt to test it"
+    assert any(o.num_cached_tokens for o in ours), "the shared prefix must hit the prefix cache"
+    ref = one_rank.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL
+    # Seeded sampling: the same Gumbel noise on every rank, over the same gathered logits.
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in two_ranks.generate(prompts, seeded, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in one_rank.generate(prompts, seeded, use_tqdm=False)
+    ]
+
+
+def test_rank_zero_holds_half_of_the_model_and_of_the_kv_cache(one_rank, two_ranks):
+    ours, full = two_ranks.engine.runner, one_rank.engine.runner
+    assert ours.model.model.embed_tokens.weight.shape[0] == 500  # vocab 1000 over two ranks
+    # [2, blocks, block_size, kv_heads, head_dim]: the tiny Llama's 2 KV heads, one per rank
+    assert [tuple(c.shape) for c in full.kv_caches] == [(2, 12, 4, 2, 16)] * 2
+    assert [tuple(c.shape) for c in ours.kv_caches] == [(2, 12, 4, 1, 16)] * 2
+
+
+@pytest.mark.parametrize(
+    "architecture, family", [("Qwen3MoeForCausalLM", "default decoder"), ("Mamba2ForCausalLM", "recurrent hybrid")]
+)
+def test_a_family_without_sharded_layers_is_refused_naming_it(architecture, family, tmp_path):
+    build_case(tiny_config(architecture), tmp_path)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2: {architecture} \\({family} family\\) does not run"):
+        LLM(str(tmp_path), device="cpu", tensor_parallel_size=2)
+
+
+def test_heads_that_do_not_divide_are_refused_before_starting_ranks(case):
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+        LLM(str(case[0]), device="cpu", tensor_parallel_size=3)
+
+
+LAUNCHED = """
+import json, sys
+from slotrunner import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
+# Only rank 0 gets here: on rank 1 the constructor served rank 0's steps, then ended the process.
+out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
+                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+print("IDS", json.dumps([list(o.outputs[0].token_ids) for o in out]))
+llm.close()
+"""
+
+
+def test_an_external_launcher_runs_the_same_script_on_every_rank(case, one_rank):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))  # fmt: skip
+        cmd = [sys.executable, "-c", LAUNCHED, str(case[0]), json.dumps(ENGINE), json.dumps(ALONE)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    ids = json.loads(outs[0][0].split("IDS ", 1)[1])
+    ref = one_rank.generate([{"prompt_token_ids": p} for p in ALONE], _greedy(), use_tqdm=False)
+    assert ids == [list(o.outputs[0].token_ids) for o in ref]
+    assert "IDS" not in outs[1][0]  # rank 1 ran no code after LLM(...)
+
+
+def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):
+    """Last in this module: it leaves the fixture's engine broken (close() still works)."""
+    worker = two_ranks.engine.tensor_parallel.workers[0]
+    worker.kill()
+    worker.join(10)
+    start = time.monotonic()
+    with pytest.raises(StepFailedError, match="tensor-parallel rank 1 exited"):
+        two_ranks.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False)
+    with pytest.raises(StepFailedError, match="build a new LLM"):
+        two_ranks.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False)
+    assert time.monotonic() - start < 10
+    two_ranks.close()
+    # The process group is gone: another parallel engine could start in this process.
+    assert not torch.distributed.is_initialized()
