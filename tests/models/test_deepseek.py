@@ -123,3 +123,67 @@ def test_speculative_decoding_keeps_greedy_tokens(tmp_path):
         outs.append(llm.generate(prompts, params, use_tqdm=False))
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
     assert sum(o.metrics.num_accepted_tokens for o in outs[1]) > 0, "no draft was accepted: the test tested nothing"
+
+
+def _check_padded_decode_step():
+    """A CUDA-graph decode step as the capture shapes it (rows past the real ones: empty query,
+    seq_len 0, slot -1), through the MLA layer with its kernels interpreted: real rows equal
+    the torch reference, padding rows are zeros, and the padding slots write nothing."""
+    import numpy as np
+
+    import slotrunner.models.layers.mla_decode as kernels
+    from slotrunner.core_runner.attention.backend import AttentionMetadata
+    from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+    from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
+    from slotrunner.models.layers.mla_attention import MLAAttention
+
+    assert kernels.use_triton(torch.device("cpu")), "the interpreter switch did not take"
+    heads, nope, rope, v, rank, block = 3, 8, 8, 6, 24, 4
+    gen = torch.Generator().manual_seed(0)
+    layer = MLAAttention(heads, nope, rope, v, rank, 0.3, 0)
+    cache = torch.randn(8, block, rank + rope, generator=gen)
+    seq_lens = [5, 9, 0, 0]
+    meta = AttentionMetadata(
+        num_reqs=4, num_tokens=4, query_start_loc=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+        query_start_loc_np=np.arange(5), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_np=np.full(4, 64), max_query_len=1, max_seq_len=64,
+        block_tables=torch.tensor([[3, 1, 0], [6, 2, 7], [0, 0, 0], [0, 0, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([1 * block + 0, 7 * block + 0, -1, -1]),
+    )  # fmt: skip
+    args = (torch.randn(4, heads, nope, generator=gen), torch.randn(4, heads, rope, generator=gen),
+            torch.randn(4, rank, generator=gen), torch.randn(4, rope, generator=gen),
+            torch.randn(heads * (nope + v), rank, generator=gen))  # fmt: skip
+    outs, caches = [], []
+    for triton_on in (True, False):
+        layer.kv_cache = cache.clone()
+        kernels.use_triton = (lambda device: True) if triton_on else (lambda device: False)
+        with forward_context(ForwardContext(TorchRefBackend(), meta)):
+            outs.append(layer(*args))
+        caches.append(layer.kv_cache)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[0], caches[1])
+    assert outs[0][2:].abs().max() == 0, "padding rows must be zeros"
+    changed = (caches[0] != cache).any(-1).flatten().nonzero().flatten().tolist()
+    assert changed == [1 * block, 7 * block], "only the real tokens' slots are written"
+
+
+def test_padded_decode_step_interpreted(run_interpreted):
+    run_interpreted(_check_padded_decode_step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_equal_eager(tmp_path):
+    """Decode steps replayed from graphs (the absorbed MLA decode over captured buffers, padding
+    rows included) give the eager tokens."""
+    from slotrunner.sampling_params import SamplingParams
+
+    build_case(tiny_config(V3), tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 200, (n,), generator=gen).tolist()} for n in (3, 17, 40, 5, 33, 9)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 12, 25, 7, 30, 18)]
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=128, max_num_seqs=8)
+        assert (llm.engine.runner.cuda_graphs is None) == eager
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
