@@ -21,7 +21,13 @@ two best, `norm_topk_prob`; both times `routed_scaling_factor`, router logits in
 
 Multi-token prediction layers (V3's `num_nextn_predict_layers`, stored as
 `model.layers.{num_hidden_layers + k}.*`) are loaded into `mtp` when the checkpoint has them,
-skipped when it does not; generation does not run them.
+skipped when it does not; generation does not run them (no MTP speculator yet), but their
+attention declares its latent cache like every layer, so the runner allocates it (one layer's
+worth more per block) where an MTP draft would write.
+
+Tensor parallelism is not implemented for these models (no `check_tensor_parallel`: the
+engine refuses tensor_parallel_size > 1); fp8 KV caches are refused (the MLA kernels read the
+model's dtype).
 """
 
 from __future__ import annotations
