@@ -70,7 +70,7 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2100,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     startup = time.perf_counter() - t0
     warm = [{"prompt_token_ids": p} for p in prompts[:4]]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -153,6 +153,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (float8 e4m3 KV cache)")
     p.add_argument("--peers", default="generate,generate_batch", help="comma list of generate, generate_batch; or none")
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--json", type=Path, help="also write the rows here")

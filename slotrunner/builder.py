@@ -21,7 +21,7 @@ from slotrunner.core_runner.engine.intake import IntakeContext
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
 from slotrunner.core_runner.loader.hub import HubOptions, resolve_model_path
 from slotrunner.core_runner.loader.source import open_model, read_generation_config
-from slotrunner.core_runner.runner.kv_cache import kv_bytes_per_block
+from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype, kv_bytes_per_block
 from slotrunner.core_runner.distributed.parallel_state import tensor_parallel_scope
 from slotrunner.models.layers.media_source import media_root
 from slotrunner.llm_engine import LLMEngine, sampling_defaults
@@ -86,11 +86,13 @@ class EngineArgs:
     # or a launcher (torchrun) runs the script on each.
     tensor_parallel_size: int = 1
     # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
+    # "auto" (the model's dtype) or "fp8" / "fp8_e4m3": K/V stored as float8 e4m3 (scale 1, as
+    # vLLM without calibrated scales), half the bytes of bf16; layers without fp8 kernels refuse it.
+    kv_cache_dtype: str = "auto"
     trust_remote_code: bool = False
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    kv_cache_dtype: str = "auto"
     quantization: str | None = None
     tokenizer_mode: str = "auto"
     runner: str = "auto"
@@ -214,6 +216,7 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         reserved = model_state.cache_bytes(dtype)
         num_kv_blocks = default_num_kv_blocks(nn_model, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
         num_kv_blocks = launch.tp.agree_min(num_kv_blocks, launch.check_peers)  # what fits on every rank
+        kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
     config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
     if args.enable_chunked_prefill is False and config.max_num_batched_tokens < max_model_len:
         raise ValueError(
@@ -268,6 +271,20 @@ def _speculative(asked: dict[str, Any] | None, state_cls: type) -> SpeculativeCo
         )
     return config
 
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _kv_cache_dtype(asked: str, model: nn.Module) -> torch.dtype | None:
+    """vLLM's kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8 e4m3,
+    scale 1: K/V saturate at +-448). Checked against every caching layer's kernels."""
+    if asked not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={asked!r} is not supported; use one of {sorted(_KV_CACHE_DTYPES)}")
+    dtype = _KV_CACHE_DTYPES[asked]
+    if dtype is not None:
+        check_kv_cache_dtype(model, dtype)
+    return dtype
+
+
 
 def default_num_kv_blocks(
     model: nn.Module,
@@ -282,7 +299,7 @@ def default_num_kv_blocks(
     The budget: `kv_cache_memory_bytes` when given; on CUDA with `gpu_memory_utilization`, that
     share of the GPU's total memory less what is in use now (the weights, other processes), as
     vLLM sizes it; on CUDA otherwise 85% of the free memory; on CPU 2 GiB."""
-    per_block = kv_bytes_per_block(model, config.block_size, config.dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, config.cache_dtype)
     blocks_per_req = -(-config.max_model_len // config.block_size)
     wanted = config.max_num_seqs * blocks_per_req
     if kv_cache_memory_bytes is not None:

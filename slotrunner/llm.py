@@ -66,10 +66,10 @@ class LLM:
         allowed_local_media_path: the one directory whose regular files may be given as media
             paths (or file:// URLs); default None: media given as a path is refused.
         **kwargs: vLLM's other engine options, `EngineArgs`' fields: honoured ones (revision,
-            tokenizer, gpu_memory_utilization, kv_cache_memory_bytes, max_logprobs,
-            generation_config, hf_overrides, limit_mm_per_prompt, ...), ones slotrunner runs
+            tokenizer, gpu_memory_utilization, kv_cache_memory_bytes, kv_cache_dtype="fp8",
+            max_logprobs, generation_config, hf_overrides, limit_mm_per_prompt, ...), ones slotrunner runs
             at one value only (trust_remote_code=False, pipeline_parallel_size=1,
-            kv_cache_dtype="auto", ...: another value raises ValueError saying why), and ones
+            quantization=None, ...: another value raises ValueError saying why), and ones
             without effect here (swap_space, disable_log_stats, ...). A name EngineArgs lacks
             raises ValueError naming the nearest one it has.
 

@@ -34,10 +34,6 @@ ONE_VALUE: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), "an engine runs on one device; pick it with device='cuda:N'"),
     "data_parallel_size": ((1,), "an engine runs on one device: build one LLM per GPU (device='cuda:N') instead"),
     "enable_expert_parallel": ((False,), "an engine runs on one device; MoE experts all run on it"),
-    "kv_cache_dtype": (
-        ("auto",),
-        "the KV cache is kept in the model's dtype; to give it less memory set num_kv_blocks or kv_cache_memory_bytes",
-    ),
     "quantization": (
         (None, "gguf"),
         "slotrunner reads unquantized checkpoints and GGUF files (on CPU their Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 matrices stay "

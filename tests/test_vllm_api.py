@@ -70,7 +70,7 @@ def test_common_vllm_options_are_accepted(model_dir):
     "name, value",
     [
         ("trust_remote_code", True), ("pipeline_parallel_size", 2), ("data_parallel_size", 2),
-        ("kv_cache_dtype", "fp8"), ("quantization", "awq"), ("tokenizer_mode", "mistral"), ("runner", "pooling"),
+        ("quantization", "awq"), ("tokenizer_mode", "mistral"), ("runner", "pooling"),
         ("task", "embed"), ("enable_lora", True), ("cpu_offload_gb", 4), ("scheduling_policy", "priority"),
         ("logits_processors", [print]), ("mm_processor_kwargs", {"num_crops": 4}), ("enable_sleep_mode", True),
         ("pipeline_parallel_size", True),  # True is not 1

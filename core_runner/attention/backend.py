@@ -83,9 +83,24 @@ class AttentionBackend(abc.ABC):
         with a zero value (GPT-OSS's attention sinks): they take probability mass, add nothing."""
 
 
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V as the cache keeps them. Float8 e4m3 (kv_cache_dtype="fp8", scale 1 as vLLM's
+    default): round to nearest even after saturating at +-448, the conversion the Triton write
+    kernel makes, so both write the same bytes."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store K/V of `num_tokens` tokens at flat cache slots (block_id * block_size + offset)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernel: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)

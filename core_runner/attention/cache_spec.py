@@ -29,8 +29,11 @@ class KVCacheSpec:
 
     kind: str  # what the entries are, for messages: "kv", "mla_latent"
     shape_per_token: tuple[int, ...]
-    dtype: torch.dtype | None = None  # None: the engine's dtype
+    dtype: torch.dtype | None = None  # None: the engine's KV-cache dtype (the model's, or fp8)
     block_dim: int = 0
+    # Whether the layer's kernels read this cache in float8 e4m3 (kv_cache_dtype="fp8"); a
+    # layer that cannot makes the engine refuse fp8, naming its kind.
+    supports_fp8: bool = False
 
     def __post_init__(self) -> None:
         if not self.shape_per_token or any(int(d) <= 0 for d in self.shape_per_token):

@@ -22,7 +22,7 @@ class Attention(PagedCacheLayer):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """K and V per KV head: the layout `kv_cache_shape` describes and every backend reads."""
-        return KVCacheSpec("kv", (2, self.spec.num_kv_heads, self.spec.head_dim), block_dim=1)
+        return KVCacheSpec("kv", (2, self.spec.num_kv_heads, self.spec.head_dim), block_dim=1, supports_fp8=True)
 
     def forward(
         self,

@@ -184,6 +184,8 @@ def paged_attention_ref(
         if num_q * group <= _SMALL_QUERY or not plain:
             o = _attend_grouped(spec, q[r.q_start : r.q_end], kh, vh, allowed, bias, sinks)
         else:  # long prefill chunks: SDPA's fused kernels, no [heads, num_q, seq_len] scores in fp32
+            if kh.dtype.itemsize == 1:  # a float8 cache: attend in the model's dtype
+                kh, vh = kh.to(q.dtype), vh.to(q.dtype)
             qh = q[r.q_start : r.q_end].transpose(0, 1).to(kh.dtype)  # [heads, num_q, dim]
             kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=spec.scale)

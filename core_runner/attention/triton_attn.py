@@ -34,6 +34,7 @@ from slotrunner.core_runner.attention.backend import AttentionBackend, Attention
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,23 @@ class TileConfig:
 if HAS_TRITON:
 
     @triton.jit
+    def _round_to_e4m3(x):
+        """fp32 `x` rounded to the nearest float8 e4m3fn value (ties to even, saturated at
+        +-448), still as fp32: the float8 store then converts an exact value. What
+        backend.to_cache_dtype computes; done here in integer and fp32 arithmetic so that every
+        Triton build (the interpreter's conversion mis-rounds across binades) writes the same bytes."""
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        a = tl.abs(x)
+        e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # binade; subnormal step 2^-9 below 2^-6
+        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        y = a / quantum  # exact: a power-of-two divisor
+        f = tl.floor(y)
+        d = y - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * quantum
+        return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr,  # [num_tokens, num_kv_heads, head_dim]
         stride_kt,
@@ -76,6 +94,7 @@ if HAS_TRITON:
         OUT_ROW: tl.constexpr,
         BLOCK_OUT: tl.constexpr,
         ZERO_OUT: tl.constexpr,
+        KV_FP8: tl.constexpr,  # float8 e4m3 cache: round as backend.to_cache_dtype does
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -90,8 +109,11 @@ if HAS_TRITON:
         mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        if KV_FP8:
+            k = _round_to_e4m3(k.to(tl.float32))
+            v = _round_to_e4m3(v.to(tl.float32))
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -131,6 +153,7 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         HAS_SINKS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,  # float8 cache: keys and values are widened to q's dtype after loading
     ):
         kv_head = tl.program_id(1)
         if DECODE:
@@ -172,7 +195,9 @@ if HAS_TRITON:
             q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
-        ).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, HEAD_DIM_P2]
+        )  # [BLOCK_M, HEAD_DIM_P2]
+        if not KV_FP8:
+            q = q.to(k_cache_ptr.dtype.element_ty)
 
         first_pos = context + q_block * BLOCK_Q
         kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys past the last query are masked
@@ -199,6 +224,8 @@ if HAS_TRITON:
             slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [TILE_N]
             k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
             k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+            if KV_FP8:
+                k_t = k_t.to(q.dtype)
             s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] fp32
             if USE_SOFT_CAP:
                 s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
@@ -222,6 +249,8 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, 1)
             v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[None, :]  # [TILE_N, HEAD_DIM_P2]
             v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -243,6 +272,7 @@ def write_kv_triton(
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_tokens = k.shape[0]
     assert kv_cache.is_contiguous(), "the paged KV cache must be contiguous"
+    assert kv_cache.dtype in _CACHE_DTYPES, f"KV cache dtype {kv_cache.dtype}"
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}, v {tuple(v.shape)}"
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous in head_dim"
     assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} tokens"
@@ -269,6 +299,7 @@ def write_kv_triton(
         OUT_ROW=out_row,
         BLOCK_OUT=triton.next_power_of_2(out_row),
         ZERO_OUT=out is not None,
+        KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -290,7 +321,9 @@ def paged_attention(
     )
     assert q.shape == (num_tokens, num_heads, head_dim) and q.stride(-1) == 1, f"q {tuple(q.shape)} {q.stride()}"
     assert kv_cache.is_contiguous(), "the paged KV cache must be contiguous"
-    assert q.dtype in _DTYPES and kv_cache.dtype in _DTYPES, f"dtypes q {q.dtype}, cache {kv_cache.dtype}"
+    assert q.dtype in _DTYPES and kv_cache.dtype in _CACHE_DTYPES, f"dtypes q {q.dtype}, cache {kv_cache.dtype}"
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    compute_dtype = q.dtype if kv_fp8 else kv_cache.dtype
     assert meta.block_tables.stride(-1) == 1, "block table rows must be contiguous"
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -336,7 +369,8 @@ def paged_attention(
         HAS_BIAS=position_bias is not None,
         HAS_SINKS=sinks is not None,
         # fp32 models want fp32 products, not TF32 (ignored for 16-bit inputs).
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if compute_dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=tiles.num_warps,
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on

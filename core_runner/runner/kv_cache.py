@@ -17,8 +17,21 @@ def cache_layers(model: nn.Module) -> list[PagedCacheLayer]:
     return [m for m in model.modules() if isinstance(m, PagedCacheLayer)]
 
 
+def check_kv_cache_dtype(model: nn.Module, kv_cache_dtype: torch.dtype) -> None:
+    """Raise ValueError unless every caching layer can keep its cache in `kv_cache_dtype`
+    (float8 needs kernels that read it: `KVCacheSpec.supports_fp8`)."""
+    if kv_cache_dtype.itemsize != 1:
+        return
+    kinds = sorted({s.kind for s in (layer.kv_cache_spec() for layer in cache_layers(model)) if not s.supports_fp8})
+    if kinds:
+        raise ValueError(
+            f"kv_cache_dtype='fp8': this model's {', '.join(kinds)} cache has no fp8 kernels; leave kv_cache_dtype='auto'"
+        )
+
+
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all caching layers, from each layer's declared spec."""
+    """Bytes one block costs across all caching layers, from each layer's declared spec
+    (`dtype`: the KV-cache dtype, for specs that leave theirs open)."""
     return sum(layer.kv_cache_spec().bytes_per_block(block_size, dtype) for layer in cache_layers(model))
 
 

@@ -73,7 +73,7 @@ class ModelRunner:
         )
         # Drafts the speculator proposed per batch row of the last step (only counts reach the host).
         self._next_num_draft = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
-        self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
         )

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
+from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape, to_cache_dtype
 from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
 from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend
 from slotrunner.core_runner.runner.attn_backend import select_attn_backend
@@ -52,6 +52,8 @@ class Case:
     pad_tokens: int = 0  # CUDA-graph padding tokens after the last row (slot -1)
     tiles: TileConfig = SMALL_TILES
     sinks: bool = False  # per-head attention-sink logits (GPT-OSS)
+    cache_dtype: torch.dtype | None = None  # None: dtype; torch.float8_e4m3fn: kv_cache_dtype="fp8"
+    kv_scale: float = 1.0  # K/V magnitude (fp8: beyond 448 saturates)
 
 
 MIXED = ((0, 9), (12, 1), (0, 0), (5, 6), (3, 0), (7, 1), (0, 2), (0, 0))
@@ -74,6 +76,10 @@ CASES = [
     Case("fp16, dim 64", MIXED, head_dim=64, dtype=torch.float16, pad_tokens=2),
     Case("sinks", MIXED, sinks=True, pad_tokens=2),
     Case("sinks, sliding window 5", MIXED, window=5, sinks=True),
+    Case("fp8 cache, mixed, padding", MIXED, cache_dtype=torch.float8_e4m3fn, pad_tokens=2),
+    Case("fp8 cache, window 5, sinks", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn),
+    Case("fp8 cache, saturating K/V", ((0, 5), (6, 1)), cache_dtype=torch.float8_e4m3fn, kv_scale=300.0),
+    Case("fp8 cache, fp16 q, dim 40", MIXED, head_dim=40, dtype=torch.float16, cache_dtype=torch.float8_e4m3fn),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
     # (triton 3.9, numpy has no bfloat16); the GPU tests below cover bf16.
 ]
@@ -91,7 +97,7 @@ def build(case: Case, device: str = "cpu", seed: int = 0):
     num_tokens = num_real + case.pad_tokens
     max_blocks = -(-int(seq_lens.max()) // bs) + 1
     num_blocks = int(sum(-(-int(s) // bs) for s in seq_lens)) + 3
-    cache = torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), generator=gen).to(case.dtype)
+    cache = to_cache_dtype(torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), generator=gen), case.cache_dtype or case.dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
     tables = torch.full((len(case.rows), max_blocks), UNUSED_BLOCK, dtype=torch.int32)
     slots = []
@@ -102,6 +108,8 @@ def build(case: Case, device: str = "cpu", seed: int = 0):
     slots += [-1] * case.pad_tokens
     qkv = torch.randn(num_tokens, (H + 2 * Hk) * D, generator=gen).to(case.dtype)
     q = qkv[:, : H * D].view(num_tokens, H, D)
+    if case.kv_scale != 1.0:
+        qkv[:, H * D :] *= case.kv_scale
     k = qkv[:, H * D : (H + Hk) * D].view(num_tokens, Hk, D)
     v = qkv[:, (H + Hk) * D :].view(num_tokens, Hk, D)
     bias = None
@@ -133,7 +141,7 @@ def compare(case: Case, device: str = "cpu") -> None:
     expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
     out = TritonBackend(case.tiles).forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.equal(tri_cache, ref_cache), "the written KV cache differs from write_kv's"
+    assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "the written KV cache differs from write_kv's"
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding tokens' outputs are not zero"
     real_rows = [r for r, (_, n) in enumerate(case.rows) if n]
     tol = FP32_TOL if case.dtype == torch.float32 else HALF_TOL[case.dtype]
@@ -264,6 +272,7 @@ def gpu_rows(batch: int, decode_frac: float, seed: int) -> list[tuple[int, int]]
         dataclasses.replace(qwen3_case("fp16, dim 80, group 4", gpu_rows(32, 0.5, 4)),
                             num_heads=8, num_kv_heads=2, head_dim=80, dtype=torch.float16),
         dataclasses.replace(qwen3_case("fp32, dim 96", gpu_rows(16, 0.5, 5)), head_dim=96, dtype=torch.float32),
+        dataclasses.replace(qwen3_case("fp8 cache, mixed", gpu_rows(64, 0.7, 7), pad_tokens=3), cache_dtype=torch.float8_e4m3fn),
     ],
     ids=lambda c: c.name,
 )
@@ -275,7 +284,7 @@ def test_gpu_matches_reference(case):
     expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
     out = TritonBackend().forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     torch.cuda.synchronize()
-    assert torch.equal(tri_cache, ref_cache)
+    assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
     # fp32 on the GPU: the reference's SDPA may use TF32-free kernels; allow for summation order.
     tol = {torch.bfloat16: GPU_BF16_TOL, torch.float16: 5e-3, torch.float32: 1e-4}[case.dtype]
