@@ -67,7 +67,7 @@ class MLAAttention(PagedCacheLayer):
         num_tokens = q_nope.shape[0]
         if meta.max_query_len == 1 and num_tokens == meta.num_reqs:  # decode only: token i is row i
             return self._decode(q_nope, q_pe, w, meta.block_tables, meta.seq_lens)
-        out = q_nope.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        out = q_nope.new_zeros(num_tokens, self.num_heads, self.v_head_dim)  # tokens of no row stay 0
         qsl = meta.query_start_loc_np
         query_lens = np.diff(qsl[: meta.num_reqs + 1])
         decode_rows = np.flatnonzero(query_lens == 1)
