@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, PreTrainedTokenizerBase
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from slotrunner.core_runner.cpu.packed import PACKABLE_GGML_TYPES, PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
@@ -51,13 +51,18 @@ class GGUFCheckpoint:
 
     path: str
     dtype: torch.dtype
-    config: LlamaConfig = field(repr=False)
+    config: PretrainedConfig = field(repr=False)  # LlamaConfig here; other decoders' readers, theirs
     tokenizer: PreTrainedTokenizerBase = field(repr=False)
     chat_template: str | None = field(repr=False)
     weight_names: tuple[str, ...] = field(repr=False)  # HF names in file order; no lm_head if tied
     _file: GGUFFile = field(repr=False, compare=False)
     _gguf_names: Mapping[str, str] = field(repr=False, compare=False)  # HF name -> GGUF name
     pack: bool = False  # yield quantized matrices as PackedWeight (see `weights`)
+    # llama.cpp's converter interleaves Q/K rows of the `llama` architecture only; other
+    # architectures store them as Hugging Face does (models/decoder_gguf.py).
+    permute_rotary: bool = True
+    # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) norms store 1 + w).
+    norm_shift: float = 0.0
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(hf_name, tensor)` in Hugging Face layout and `self.dtype`, one tensor at a time.
@@ -75,8 +80,11 @@ class GGUFCheckpoint:
             if self.pack and len(info.shape) == 2 and info.tensor_type.name in PACKABLE_GGML_TYPES:
                 tensor = PackedWeight.from_ggml(self._file.read_blocks(gguf_name), info.tensor_type.name, info.shape)
             else:
-                tensor = torch.from_numpy(self._file.read_tensor(gguf_name)).to(self.dtype)
-            heads = {".self_attn.q_proj.": num_heads, ".self_attn.k_proj.": num_kv_heads}
+                tensor = torch.from_numpy(self._file.read_tensor(gguf_name))
+                if self.norm_shift and hf_name.endswith("norm.weight"):  # in float32, before any cast
+                    tensor = tensor.float() - self.norm_shift
+                tensor = tensor.to(self.dtype)
+            heads = {".self_attn.q_proj.": num_heads, ".self_attn.k_proj.": num_kv_heads} if self.permute_rotary else {}
             for part, count in heads.items():
                 if part in hf_name:
                     rows = unpermute_rotary_rows(torch.arange(tensor.shape[0]), count)
@@ -154,7 +162,10 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Lla
         return value
 
     if get("expert_count", 0) > 0:
-        raise ValueError(f"{path}: mixture-of-experts Llama files (llama.expert_count) are not supported.")
+        raise ValueError(
+            f"{path}: mixture-of-experts Llama files (llama.expert_count: Mixtral) are not supported; transformers' "
+            "GGUF loader does not read them either, so no oracle could check a reader. Use the Hugging Face checkpoint."
+        )
     if get("rope.scaling.type", "none") != "none":
         raise ValueError(f"{path}: RoPE scaling {get('rope.scaling.type')!r} is not supported yet.")
     hidden_size, num_heads = get("embedding_length"), get("attention.head_count")
@@ -166,6 +177,9 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Lla
         rope: dict[str, Any] = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}
     else:
         rope = {"rope_theta": rope_theta}
+    # llama.cpp converts Mistral models to the `llama` architecture, and runs them as Llama (no
+    # sliding window: Mistral 7B v0.2 and later have none); so does transformers' GGUF loader
+    # (unless general.name is exactly "mistral"), and so does this reader.
     fields = dict(
         architectures=["LlamaForCausalLM"],
         vocab_size=get("vocab_size", gguf.tensors["token_embd.weight"].shape[0]),

@@ -298,7 +298,10 @@ def read_gguf(path: str | os.PathLike[str], dtype: torch.dtype, pack: bool = Fal
     arch = gguf.metadata.get("general.architecture")
     reader = gguf_reader(arch)
     if reader is None:
+        from slotrunner.core_runner.loader.gguf_loader import oracle_note
+
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_architectures())}."
+            + oracle_note(arch)
         )
     return reader(gguf, path, dtype, pack=pack)

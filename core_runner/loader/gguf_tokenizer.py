@@ -29,6 +29,11 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2/2.5/3 and QwQ (llama.cpp's QWEN2 pre-type): Llama 3's rules with one digit per token
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _ONE_DIGIT_SPLIT = r"\p{N}"
 # what llama.cpp uses when tokenizer.ggml.pre is "default" or absent (older files)
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -44,6 +49,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3_SPLIT,),
     "llama-v3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
 }
 
 

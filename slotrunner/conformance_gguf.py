@@ -1,0 +1,157 @@
+"""GGUF files as conformance cases: slotrunner reads the file with its own GGUF reader, and
+transformers loads the same file (`from_pretrained(..., gguf_file=...)`) as the oracle. Part of
+the harness in `slotrunner/conformance.py`.
+
+transformers' GGUF loader dequantizes every tensor to float32, so the case runs slotrunner
+with `quantized_weights="dequantized"`: both sides compute with the same weights, and what is
+compared is the model, not the packed CPU kernels (tests/core_runner/cpu/ check those against
+the dequantized weights).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slotrunner.conformance_oracle import ConformanceError
+
+
+def gguf_file_of(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: a `.gguf` file, or a directory holding exactly one and no
+    config.json (how `LLM` reads a path); None for a Hugging Face model directory."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ConformanceError(f"{str(p)!r} is a file but not a .gguf file; give a model directory or a GGUF file")
+        return p
+    if (p / "config.json").is_file():
+        return None
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ConformanceError(f"{str(p)!r} holds several .gguf files ({', '.join(g.name for g in ggufs)}); name one")
+    return ggufs[0] if ggufs else None
+
+
+def gguf_checkpoint_config(path: Path) -> Any:
+    """The HF config slotrunner's GGUF reader makes of the file (its `architectures` names the
+    slotrunner architecture the file resolves to)."""
+    from slotrunner.registry import read_gguf
+
+    return read_gguf(path, torch.float32).config
+
+
+def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
+    """transformers' model for the GGUF file, in float32. Raises ConformanceError when
+    transformers' GGUF loader does not read this architecture (then no oracle exists for the
+    file: check the same model saved as a Hugging Face directory instead), or reads it as
+    another class than slotrunner does."""
+    import transformers
+
+    try:
+        # eager attention: the reference implementation (some sdpa paths drop Gemma 2's soft cap)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+        )
+    except ValueError as e:
+        if "not supported" not in str(e):
+            raise
+        raise ConformanceError(
+            f"{path}: transformers {transformers.__version__} cannot load this GGUF file as an oracle ({e}); "
+            "check the same weights saved as a Hugging Face model directory instead"
+        ) from None
+    if type(model).__name__ != architecture:
+        raise ConformanceError(
+            f"{path}: transformers reads this GGUF file as a {type(model).__name__}, slotrunner as a {architecture}"
+        )
+    return model.eval()
+
+
+# -- tiny GGUF cases: a transformers model written as llama.cpp's converter writes it ----------
+
+# transformers model_type -> GGUF general.architecture (Mistral is written as `llama`, named so)
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+    "gemma3_text": "gemma3", "phi3": "phi3",
+}  # fmt: skip
+
+
+def _byte_level_vocab(size: int) -> list[str]:
+    """`size` tokens: <s>, </s>, the 256 byte-level symbols, then filler words (no merges)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokens = ["<s>", "</s>", *sorted(ByteLevel.alphabet())]
+    tokens += [f"w{i}" for i in range(size - len(tokens))]
+    return tokens[:size]
+
+
+def write_gguf(hf_model: torch.nn.Module, path: str | Path) -> Path:
+    """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
+    does: gguf-py's tensor names, Q/K rows interleaved for `llama`, 1 added to Gemma's norm
+    weights, the metadata keys its architecture reads, and a byte-level BPE vocabulary of the
+    model's size (`tokenizer.ggml.pre` as the family's files have it). Tensors stay float32, so
+    transformers' GGUF loader and slotrunner's reader both see exactly the model's weights."""
+    import gguf
+
+    config = hf_model.config
+    if config.model_type not in GGUF_ARCHITECTURES:
+        raise ConformanceError(
+            f"no GGUF convention is known for {config.model_type!r}; written: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    arch = GGUF_ARCHITECTURES[config.model_type]
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"{config.model_type} tiny")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if getattr(config, "sliding_window", None) and arch not in ("qwen2", "llama"):
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
+    writer.add_token_list(_byte_level_vocab(config.vocab_size))
+    writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    if getattr(config, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(config.pad_token_id)
+    shift = 1.0 if arch.startswith("gemma") else 0.0
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        stem, suffix = name.rsplit(".", 1)
+        gguf_name = names.get_name(stem)
+        if gguf_name is None:
+            raise ConformanceError(f"{name} has no GGUF name for {arch}")
+        data = tensor.detach().float()
+        if shift and stem.endswith("norm"):
+            data = data + shift
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        writer.add_tensor(f"{gguf_name}.{suffix}", data.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -1,0 +1,120 @@
+"""GGUF files of every Llama-style decoder against transformers' GGUF loader as the oracle.
+
+Each case is a tiny random model written as llama.cpp's converter writes it
+(`slotrunner.conformance_gguf.write_gguf`, checked here against the model it came from through
+transformers' own reader); then slotrunner's reader must give transformers' tensors bit for
+bit and its config, and slotrunner running the file must give transformers' logits at every
+position and its greedy tokens.
+
+Guards against: a GGUF tensor name or norm offset (Gemma's 1 + w) read wrong, Q/K rows
+un-interleaved where the converter never interleaved them (everything but `llama`), metadata
+keys read from the wrong place, a tokenizer kind or pre-tokenizer a family's files use refused.
+
+transformers' GGUF loader fills what its mapping does not read with its config defaults
+(Qwen3's head_dim 128, Gemma's query_pre_attn_scalar 256 and soft caps 50 / 30, full rotary for
+Phi-3), so the tiny configs take those values: then both readers must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from slotrunner import LLM  # noqa: E402
+from slotrunner.conformance import build_case, check_case, single_thread  # noqa: E402
+from slotrunner.conformance_gguf import load_gguf_oracle, write_gguf  # noqa: E402
+from slotrunner.registry import read_gguf, tiny_config  # noqa: E402
+
+_GEMMA_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=10_000.0),
+               "full_attention": dict(rope_type="default", rope_theta=1_000_000.0)}  # fmt: skip
+CASES = {
+    "LlamaForCausalLM": {},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": dict(head_dim=128),
+    "Gemma2ForCausalLM": dict(head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "Gemma3ForCausalLM": dict(num_hidden_layers=6, sliding_window_pattern=6, head_dim=256, query_pre_attn_scalar=256,
+                              final_logit_softcapping=None, rope_parameters=_GEMMA_ROPE),
+    "Phi3ForCausalLM": dict(rope_parameters=dict(rope_type="default", rope_theta=10_000.0)),
+}  # fmt: skip
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [900, 3]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.mark.parametrize("architecture", CASES)
+def test_file_reads_and_runs_like_transformers(architecture, tmp_path):
+    config = tiny_config(architecture, **CASES[architecture])
+    config.architectures = [architecture]
+    original = build_case(config, tmp_path / "hf")
+    path = write_gguf(original, tmp_path / "tiny.gguf")
+    oracle = load_gguf_oracle(path, architecture)
+    # The writer is llama.cpp's layout: transformers reads the original weights back (Gemma's
+    # norms to within the rounding of (w + 1) - 1).
+    for name, tensor in original.state_dict().items():
+        torch.testing.assert_close(oracle.state_dict()[name], tensor, rtol=0, atol=1e-7, msg=name)
+
+    checkpoint = read_gguf(path, torch.float32)
+    assert checkpoint.config.architectures == [architecture]
+    weights = dict(checkpoint.weights())
+    expected = set(oracle.state_dict()) - ({"lm_head.weight"} if checkpoint.config.tie_word_embeddings else set())
+    assert set(weights) == expected
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, oracle.state_dict()[name]), name
+    tokenizer = checkpoint.tokenizer  # byte-level BPE with the family's pre-tokenizer
+    assert tokenizer.decode(tokenizer("It's 2024 ok").input_ids) == "It's 2024 ok"
+
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, block_size=4, enable_prefix_caching=False,
+              quantized_weights="dequantized")  # fmt: skip
+    report = check_case(llm, oracle, PROMPTS, max_tokens=4)
+    assert report.passed, report.table()
+
+
+def test_qwen2_pre_tokenizer_splits_like_qwen(tmp_path):
+    """`tokenizer.ggml.pre = qwen2`: one digit per token, contractions case-insensitive, as
+    Qwen's own tokenizer.json splits (and llama.cpp)."""
+    from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["qwen2"][0]), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("It'S 2024 ok!!\n\n  x")]
+    assert pieces == ["It", "'S", " ", "2", "0", "2", "4", " ok", "!!\n\n", " ", " x"]
+
+
+def test_mixture_of_experts_llama_file_names_the_missing_oracle(tmp_path):
+    config = tiny_config("LlamaForCausalLM")
+    config.architectures = ["LlamaForCausalLM"]
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "moe.gguf")
+    moe = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(moe), "llama")
+    reader = gguf.GGUFReader(str(path))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    writer.add_expert_count(8)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data.reshape([int(d) for d in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="transformers' GGUF loader does not read them either"):
+        read_gguf(moe, torch.float32)
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "deepseek2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3") as e:
+        read_gguf(tmp_path / "x.gguf", torch.float32)
+    assert "transformers' GGUF loader does not read it either" in str(e.value)
