@@ -118,6 +118,13 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     # Speculative decoding, or None. Runs with synchronous scheduling only (checked here).
     speculative_config: SpeculativeConfig | None = None
+    # The paged KV cache's dtype where a layer's spec leaves it open: None is `dtype`;
+    # torch.float8_e4m3fn halves (bf16) the bytes attention reads (kv_cache_dtype="fp8").
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
@@ -130,13 +137,6 @@ class EngineConfig:
             raise ValueError(
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
                 f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
-    # The paged KV cache's dtype where a layer's spec leaves it open: None is `dtype`;
-    # torch.float8_e4m3fn halves (bf16) the bytes attention reads (kv_cache_dtype="fp8").
-    kv_cache_dtype: torch.dtype | None = None
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
             )
         if self.async_scheduling is None:
             # Speculative decoding needs each step's accepted count before the next is scheduled.

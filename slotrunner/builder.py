@@ -85,10 +85,10 @@ class EngineArgs:
     # Ranks the model is split over (tensor parallelism, docs/architecture.md): LLM starts them,
     # or a launcher (torchrun) runs the script on each.
     tensor_parallel_size: int = 1
-    # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
     # "auto" (the model's dtype) or "fp8" / "fp8_e4m3": K/V stored as float8 e4m3 (scale 1, as
     # vLLM without calibrated scales), half the bytes of bf16; layers without fp8 kernels refuse it.
     kv_cache_dtype: str = "auto"
+    # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
     trust_remote_code: bool = False
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -207,6 +207,7 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=prefix_caching,
         speculative_config=speculative,
+        kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
     )
     # The family's state (Mamba pools, cross-attention caches) comes out of the same memory as the
     # KV cache: build it once, ask its size, and give the KV cache what is left.
@@ -216,7 +217,6 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         reserved = model_state.cache_bytes(dtype)
         num_kv_blocks = default_num_kv_blocks(nn_model, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
         num_kv_blocks = launch.tp.agree_min(num_kv_blocks, launch.check_peers)  # what fits on every rank
-        kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
     config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
     if args.enable_chunked_prefill is False and config.max_num_batched_tokens < max_model_len:
         raise ValueError(
