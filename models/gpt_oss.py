@@ -48,6 +48,9 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] (g0 u0 g
 
 
 class GptOssForCausalLM(MixtralForCausalLM):
+    # Its per-head attention sinks are not split over ranks yet: tensor parallelism is refused.
+    check_tensor_parallel = None
+
     def __init__(self, hf_config: object) -> None:
         quant = getattr(hf_config, "quantization_config", None)
         if quant:

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
@@ -58,6 +59,14 @@ class MixtralForCausalLM(CausalLM):
         "w3.weight": ("w_in", 1),
         "w2.weight": ("w_out", 0),
     }
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the heads or the experts cannot be split over `world_size` ranks:
+        attention splits by head, each rank holds num_experts / world_size whole experts."""
+        args = LlamaArgs.from_hf(hf_config, qk_norm=cls.qk_norm)
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        even_shard(hf_config.num_experts, 0, world_size, "num_experts")
 
     def __init__(self, hf_config: object) -> None:
         args = LlamaArgs.from_hf(hf_config, qk_norm=self.qk_norm)

@@ -31,6 +31,7 @@ import torch
 from slotrunner.core_runner.distributed.parallel_state import (
     SINGLE,
     TensorParallelGroup,
+    check_no_group,
     destroy_tensor_parallel,
     init_tensor_parallel,
     launch_env,
@@ -66,6 +67,7 @@ class TensorParallelLaunch:
     workers: list[Any] = field(default_factory=list)  # multiprocessing Process, rank i + 1
     errors: Any = None  # multiprocessing Queue of (rank, traceback text)
     runner: Any = None  # rank 0: its TensorParallelRunner, set once built
+    cpu_threads: int | None = None  # torch's thread count before this rank took its share of the cores
     _closed: bool = False
 
     def check_peers(self) -> None:
@@ -83,9 +85,13 @@ class TensorParallelLaunch:
         except (queue.Empty, AttributeError, OSError, ValueError):
             return ""
 
-    def make_runner(self, config: Any, model: Any, model_state: Any) -> ModelRunner:
-        """This rank's runner: rank 0 of several sends each step to the others first."""
-        if self.tp.world_size == 1 or not self.tp.is_driver:
+    def make_runner(self, config: Any, model: Any, model_state: Any, draft_model: Any = None) -> ModelRunner:
+        """This rank's runner: rank 0 of several sends each step to the others first. A draft
+        model (speculative decoding) runs with one rank only."""
+        if self.tp.world_size == 1:
+            return ModelRunner(config, model, model_state, draft_model)
+        assert draft_model is None, "the engine builder refuses a draft model with tensor parallelism"
+        if not self.tp.is_driver:
             return ModelRunner(config, model, model_state)
         check = self.check_peers if self.workers else None
         self.runner = TensorParallelRunner(config, model, model_state, self.tp, check)
@@ -103,7 +109,10 @@ class TensorParallelLaunch:
             if proc.is_alive():  # never told, or stuck in a collective: do not wait for it
                 proc.terminate()
                 proc.join(_JOIN_TIMEOUT_S)
-        destroy_tensor_parallel()
+        if self.tp.world_size > 1:  # joined (a launch that failed to join owns no group)
+            destroy_tensor_parallel()
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
 
 
 def join_tensor_parallel(args: Any, device: torch.device) -> TensorParallelLaunch:
@@ -112,6 +121,7 @@ def join_tensor_parallel(args: Any, device: torch.device) -> TensorParallelLaunc
     world_size = args.tensor_parallel_size
     if world_size == 1:
         return TensorParallelLaunch(SINGLE, device)
+    check_no_group()  # before starting any process
     env = launch_env()
     if env is not None:
         if env.world_size != world_size:
@@ -121,8 +131,15 @@ def join_tensor_parallel(args: Any, device: torch.device) -> TensorParallelLaunc
             )
         device = _rank_device(device, env.local_rank)
         init = f"tcp://{env.master_addr}:{env.master_port}"
-        return TensorParallelLaunch(init_tensor_parallel(env.rank, world_size, init, device), device)
-    return _spawn(args, device)
+        launch = TensorParallelLaunch(init_tensor_parallel(env.rank, world_size, init, device), device)
+    else:
+        launch = _spawn(args, device)
+    if device.type == "cpu":
+        # The ranks share the CPU: each takes its share of torch's threads, or their threads
+        # spin against each other and every collective waits for a descheduled peer.
+        launch.cpu_threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, launch.cpu_threads // world_size))
+    return launch
 
 
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:

@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on CPU: two ranks in two processes talking through gloo.
 
-`LLM(..., tensor_parallel_size=2)` makes this process rank 0 and spawns rank 1; a second run
-starts both ranks as a launcher (torchrun) would, through RANK / WORLD_SIZE / MASTER_*.
+`LLM(..., tensor_parallel_size=2)` makes this process rank 0 and spawns rank 1 (a tiny Llama);
+a second run starts both ranks as a launcher (torchrun) would, through RANK / WORLD_SIZE /
+MASTER_* (a tiny Qwen3-MoE: experts split over the ranks).
 
 Guards against: a sharded forward that differs from the single-device one (a head or MLP row
 computed by the wrong rank, a missing all-reduce, partial sums added twice, logits gathered in
@@ -126,7 +127,7 @@ def test_rank_zero_holds_half_of_the_model_and_of_the_kv_cache(one_rank, two_ran
 
 
 @pytest.mark.parametrize(
-    "architecture, family", [("Qwen3MoeForCausalLM", "default decoder"), ("Mamba2ForCausalLM", "recurrent hybrid")]
+    "architecture, family", [("Gemma2ForCausalLM", "default decoder"), ("Mamba2ForCausalLM", "recurrent hybrid")]
 )
 def test_a_family_without_sharded_layers_is_refused_naming_it(architecture, family, tmp_path):
     build_case(tiny_config(architecture), tmp_path)
@@ -139,19 +140,28 @@ def test_heads_that_do_not_divide_are_refused_before_starting_ranks(case):
         LLM(str(case[0]), device="cpu", tensor_parallel_size=3)
 
 
+def test_a_second_parallel_engine_in_one_process_is_refused_until_the_first_closes(case, two_ranks):
+    with pytest.raises(ValueError, match="process group already exists in this process: close the other"):
+        LLM(str(case[0]), tensor_parallel_size=2, **ENGINE)
+    assert two_ranks.generate({"prompt_token_ids": [5, 6]}, _greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+
+
 LAUNCHED = """
 import json, sys
 from slotrunner import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
 # Only rank 0 gets here: on rank 1 the constructor served rank 0's steps, then ended the process.
 out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
-                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-print("IDS", json.dumps([list(o.outputs[0].token_ids) for o in out]))
+                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)
+print("OUT", json.dumps([[list(o.outputs[0].token_ids), [{str(t): l.logprob for t, l in lp.items()}
+                                                        for lp in o.outputs[0].logprobs]] for o in out]))
 llm.close()
 """
 
 
-def test_an_external_launcher_runs_the_same_script_on_every_rank(case, one_rank):
+def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
+    """A tiny Qwen3-MoE (8 experts, 4 per rank; the router replicated), started torchrun-style."""
+    build_case(tiny_config("Qwen3MoeForCausalLM", tie_word_embeddings=False), tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -159,14 +169,19 @@ def test_an_external_launcher_runs_the_same_script_on_every_rank(case, one_rank)
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))  # fmt: skip
-        cmd = [sys.executable, "-c", LAUNCHED, str(case[0]), json.dumps(ENGINE), json.dumps(ALONE)]
+        cmd = [sys.executable, "-c", LAUNCHED, str(tmp_path), json.dumps(ENGINE), json.dumps(ALONE)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    ids = json.loads(outs[0][0].split("IDS ", 1)[1])
-    ref = one_rank.generate([{"prompt_token_ids": p} for p in ALONE], _greedy(), use_tqdm=False)
-    assert ids == [list(o.outputs[0].token_ids) for o in ref]
-    assert "IDS" not in outs[1][0]  # rank 1 ran no code after LLM(...)
+    ours = json.loads(outs[0][0].split("OUT ", 1)[1])
+    assert "OUT" not in outs[1][0]  # rank 1 ran no code after LLM(...)
+    one_rank_moe = LLM(str(tmp_path), **ENGINE)
+    ref = one_rank_moe.generate([{"prompt_token_ids": p} for p in ALONE], _greedy(logprobs=2), use_tqdm=False)
+    for (ids, logprobs), r in zip(ours, ref):
+        assert ids == list(r.outputs[0].token_ids)
+        for la, lb in zip(logprobs, r.outputs[0].logprobs):
+            assert {int(t) for t in la} == set(lb)
+            assert all(abs(v - lb[int(t)].logprob) <= LOGITS_ATOL for t, v in la.items())
 
 
 def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):

@@ -133,16 +133,21 @@ def tensor_parallel_scope(tp: TensorParallelGroup) -> Iterator[None]:
         _scope = None
 
 
-def init_tensor_parallel(
-    rank: int, world_size: int, init_method: str, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT
-) -> TensorParallelGroup:
-    """Join the group as `rank` (blocks until every rank has joined). NCCL where the device is
-    CUDA, gloo otherwise; raises ValueError when NCCL is needed and missing."""
+def check_no_group() -> None:
+    """ValueError when this process is in a process group already (one engine's group at a time)."""
     if dist.is_initialized():
         raise ValueError(
             "a torch.distributed process group already exists in this process: close the other tensor-parallel "
             "LLM (llm.close()) or call slotrunner.distributed.cleanup_dist_env_and_memory() first"
         )
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT
+) -> TensorParallelGroup:
+    """Join the group as `rank` (blocks until every rank has joined). NCCL where the device is
+    CUDA, gloo otherwise; raises ValueError when NCCL is needed and missing."""
+    check_no_group()
     backend = "gloo"
     if device.type == "cuda":
         if not dist.is_nccl_available():

@@ -13,6 +13,8 @@
   intermediate, hidden] (gate rows first, then up) and `w_out` [num_experts, hidden,
   intermediate] -- run by `fused_moe` (fused_moe.py: two grouped GEMMs on a GPU, a per-expert
   loop on CPU).
+- `ExpertParallelExperts`: under tensor parallelism, a rank's share of the experts, whole
+  (`fused_experts` picks it, or `FusedExperts` at tensor_parallel_size 1).
 - `SparseMoE`: gate -> experts, plus shared experts every token passes through.
 - `stack_per_expert`: checkpoints that store the experts one by one.
 """
@@ -26,7 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotrunner.core_runner.cpu.packed import PackedWeight
+from slotrunner.core_runner.distributed.parallel_state import TensorParallelGroup, current_tp
+from slotrunner.core_runner.distributed.shard import even_shard
 from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
+from slotrunner.models.layers.parallel_linear import ShardedWeights
 
 SCORING = ("softmax", "sigmoid")
 GROUP_SCORING = ("top2_sum", "max")  # a group's score: the sum of its two best experts (V3), its best (V2)
@@ -148,6 +154,54 @@ class FusedExperts(nn.Module):
         return fused_moe(x, self.w_in, self.w_out, topk_weights, topk_ids, self.act, self.b_in, self.b_out)
 
 
+class ExpertParallelExperts(FusedExperts, ShardedWeights):
+    """Tensor parallelism for a MoE layer: this rank holds num_experts / world_size whole
+    experts (the router stays replicated). It computes the (token, expert) pairs routed to its
+    experts and an all-reduce adds the ranks' partial sums, so the output is whole on every rank.
+    Pairs routed elsewhere keep their shape (graph-safe, no host sync): they go to the rank's
+    first expert with weight 0, which costs their compute there."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, act: ExpertActivation, bias: bool,
+        tp: TensorParallelGroup,
+    ) -> None:  # fmt: skip
+        self.own = even_shard(num_experts, tp.rank, tp.world_size, "num_experts")
+        super().__init__(self.own.size, hidden_size, intermediate_size, act, bias)
+        self.tp = tp
+
+    def load_full(self, param_name: str, tensor: torch.Tensor | PackedWeight) -> None:
+        if isinstance(tensor, PackedWeight):
+            tensor = tensor.dequantize()
+        part = self.own.narrow(tensor, 0)  # [local experts, ...]
+        param = getattr(self, param_name)
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(f"rank's experts have shape {tuple(part.shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(part)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] global expert ids
+    ) -> torch.Tensor:  # [num_tokens, hidden], summed over every rank's experts
+        local_ids = topk_ids - self.own.start
+        mine = (local_ids >= 0) & (local_ids < self.own.size)
+        weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
+        out = fused_moe(x, self.w_in, self.w_out, weights, local_ids.masked_fill(~mine, 0), self.act, self.b_in, self.b_out)
+        return self.tp.all_reduce(out)
+
+
+def fused_experts(
+    num_experts: int, hidden_size: int, intermediate_size: int, act: ExpertActivation, bias: bool = False
+) -> FusedExperts:
+    """All the experts at tensor_parallel_size 1; this rank's share of them above."""
+    tp = current_tp()
+    if tp.world_size == 1:
+        return FusedExperts(num_experts, hidden_size, intermediate_size, act, bias)
+    return ExpertParallelExperts(num_experts, hidden_size, intermediate_size, act, bias, tp)
+
+
 class SparseMoE(nn.Module):
     """The MoE block: `gate` routes each token to its experts, `experts` computes their
     weighted sum, `shared_experts` (any module, e.g. an MLP) adds what every token gets."""
@@ -166,7 +220,7 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.gate = TopKRouter(hidden_size, spec, router_bias, correction_bias, fp32_logits)
-        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, act, expert_bias)
+        self.experts = fused_experts(spec.num_experts, hidden_size, intermediate_size, act, expert_bias)
         self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
