@@ -8,12 +8,19 @@ delta-net its short-conv window and a matrix state per value head. Each layer de
 slot -- layers with equal specs stacked in one pool -- and binds each layer's rows to it.
 Attention layers of a hybrid use the paged KV cache as usual. A step gathers the pools through
 the state indices (= idx_mapping); nothing is ever moved between slots.
+
+Speculative decoding: the forward advances a row's state over its drafts too, so with a
+speculative_config every pool gets a checkpoint pool with 1 + num_speculative_tokens entries per
+slot. A row with drafts runs token by token and leaves the state after each of its last known
+token and drafts in those entries; `postprocess_state` copies back the one after the last
+accepted token (on the device, from the verification's counts: no host sync).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,9 +39,9 @@ class RecurrentHybridModelState(ModelState):
     # A slot's state summarises every token before it and cannot be rebuilt from KV blocks:
     # forked parallel samples (and, later, prefix-cache hits) recompute the prompt instead.
     shares_prefix_kv = False
-    # The forward advances the recurrent state over every scheduled token, drafts included; a
-    # rollback to the last accepted token (per-token state checkpoints) is not implemented yet.
-    supports_speculative_rollback = False
+    # Rejected drafts are rolled back: the state after the last accepted token is restored from
+    # its per-token checkpoint (postprocess_state).
+    supports_speculative_rollback = True
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)
@@ -49,24 +56,36 @@ class RecurrentHybridModelState(ModelState):
         for layer in self.layers:
             self.groups.setdefault(layer.state_spec(), []).append(layer)
         self.pools: list[torch.Tensor] = []  # each [layers of its group, max_num_seqs, *per-slot shape]
+        spec = config.speculative_config
+        # Checkpoints per slot: after the last known token and after each draft (0 without drafts).
+        self.num_checkpoints = 0 if spec is None else 1 + spec.num_speculative_tokens
+        self.checkpoints: list[torch.Tensor] = []  # each [layers, max_num_seqs, num_checkpoints, *shape], pools' order
 
     def cache_bytes(self, dtype: torch.dtype) -> int:
         per_slot = sum(spec.bytes_per_slot(dtype) * len(layers) for spec, layers in self.groups.items())
-        return per_slot * self.config.max_num_seqs
+        return per_slot * self.config.max_num_seqs * (1 + self.num_checkpoints)
 
     def initialize_cache(self, spec: CacheSpec) -> None:
         """Allocate every pool (zeroed) and bind each layer's rows of them to the layer."""
-        self.pools = []
+        self.pools, self.checkpoints = [], []
         for state_spec, layers in self.groups.items():
             bound: list[dict[str, torch.Tensor]] = [{} for _ in layers]
+            kept: list[dict[str, torch.Tensor]] = [{} for _ in layers]
             for t in state_spec.tensors:
                 shape = (len(layers), self.config.max_num_seqs, *t.shape)
                 pool = torch.zeros(shape, dtype=t.dtype_for(spec.dtype), device=spec.device)
                 self.pools.append(pool)
+                if self.num_checkpoints:
+                    shape = (len(layers), self.config.max_num_seqs, self.num_checkpoints, *t.shape)
+                    self.checkpoints.append(torch.zeros(shape, dtype=pool.dtype, device=spec.device))
                 for i in range(len(layers)):
                     bound[i][t.name] = pool[i]
-            for layer, states in zip(layers, bound):
+                    if self.num_checkpoints:
+                        kept[i][t.name] = self.checkpoints[-1][i]
+            for layer, states, checkpoints in zip(layers, bound, kept):
                 layer.bind_state(states)
+                if self.num_checkpoints:
+                    layer.bind_checkpoints(checkpoints)
 
     def add_request(self, slot: int, new_request: NewRequestData) -> None:
         """Zero the slot's state in every layer. After a preemption the request prefills from
@@ -91,6 +110,7 @@ class RecurrentHybridModelState(ModelState):
             batch.num_computed_tokens_np,
             batch.num_scheduled_tokens_np,
             batch.query_start_loc,
+            batch.num_draft_np,
         )
 
     def prepare_inputs(self, batch: InputBatch) -> ModelInputs:
@@ -100,10 +120,19 @@ class RecurrentHybridModelState(ModelState):
         return ModelInputs()
 
     def postprocess_state(self, batch: InputBatch, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> None:
-        """Nothing to do without speculative decoding: the forward already advanced every row's
-        state by all its scheduled tokens, and every sampled token is accepted -- it is fed as
-        the next step's input, which advances the state then. With drafts, the forward would run
-        the drafts too and rejected ones would have to be rolled back (e.g. per-token
-        checkpoints of the state); until then a rejection is a bug, checked on device without
-        a host sync."""
-        torch._assert_async(num_rejected.eq(0).all(), "RecurrentHybridModelState cannot roll back rejected draft tokens")
+        """Roll rows with drafts back to the state after their last accepted token.
+
+        The forward advanced every row's state by all its scheduled tokens; a sampled token is
+        fed as the next step's input, which advances the state then. A row with num_draft drafts
+        of which num_rejected were rejected kept num_draft - num_rejected of them: its state is
+        checkpoint num_draft - num_rejected (0: after its last known token), copied back into
+        the pools for every layer at once. Rows without drafts have nothing to undo."""
+        draft_rows = None if batch is None or batch.num_draft_np is None else np.flatnonzero(batch.num_draft_np > 0)
+        if draft_rows is None or len(draft_rows) == 0:
+            torch._assert_async(num_rejected.eq(0).all(), "rejected draft tokens in a step without drafts")
+            return
+        rows = torch.from_numpy(draft_rows).to(self.device, non_blocking=True)
+        slots = torch.from_numpy(batch.idx_mapping_np[draft_rows].astype(np.int64)).to(self.device, non_blocking=True)
+        kept = (batch.num_draft.long() - num_rejected.long()).index_select(0, rows)  # [draft rows]
+        for pool, checkpoints in zip(self.pools, self.checkpoints):
+            pool[:, slots] = checkpoints[:, slots, kept]

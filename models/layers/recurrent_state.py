@@ -7,15 +7,21 @@ the recurrent-state ModelState (`model_states/recurrent_hybrid.py`) sizes one po
 with a row per slot, zeroes a slot's rows on admission and binds each layer's pools to it with
 `bind_state`, as the runner binds `kv_cache` to attention layers. The layer then reads and
 updates its rows through the step's state indices (`RecurrentMetadata`), never moving them.
+With speculative decoding the ModelState also binds per-slot checkpoints of every declared
+tensor, one per position of a draft row, which the layer fills (`run_draft_steps`) and the
+ModelState restores from after verification.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from slotrunner.models.layers.recurrent_metadata import DraftStep
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,28 @@ class RecurrentLayer(nn.Module):
         )
         for name, tensor in states.items():
             setattr(self, name, tensor)
+
+    def bind_checkpoints(self, checkpoints: dict[str, torch.Tensor]) -> None:
+        """Called by `initialize_cache` when speculative decoding is on: `checkpoints[name]` is
+        [max_num_seqs, 1 + num_speculative_tokens, *shape], the state after each token of a
+        draft row's last known token and drafts."""
+        self.state_checkpoints = checkpoints
+
+    def run_draft_steps(self, steps: Sequence[DraftStep], decode_step: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Run draft rows token by token through `decode_step(token_idx, state_indices)` (the
+        layer's decode path on those tokens and slots), keeping the state after each token in
+        the slot's checkpoint for that position (`RecurrentMetadata.draft_steps`)."""
+        if not steps:
+            return
+        checkpoints = getattr(self, "state_checkpoints", None)
+        assert checkpoints is not None, (
+            f"{type(self).__name__} layer {self.layer_idx}: draft rows but no state checkpoints bound "
+            "(speculative decoding needs RecurrentHybridModelState built with a speculative_config)"
+        )
+        for step in steps:
+            decode_step(step.token_idx, step.state_indices)
+            for name, ck in checkpoints.items():
+                ck[step.state_indices, step.checkpoint_idx] = getattr(self, name)[step.state_indices]
 
     def bound_states(self) -> list[torch.Tensor]:
         """The bound tensors in spec order; asserts they were bound (a model served by a family

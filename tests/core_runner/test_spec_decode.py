@@ -5,7 +5,8 @@ Covers greedy and seeded rows (with filters, logprobs, min_tokens; penalised row
 token per step) in one batch, under chunked prefill and under preemption; drafts accepted not
 at all, partly and fully; max_tokens and stop tokens landing inside a run of accepted drafts;
 a multimodal model (drafts after an image prompt, M-RoPE positions) and an encoder-decoder
-(decoder-side drafts); the refusals (recurrent hybrids, async scheduling, bad configs).
+(decoder-side drafts); the refusals (async scheduling, bad configs). Recurrent hybrids roll their
+state back: tests/model_states/test_recurrent_rollback.py.
 
 Guards against: a draft accepted against the wrong position's noise or logits row, the KV of
 rejected drafts leaking into later steps (num_computed_tokens not rolled back), tokens emitted
@@ -199,10 +200,6 @@ def test_refusals(tmp_path, llama_dir):
         EngineArgs(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="synchronous scheduling"):
         EngineArgs(speculative_config=NGRAM, async_scheduling=True)
-    mamba_dir = tmp_path / "mamba"
-    build_case(tiny_config("Mamba2ForCausalLM"), mamba_dir)
-    with pytest.raises(ValueError, match="recurrent hybrid"):
-        LLM(str(mamba_dir), device="cpu", max_model_len=64, speculative_config=NGRAM)
 
 
 def test_stop_string_inside_several_tokens_drops_the_rest():

@@ -4,7 +4,7 @@ reset per admitted slot.
 Guards against: a re-admitted (preempted) or reused slot starting from the previous request's
 state, pools bound to the wrong layers or shared between layers, attention layers of a hybrid
 mistaken for recurrent layers, a state dtype other than declared, and a postprocess hook that
-silently accepts rejected drafts.
+accepts rejections in a step without drafts (rollback itself: test_recurrent_rollback.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ MAX_NUM_SEQS = 3
 
 
 def make_state(model: torch.nn.Module) -> RecurrentHybridModelState:
-    # The ModelState reads only max_num_seqs from the engine config.
-    state = RecurrentHybridModelState(SimpleNamespace(max_num_seqs=MAX_NUM_SEQS), model, torch.device("cpu"))
+    # The ModelState reads only max_num_seqs and speculative_config from the engine config.
+    config = SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, speculative_config=None)
+    state = RecurrentHybridModelState(config, model, torch.device("cpu"))
     state.initialize_cache(CacheSpec(8, 4, torch.float32, torch.device("cpu")))
     return state
 
@@ -55,7 +56,7 @@ def test_add_request_resets_only_its_slot():
         assert not pool[:, 1].any() and pool[:, [0, 2]].eq(1).all()
 
 
-def test_postprocess_rejects_rejected_drafts():
+def test_postprocess_rejects_rejections_without_drafts():
     state = make_state(BambaForCausalLM(tiny_config("BambaForCausalLM")))
     ones = torch.ones(2, dtype=torch.int32)
     state.postprocess_state(None, ones, torch.zeros_like(ones))

@@ -156,9 +156,12 @@ class GatedDeltaNet(RecurrentLayer):
         g = -self.A_log.float().exp() * F.softplus(a_.float() + self.dt_bias.float())
         core = torch.empty(hidden.shape[0], a.num_v_heads, a.head_v_dim, dtype=hidden.dtype, device=hidden.device)
         if meta.num_decodes:
-            self._run(mixed, g, beta, meta.decode_token_idx, core, decode=True, meta=meta)
+            self._run(mixed, g, beta, meta.decode_token_idx, meta.decode_state_indices, core, decode=True, meta=meta)
+        self.run_draft_steps(
+            meta.draft_steps, lambda idx, slots: self._run(mixed, g, beta, idx, slots, core, decode=True, meta=meta)
+        )
         if meta.num_prefills:
-            self._run(mixed, g, beta, meta.prefill_token_idx, core, decode=False, meta=meta)
+            self._run(mixed, g, beta, meta.prefill_token_idx, meta.prefill_state_indices, core, decode=False, meta=meta)
         out = self.norm(core, z).view(hidden.shape[0], a.value_dim)
         return self.out_proj(out)
 
@@ -168,6 +171,7 @@ class GatedDeltaNet(RecurrentLayer):
         g: torch.Tensor,  # [num_tokens, num_v_heads] float32
         beta: torch.Tensor,  # [num_tokens, num_v_heads] float32
         token_idx: torch.Tensor | None,  # the rows' tokens; None: all of them, in order
+        slots: torch.Tensor,  # [rows] int64, slot of each row
         core: torch.Tensor,  # [num_tokens, num_v_heads, head_v_dim], written at token_idx
         decode: bool,
         meta: RecurrentMetadata,
@@ -177,10 +181,8 @@ class GatedDeltaNet(RecurrentLayer):
             mixed, g, beta = mixed.index_select(0, token_idx), g.index_select(0, token_idx), beta.index_select(0, token_idx)
         weight = self.conv1d.weight.view(a.conv_dim, a.conv_kernel)
         if decode:
-            slots = meta.decode_state_indices
             mixed = causal_conv1d_update(mixed, weight, None, self.conv_state, slots, a.activation)
         else:
-            slots = meta.prefill_state_indices
             mixed = causal_conv1d_varlen(
                 mixed, weight, None, self.conv_state, meta.prefill_query_start_loc, slots,
                 meta.prefill_has_initial_state, a.activation,

@@ -141,9 +141,12 @@ class MambaMixer2(RecurrentLayer):
         z, xbc, dt = self.in_proj(hidden).split([a.intermediate_size, a.conv_dim, a.num_heads], dim=-1)
         y = torch.empty(hidden.shape[0], a.num_heads, a.head_dim, dtype=hidden.dtype, device=hidden.device)
         if meta.num_decodes:
-            self._scan(xbc, dt, meta.decode_token_idx, y, decode=True, meta=meta)
+            self._scan(xbc, dt, meta.decode_token_idx, meta.decode_state_indices, y, decode=True, meta=meta)
+        self.run_draft_steps(
+            meta.draft_steps, lambda idx, slots: self._scan(xbc, dt, idx, slots, y, decode=True, meta=meta)
+        )
         if meta.num_prefills:
-            self._scan(xbc, dt, meta.prefill_token_idx, y, decode=False, meta=meta)
+            self._scan(xbc, dt, meta.prefill_token_idx, meta.prefill_state_indices, y, decode=False, meta=meta)
         return self.out_proj(self.norm(y.view(hidden.shape[0], -1), z))
 
     def _scan(
@@ -151,6 +154,7 @@ class MambaMixer2(RecurrentLayer):
         xbc: torch.Tensor,  # [num_tokens, conv_dim]
         dt: torch.Tensor,  # [num_tokens, num_heads]
         token_idx: torch.Tensor | None,  # the rows' tokens; None: all of them, in order
+        slots: torch.Tensor,  # [rows] int64, slot of each row
         y: torch.Tensor,  # [num_tokens, num_heads, head_dim], written at token_idx
         decode: bool,
         meta: RecurrentMetadata,
@@ -161,10 +165,8 @@ class MambaMixer2(RecurrentLayer):
         weight = self.conv1d.weight.view(a.conv_dim, a.conv_kernel)
         A = -torch.exp(self.A_log.float())
         if decode:
-            slots = meta.decode_state_indices
             xbc = causal_conv1d_update(xbc, weight, self.conv1d.bias, self.conv_state, slots, a.activation)
         else:
-            slots = meta.prefill_state_indices
             xbc = causal_conv1d_varlen(
                 xbc, weight, self.conv1d.bias, self.conv_state, meta.prefill_query_start_loc, slots,
                 meta.prefill_has_initial_state, a.activation,

@@ -40,3 +40,17 @@ def test_uniform_batches_need_no_gather():
     prefill = build(slots=[3, 1], computed=[0, 4], scheduled=[4, 2])
     assert prefill.num_decodes == 0 and prefill.prefill_token_idx is None
     assert prefill.prefill_query_start_loc.tolist() == [0, 4, 6]
+
+
+def test_draft_rows_run_token_by_token_apart_from_prefill_rows():
+    """Speculative decoding: rows with drafts (last known token + drafts) are neither decode nor
+    prefill rows; step j runs token j of each, checkpoint j of its slot."""
+    scheduled = np.array([3, 1, 4, 2])  # draft row (2 drafts), decode, draft row (3 drafts), prefill chunk
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32))
+    slots = [5, 1, 0, 3]
+    m = RecurrentMetadata.build(torch.tensor(slots), np.array(slots), np.array([7, 9, 4, 2]), scheduled, qsl,
+                                num_draft_np=np.array([2, 0, 3, 0]))  # fmt: skip
+    assert (m.num_decodes, m.num_prefills) == (1, 1)
+    assert m.decode_token_idx.tolist() == [3] and m.prefill_token_idx.tolist() == [8, 9]
+    steps = [(s.token_idx.tolist(), s.state_indices.tolist(), s.checkpoint_idx.tolist()) for s in m.draft_steps]
+    assert steps == [([0, 4], [5, 0], [0, 0]), ([1, 5], [5, 0], [1, 1]), ([2, 6], [5, 0], [2, 2]), ([7], [0], [3])]
