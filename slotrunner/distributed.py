@@ -1,7 +1,8 @@
 """vLLM's distributed clean-up call, for scripts that build one LLM after another.
 
-slotrunner runs one engine in one process on one device: there is no process group to tear
-down. What remains of the call is freeing the memory of engines the caller has dropped.
+A tensor-parallel engine leaves its process group in `llm.close()` (or at exit); this call also
+leaves any group still joined in this process, then frees the memory of engines the caller has
+dropped.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ import gc
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
-    """Free the memory of deleted engines (`del llm` first): collect garbage, then hand cached
-    CUDA blocks back to the driver. Safe to call any time, with or without a GPU."""
-    gc.collect()
+    """Leave a torch.distributed process group left open, free the memory of deleted engines
+    (`del llm` first): collect garbage, then hand cached CUDA blocks back to the driver. Safe to
+    call any time, with or without a GPU."""
     import torch
 
+    from slotrunner.core_runner.distributed.parallel_state import destroy_tensor_parallel
+
+    destroy_tensor_parallel()
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
