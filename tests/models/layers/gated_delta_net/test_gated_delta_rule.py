@@ -7,7 +7,8 @@ split anywhere (inside a chunk, on a chunk boundary, one token at a time) that d
 from the state the previous piece left; and Triton kernels that differ from their references on
 awkward sizes -- rows of 1, CHUNK - 1, CHUNK, CHUNK + 1 and 2 * CHUNK + 3 tokens, empty rows,
 rows out of slot order, rows without initial state over a dirty slot, head dims that are not
-powers of two, several value heads per key head, strided q/k/v views of one conv output.
+powers of two, several value heads per key head, strided q/k/v views of one conv output, bf16
+inputs with a float32 state.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ def _check_kernels_match_references(device: str = "cpu"):
             tag = f"chunk {name} {d}"
             torch.testing.assert_close(got, want, **OUT_TOL, msg=lambda m: f"{tag}: {m}")
             torch.testing.assert_close(st_k, st_r, **OUT_TOL, msg=lambda m: f"{tag} state: {m}")
+    # bf16 q/k/v (the model dtype) with a float32 state: both upcast the same values.
+    q, k, v, g, beta, state, qsl = _inputs([C + 3, 2], device=device)
+    s, h = torch.tensor([1, 4], device=device), torch.tensor([True, False], device=device)
+    st_k, st_r = state.clone(), state.clone()
+    half = [t.bfloat16() for t in (q, k, v)]
+    got = chunk.chunk_gated_delta_rule(*half, g, beta, st_k, qsl, s, h)
+    want = chunk.chunk_gated_delta_rule_ref(*half, g, beta, st_r, qsl, s, h)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(st_k, st_r, **OUT_TOL)
     for d in dims:
         q, k, v, g, beta, state, _ = _inputs([1] * 4, device=device, **d)
         s = torch.tensor([3, 0, 5, 1], device=device)
