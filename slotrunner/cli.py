@@ -260,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("architecture", metavar="ARCH", help="a registered architecture (see `slotrunner models`)")
     source = k.add_mutually_exclusive_group()
     source.add_argument("--config", default=None, help="config.json of the tiny case (default: the registered tiny config)")
-    source.add_argument("--model", default=None, help="a checkpoint directory (config.json + safetensors) to check instead")
+    source.add_argument(
+        "--model", default=None,
+        help="a checkpoint to check instead: a directory (config.json + safetensors) or a GGUF file; a model that is "
+        "not tiny is judged against its measured noise floor (transformers' own float32 error, printed beside "
+        "each deviation) where that exceeds the tolerances",
+    )  # fmt: skip
     k.add_argument("--save", default=None, metavar="DIR", help="keep the tiny case in DIR (default: a temporary directory)")
     # Defaults live in slotrunner.conformance (MAX_TOKENS, LOGITS_ATOL, LOGITS_RTOL): importing
     # it here would load torch just to parse the command line.

@@ -18,6 +18,8 @@ table. A tiny case runs single-threaded on CPU in float32 in a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import copy
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -52,6 +54,11 @@ from slotrunner.conformance_recorder import (  # noqa: F401
 
 LOGITS_ATOL = 1e-4  # fp32; transformers' own kernels differ from each other by up to ~2e-5
 LOGITS_RTOL = 1e-4
+# A real checkpoint is judged against its measured noise floor: transformers' own float32 error
+# (its float32 logits against the same model run in float64). Two correct float32
+# implementations each sit about one floor from the exact answer, with different rounding at
+# ill-conditioned positions; a wrong one is off by orders of magnitude more.
+NOISE_FACTOR = 10
 PROMPT_LENS = (1, 5, 13, 37)  # alone runs: one token, within a block, several blocks, many
 MAX_TOKENS = 12
 CHUNK_BUDGETS = (1, 2, 3, 5)  # tokens per step: chunk boundaries at every offset of a 4-token block
@@ -70,6 +77,7 @@ class CheckResult:
     passed: bool
     worst: float  # the largest deviation seen (logits: max |diff|; tokens: largest margin accepted)
     detail: str = ""
+    floor: float | None = None  # the oracle's own float32 error where it was measured (real checkpoints)
 
 
 @dataclass
@@ -81,24 +89,33 @@ class CaseReport:
         return bool(self.checks) and all(c.passed for c in self.checks)
 
     def table(self) -> str:
+        """One row per check; a `floor` column (transformers' own float32 error, against which
+        the check was judged) when any check measured one."""
         width = max([len(c.name) for c in self.checks] + [28])
-        lines = [f"{'check':<{width}} {'result':<6} {'worst':>10}  detail"]
+        floors = any(c.floor is not None for c in self.checks)
+        head = f"{'check':<{width}} {'result':<6} {'worst':>10}"
+        lines = [head + (f" {'floor':>10}" if floors else "") + "  detail"]
         for c in self.checks:
-            lines.append(f"{c.name:<{width}} {'ok' if c.passed else 'FAIL':<6} {c.worst:>10.2e}  {c.detail}")
+            row = f"{c.name:<{width}} {'ok' if c.passed else 'FAIL':<6} {c.worst:>10.2e}"
+            if floors:
+                row += f" {c.floor:>10.2e}" if c.floor is not None else f" {'-':>10}"
+            lines.append(f"{row}  {c.detail}")
         return "\n".join(lines)
 
 
 def compare_logits(
-    name: str, ours: torch.Tensor, ref: torch.Tensor, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL
+    name: str, ours: torch.Tensor, ref: torch.Tensor, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+    floor: float | None = None,
 ) -> CheckResult:
-    """Every value within atol + rtol * |ref|; `worst` is the largest absolute difference."""
+    """Every value within atol + rtol * |ref|, or within NOISE_FACTOR x `floor` (the oracle's
+    own float32 error, measured on a real checkpoint); `worst` is the largest absolute difference."""
     if ours.shape != ref.shape:
-        return CheckResult(name, False, float("inf"), f"shapes differ: {tuple(ours.shape)} vs {tuple(ref.shape)}")
+        return CheckResult(name, False, float("inf"), f"shapes differ: {tuple(ours.shape)} vs {tuple(ref.shape)}", floor)
     diff = (ours - ref).abs()
-    bad = diff > atol + rtol * ref.abs()
+    bad = diff > torch.clamp(atol + rtol * ref.abs(), min=NOISE_FACTOR * (floor or 0.0))
     worst = float(diff.max()) if diff.numel() else 0.0
     detail = f"{int(bad.sum())} of {bad.numel()} values out of tolerance" if bad.any() else f"{ref.shape[0]} positions"
-    return CheckResult(name, not bool(bad.any()), worst, detail)
+    return CheckResult(name, not bool(bad.any()), worst, detail, floor)
 
 
 def first_divergence(ours: list[int], ref: list[int]) -> int | None:
@@ -106,28 +123,41 @@ def first_divergence(ours: list[int], ref: list[int]) -> int | None:
 
 
 def compare_greedy(
-    name: str, ours: list[int], ref: list[int], ref_logits: torch.Tensor, prompt_len: int, atol: float = LOGITS_ATOL
+    name: str, ours: list[int], ref: list[int], ref_logits: torch.Tensor, prompt_len: int, atol: float = LOGITS_ATOL,
+    floor: float | None = None,
 ) -> CheckResult:
     """Tokens equal, or at the first difference a near-tie in the reference's logits (then the
-    continuations legitimately diverge and the comparison stops there)."""
+    continuations legitimately diverge and the comparison stops there). A near-tie is a margin
+    within 2 x the logits tolerance (atol, or NOISE_FACTOR x `floor` where that is larger)."""
+    tol = max(atol, NOISE_FACTOR * (floor or 0.0))
     i = first_divergence(ours, ref)
     if i is not None:
         a, b = ours[i], ref[i]
         row = ref_logits[prompt_len - 1 + i]
         margin = float(row[b] - row[a])
         detail = f"diverge at step {i} ({a} vs {b}), reference margin {margin:.2e}"
-        return CheckResult(name, margin <= 2 * atol, margin, detail)
+        return CheckResult(name, margin <= 2 * tol, margin, detail, floor)
     ok = len(ours) == len(ref)
-    return CheckResult(name, ok, 0.0, f"{len(ours)} tokens equal" if ok else f"lengths {len(ours)} vs {len(ref)}")
+    return CheckResult(name, ok, 0.0, f"{len(ours)} tokens equal" if ok else f"lengths {len(ours)} vs {len(ref)}", floor)
 
 
 def merge(name: str, results: Sequence[CheckResult]) -> CheckResult:
     """One row for several results of one kind: the worst deviation, the first failure named."""
     failed = [r for r in results if not r.passed]
     worst = max((r.worst for r in results), default=0.0)
+    floors = [r.floor for r in results if r.floor is not None]
+    floor = max(floors) if floors else None
     if failed:
-        return CheckResult(name, False, worst, f"{failed[0].name}: {failed[0].detail}")
-    return CheckResult(name, True, worst, f"{len(results)} checked")
+        return CheckResult(name, False, worst, f"{failed[0].name}: {failed[0].detail}", floor)
+    return CheckResult(name, True, worst, f"{len(results)} checked", floor)
+
+
+def noise_floor(oracle: Any, exact: Any | None, request: ConformanceRequest, token_ids: list[int], ref: torch.Tensor) -> float | None:
+    """transformers' own float32 error on this sequence: max |float32 logits - float64 logits|
+    (`exact` is the oracle in float64), or None when no float64 oracle is given (tiny cases)."""
+    if exact is None:
+        return None
+    return float((ref - exact.logits(request, token_ids)[: ref.shape[0]]).abs().max())
 
 
 # -- the checks -------------------------------------------------------------------------------
@@ -135,20 +165,22 @@ def merge(name: str, results: Sequence[CheckResult]) -> CheckResult:
 
 def check_requests(
     llm: Any, oracle: Any, requests: Sequence[ConformanceRequest], max_tokens: int = MAX_TOKENS,
-    atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+    atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, exact: Any | None = None,
 ) -> list[CheckResult]:
     """Each request alone: prefill logits, decode logits and greedy tokens against the oracle,
-    one result per request and kind ("request 2: decode logits")."""
+    one result per request and kind ("request 2: decode logits"). With `exact` (the oracle in
+    float64) each is judged against the oracle's measured float32 error (`noise_floor`)."""
     results = []
     for i, req in enumerate(requests):
         run = run_recorded_prompt(llm, req.prompt, max_tokens)
         seq = run.prompt_token_ids + run.output_token_ids
         ref = oracle.logits(req, seq)[: len(seq) - 1]
         n = len(run.prompt_token_ids)
+        floor = noise_floor(oracle, exact, req, seq, ref)
         hf_tokens = oracle.greedy(req, run.prompt_token_ids, max_tokens)
-        results.append(compare_logits(f"request {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol))
-        results.append(compare_logits(f"request {i}: decode logits", run.logits[n:], ref[n:], atol, rtol))
-        results.append(compare_greedy(f"request {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol))
+        results.append(compare_logits(f"request {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol, floor))
+        results.append(compare_logits(f"request {i}: decode logits", run.logits[n:], ref[n:], atol, rtol, floor))
+        results.append(compare_greedy(f"request {i}: greedy tokens", run.output_token_ids, hf_tokens, ref, n, atol, floor))
     return results
 
 
@@ -163,17 +195,20 @@ def check_case(
 
 def check_chunked_prefill(
     make_llm: Callable[..., Any], oracle: Any, request: ConformanceRequest, budgets: Sequence[int] = CHUNK_BUDGETS,
-    max_tokens: int = 3, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+    max_tokens: int = 3, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, exact: Any | None = None,
 ) -> list[CheckResult]:
     """One request prefilled `budget` tokens per step: every chunk must continue from what the
     previous one left (KV cache, recurrent state), so its logits equal the oracle's."""
     results = []
+    floors: dict[tuple[int, ...], float | None] = {}
     for budget in budgets:
         llm = make_llm(max_num_seqs=1, max_num_batched_tokens=budget)
         run = run_recorded_prompt(llm, request.prompt, max_tokens)
         seq = run.prompt_token_ids + run.output_token_ids
         ref = oracle.logits(request, seq)[: len(seq) - 1]
-        results.append(compare_logits(f"budget {budget}", run.logits, ref, atol, rtol))
+        if tuple(seq) not in floors:
+            floors[tuple(seq)] = noise_floor(oracle, exact, request, seq, ref)
+        results.append(compare_logits(f"budget {budget}", run.logits, ref, atol, rtol, floors[tuple(seq)]))
     return results
 
 
@@ -206,7 +241,9 @@ def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ..
     )
 
 
-def _compare_runs(name: str, got: RecordedRun, alone: RecordedRun, greedy: bool, atol: float, rtol: float) -> CheckResult:
+def _compare_runs(
+    name: str, got: RecordedRun, alone: RecordedRun, greedy: bool, atol: float, rtol: float, floor: float | None = None
+) -> CheckResult:
     """A batched run against the same request alone: equal tokens (a greedy row may diverge at
     a near-tie of the alone logits) and logits within tolerance up to any divergence."""
     ours, theirs = got.output_token_ids, alone.output_token_ids
@@ -216,29 +253,37 @@ def _compare_runs(name: str, got: RecordedRun, alone: RecordedRun, greedy: bool,
     n = len(alone.prompt_token_ids)
     first = got.first_position  # positions before it came from the prefix cache: not recomputed
     rows = got.logits.shape[0] if i is None else n + i - first
-    result = compare_logits(name, got.logits[:rows], alone.logits[first : first + rows], atol, rtol)
+    result = compare_logits(name, got.logits[:rows], alone.logits[first : first + rows], atol, rtol, floor)
     if i is None or not result.passed:
         return result
     margin = float(alone.logits[n - 1 + i, theirs[i]] - alone.logits[n - 1 + i, ours[i]])
     detail = f"token {i} is {ours[i]}, alone {theirs[i]} (alone margin {margin:.2e})"
-    return CheckResult(name, greedy and margin <= 2 * atol, max(result.worst, margin), detail)
+    tol = max(atol, NOISE_FACTOR * (floor or 0.0))
+    return CheckResult(name, greedy and margin <= 2 * tol, max(result.worst, margin), detail, floor)
 
 
 def check_batch_invariance(
     make_llm: Callable[..., Any], prompts: Sequence[Any], params: Sequence[Any],
     variants: Sequence[BatchVariant] | None = None, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
-    on_engine: Callable[[Any], None] | None = None,
+    on_engine: Callable[[Any], None] | None = None, max_model_len: int = MAX_MODEL_LEN, floor: float | None = None,
 ) -> list[CheckResult]:
     """Each variant runs every request together, in a shuffled order; each request must equal
     its run alone. One result per variant. `on_engine(llm)` sees each batched engine before it
-    runs (a test may instrument it), and the alone runs use one engine with one slot."""
-    variants = batch_variants() if variants is None else variants
+    runs (a test may instrument it), and the alone runs use one engine with one slot.
+
+    A variant that must preempt but did not (short requests fit the scarce cache side by side)
+    runs again with every request generating up to `max_model_len`: then any two running
+    requests together need more than the cache, so one is preempted; only if even that does not
+    preempt does the variant fail. `floor` (a real checkpoint's measured float32 noise) widens
+    the logits tolerance to NOISE_FACTOR x floor, as for the oracle checks."""
+    variants = batch_variants(max_model_len) if variants is None else variants
     solo = make_llm(max_num_seqs=1)
     alone = [run_batch(solo, [p], [sp])[0] for p, sp in zip(prompts, params)]
     order = list(range(len(prompts)))
     random.Random(0).shuffle(order)
-    results = []
-    for variant in variants:
+    long: tuple[list[Any], list[RecordedRun]] | None = None  # lengthened params and their alone runs
+
+    def run_variant(variant: BatchVariant, params: Sequence[Any], alone: Sequence[RecordedRun]) -> tuple[CheckResult, Any, list[RecordedRun]]:
         llm = make_llm(**variant.engine_args)
         if on_engine is not None:
             on_engine(llm)
@@ -246,21 +291,36 @@ def check_batch_invariance(
         if variant.twice:
             runs = run_batch(llm, [prompts[i] for i in order], [params[i] for i in order])
         per_request = [
-            _compare_runs(f"request {i}", run, alone[i], params[i].temperature == 0, atol, rtol)
+            _compare_runs(f"request {i}", run, alone[i], params[i].temperature == 0, atol, rtol, floor)
             for i, run in zip(order, runs)
         ]
-        result = merge(f"batch: {variant.name}", per_request)
+        return merge(f"batch: {variant.name}", per_request), llm, runs
+
+    results = []
+    for variant in variants:
+        result, llm, runs = run_variant(variant, params, alone)
         preemptions = llm.engine.scheduler.num_preemptions
+        lengthened = False
+        if variant.must_preempt and preemptions == 0:
+            if long is None:
+                long_params = [
+                    dataclasses.replace(sp, max_tokens=max(sp.max_tokens, max_model_len - len(run.prompt_token_ids)))
+                    for sp, run in zip(params, alone)
+                ]
+                long = long_params, [run_batch(solo, [p], [sp])[0] for p, sp in zip(prompts, long_params)]
+            result, llm, runs = run_variant(variant, *long)
+            preemptions, lengthened = llm.engine.scheduler.num_preemptions, True
         hits = sum(run.num_cached_tokens for run in runs)
         if variant.must_preempt and preemptions == 0:
-            detail = "no request was preempted: give the requests more tokens"
-            result = CheckResult(result.name, False, result.worst, detail)
+            detail = f"no request was preempted, even with every request generating up to max_model_len={max_model_len}"
+            result = CheckResult(result.name, False, result.worst, detail, floor)
         elif variant.twice and llm.config.enable_prefix_caching and hits == 0:
-            result = CheckResult(result.name, False, result.worst, "the second run took nothing from the prefix cache")
+            result = CheckResult(result.name, False, result.worst, "the second run took nothing from the prefix cache", floor)
         elif variant.twice and not llm.config.enable_prefix_caching and result.passed:
             result.detail = "prefix caching is off for this family: recomputed"
         elif result.passed:
             result.detail = f"{len(prompts)} requests" + (f", {preemptions} preemptions" if preemptions else "")
+            result.detail += " (run to max_model_len to force them)" if lengthened else ""
             result.detail += f", {hits} cached tokens" if hits else ""
         results.append(result)
     return results
@@ -280,6 +340,10 @@ class Case:
     batch_prompts: list[Any]  # the mixed batch
     batch_params: list[Any]
     max_model_len: int = MAX_MODEL_LEN
+    # The oracle in float64, for a real checkpoint: its float32 error is the noise floor each
+    # check is judged against. None (tiny cases): the fixed LOGITS_ATOL / LOGITS_RTOL.
+    exact: Any | None = None
+    engine_args: Mapping[str, Any] = field(default_factory=dict)  # for every engine (a GGUF file: dequantized)
 
     def make_llm(self, **engine_args: Any) -> Any:
         from slotrunner.llm import LLM
@@ -287,7 +351,7 @@ class Case:
         # Caching off unless a variant asks: checks against the oracle need every position computed.
         args = dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_model_len=self.max_model_len, max_num_seqs=4,
                     enable_prefix_caching=False)
-        return LLM(str(self.directory), **(args | engine_args))
+        return LLM(str(self.directory), **(args | dict(self.engine_args) | engine_args))
 
 
 def check_token_inputs(hf_config: Any, architecture: str) -> None:
@@ -363,21 +427,37 @@ def tiny_case(architecture: str, directory: str | Path, hf_config: Any = None, s
     return _make_case(architecture, Path(directory), hf_model, MAX_MODEL_LEN)
 
 
-def checkpoint_case(directory: str | Path, architecture: str | None = None) -> Case:
-    """A real checkpoint (config.json + safetensors); transformers loads the same files."""
+def checkpoint_case(directory: str | Path, architecture: str | None = None, measure_floor: bool | None = None) -> Case:
+    """A real checkpoint -- a model directory (config.json + safetensors) or a GGUF file (or a
+    directory holding one) -- that transformers loads as the oracle from the same files.
+    `measure_floor`: also build the oracle in float64, to judge each check against
+    transformers' own float32 error; None: for every model that is not tiny (TINY_PARAMS).
+    A GGUF file runs dequantized in slotrunner, as transformers runs it."""
+    from slotrunner.conformance_gguf import gguf_checkpoint_config, gguf_file_of, load_gguf_oracle
     from slotrunner.core_runner.loader.checkpoint import load_hf_config
 
-    hf_config = load_hf_config(directory)
+    gguf = gguf_file_of(directory)
+    hf_config = gguf_checkpoint_config(gguf) if gguf is not None else load_hf_config(directory)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ConformanceError(f"{directory}/config.json names no 'architectures'")
     if architecture is not None and archs[0] != architecture:
         raise ConformanceError(f"{directory} holds a {archs[0]}, not a {architecture}")
     check_token_inputs(hf_config, archs[0])
-    hf_model = transformers_class(archs[0]).from_pretrained(str(directory), dtype=torch.float32).eval()
+    if gguf is not None:
+        hf_model = load_gguf_oracle(gguf, archs[0])
+    else:
+        hf_model = transformers_class(archs[0]).from_pretrained(str(directory), dtype=torch.float32).eval()
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     limit = getattr(text_config, "max_position_embeddings", None) or MAX_MODEL_LEN
-    return _make_case(archs[0], Path(directory), hf_model, min(MAX_MODEL_LEN, int(limit)))
+    case = _make_case(archs[0], gguf or Path(directory), hf_model, min(MAX_MODEL_LEN, int(limit)))
+    if gguf is not None:
+        case.engine_args = {"quantized_weights": "dequantized"}
+    if measure_floor is None:
+        measure_floor = sum(p.numel() for p in hf_model.parameters()) >= TINY_PARAMS
+    if measure_floor:
+        case.exact = type(case.oracle)(copy.deepcopy(hf_model).double())
+    return case
 
 
 @contextmanager
@@ -398,14 +478,18 @@ def run_case(
 ) -> CaseReport:
     """Every check, one table row per kind: logits and greedy tokens alone, chunked prefill,
     and the mixed batch run three ways (`on_engine` as in check_batch_invariance)."""
-    alone = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens, atol, rtol)
+    alone = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens, atol, rtol, case.exact)
     report = CaseReport()
     for kind in ("prefill logits", "decode logits", "greedy tokens"):
         report.checks.append(merge(kind, [r for r in alone if r.name.endswith(kind)]))
-    chunked = check_chunked_prefill(case.make_llm, case.oracle, case.requests[-1], atol=atol, rtol=rtol)
+    chunked = check_chunked_prefill(case.make_llm, case.oracle, case.requests[-1], atol=atol, rtol=rtol, exact=case.exact)
     report.checks.append(merge("chunked prefill logits", chunked))
+    # Batched against alone, both slotrunner: a real checkpoint's batches reorder float32 sums
+    # as much as the oracle's float32 does, so the largest floor measured above applies.
+    floor = max((r.floor for r in alone if r.floor is not None), default=None)
     report.checks += check_batch_invariance(
-        case.make_llm, case.batch_prompts, case.batch_params, batch_variants(case.max_model_len), atol, rtol, on_engine
+        case.make_llm, case.batch_prompts, case.batch_params, batch_variants(case.max_model_len), atol, rtol, on_engine,
+        case.max_model_len, floor,
     )
     return report
 
@@ -425,7 +509,7 @@ def run_conformance(
         if config is not None:
             raise ConformanceError("give a config for a tiny case or a model directory, not both")
         case = checkpoint_case(model, architecture)
-        tiny = sum(p.numel() for p in case.oracle.hf_model.parameters()) < TINY_PARAMS
+        tiny = case.exact is None
         with single_thread() if tiny else nullcontext():
             return run_case(case, max_tokens, atol, rtol)
     if isinstance(config, (str, Path)):

@@ -132,9 +132,12 @@ def hf_greedy(hf_model: torch.nn.Module, prompt_token_ids: list[int], max_tokens
 
 
 def hf_seq2seq_logits(hf_model: torch.nn.Module, encoder_kwargs: Mapping[str, torch.Tensor], decoder_ids: list[int]) -> torch.Tensor:
-    """transformers' logits over one decoder sequence given one encoder input: [len, vocab]."""
+    """transformers' logits over one decoder sequence given one encoder input: [len, vocab].
+    Float inputs (audio features) take the model's dtype, so a float64 oracle runs in float64."""
+    dtype = next(hf_model.parameters()).dtype
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in encoder_kwargs.items()}
     with torch.no_grad():
-        out = hf_model(**encoder_kwargs, decoder_input_ids=torch.tensor([decoder_ids]))
+        out = hf_model(**inputs, decoder_input_ids=torch.tensor([decoder_ids]))
     return out.logits[0].float()
 
 
