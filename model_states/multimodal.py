@@ -11,7 +11,14 @@ A batch whose chunks touch no placeholder returns None: the model embeds the ids
 
 M-RoPE models (`model.uses_mrope`): `add_request` computes the prompt's [3, prompt_len]
 positions and its delta; `prepare_inputs` hands the model `mrope_positions` [3, num_tokens] --
-stored positions inside the prompt, `position + delta` on all axes after it.
+stored positions inside the prompt, `position + delta` on all axes after it -- written in place
+into one persistent buffer.
+
+CUDA graphs: a decode-only batch has no placeholder to fill (every item's span lies in a
+prompt, prefilled before the request decodes), so `prepare_inputs_embeds` returns None and the
+model embeds the ids itself; the only family input is `mrope_positions`, which lives at the
+address `prepare_dummy_inputs` gave the capture. Decode steps therefore replay the graphs the
+default decoder uses; prefill and mixed steps (where media is merged) run eagerly.
 
 What the state calls on its model is `MultimodalModel` below (models/multimodal_lm.py is the
 in-tree base that provides it).
@@ -61,7 +68,7 @@ class MultimodalModel(Protocol):
 
 @dataclass(frozen=True)
 class MRopeInputs(ModelInputs):
-    mrope_positions: torch.Tensor | None  # [3, num_tokens]; None: every row is plain text (all axes equal)
+    mrope_positions: torch.Tensor  # [3, num_tokens], a view of the state's persistent buffer
 
 
 class EncoderCache:
@@ -102,6 +109,8 @@ class _SlotMedia:
 class MultimodalModelState(ModelState):
     family = "multimodal"
     model_protocol = MultimodalModel
+    # Decode steps replay CUDA graphs: see the module docstring.
+    supports_cuda_graphs = True
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)
@@ -115,6 +124,8 @@ class MultimodalModelState(ModelState):
             self.mrope_prompt: list[torch.Tensor | None] = [None] * n  # [3, prompt_len] per slot, on device
             self.mrope_prompt_len_np = np.zeros(n, dtype=np.int64)  # [slots] 0: no stored positions
             self.mrope_delta_np = np.zeros(n, dtype=np.int64)  # [slots]
+            # Every step's positions, written in place (a captured graph reads this address).
+            self._mrope_buf = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64, device=device)
 
     # -- intake ------------------------------------------------------------------------------
     @classmethod
@@ -207,10 +218,13 @@ class MultimodalModelState(ModelState):
         idx = batch.idx_mapping_np
         delta_np = self.mrope_delta_np[idx]
         in_prompt = np.flatnonzero(batch.num_computed_tokens_np < self.mrope_prompt_len_np[idx])
-        if in_prompt.size == 0 and not delta_np.any():
-            return MRopeInputs(None)  # plain text everywhere: all three axes equal the positions
-        delta = torch.from_numpy(np.repeat(delta_np, batch.num_scheduled_tokens_np)).to(self.device, non_blocking=True)
-        positions = (batch.positions + delta).expand(3, -1).clone()  # [3, num_tokens]
+        num_tokens = batch.positions.shape[0]
+        positions = self._mrope_buf[:, :num_tokens]  # [3, num_tokens]
+        if delta_np.any():
+            delta = torch.from_numpy(np.repeat(delta_np, batch.num_scheduled_tokens_np)).to(self.device, non_blocking=True)
+            positions.copy_((batch.positions + delta).expand(3, -1))
+        else:  # plain text everywhere: all three axes equal the positions
+            positions.copy_(batch.positions.expand(3, -1))
         for row in in_prompt:
             start = int(batch.num_computed_tokens_np[row])
             stop = min(start + int(batch.num_scheduled_tokens_np[row]), int(self.mrope_prompt_len_np[idx[row]]))
@@ -221,4 +235,4 @@ class MultimodalModelState(ModelState):
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> ModelInputs:
         if not self.uses_mrope:
             return ModelInputs()
-        return MRopeInputs(torch.zeros(3, num_tokens, dtype=torch.int64, device=self.device))
+        return MRopeInputs(self._mrope_buf[:, :num_tokens])

@@ -275,3 +275,52 @@ def test_precomputed_media_and_token_ids_equal_processed(case):
     out = out[0]
     assert out.prompt_token_ids == run.prompt_token_ids
     assert out.outputs[0].token_ids == run.output_token_ids
+
+
+def test_decode_inputs_live_in_the_captured_buffers(case):
+    """What CUDA graphs rely on (MultimodalModelState.supports_cuda_graphs): in every decode-only
+    step the state merges no embeddings and its family inputs are views of the buffers that
+    `prepare_dummy_inputs` hands the capture, holding this step's values."""
+    if not case.alone:
+        pytest.skip("needs the alone runs of test_logits_and_greedy_tokens_match_transformers")
+    llm = engine(case, max_num_seqs=4)
+    state = llm.engine.runner.model_state
+    seen: list[tuple[bool, object]] = []
+    prepare_embeds, prepare = state.prepare_inputs_embeds, state.prepare_inputs
+
+    def record_embeds(batch):
+        out = prepare_embeds(batch)
+        if batch.max_query_len == 1:
+            seen.append((out is None, None))
+        return out
+
+    def record_inputs(batch):
+        out = prepare(batch)
+        if batch.max_query_len == 1:
+            dummy = state.prepare_dummy_inputs(batch.num_reqs, batch.num_tokens).as_kwargs()
+            got = out.as_kwargs()
+            assert got.keys() == dummy.keys()
+            for k in got:
+                assert got[k].data_ptr() == dummy[k].data_ptr() and got[k].shape == dummy[k].shape, k
+            seen.append((True, {k: v.clone() for k, v in got.items()}))
+        return out
+
+    state.prepare_inputs_embeds, state.prepare_inputs = record_embeds, record_inputs
+    outs = llm.generate([case.requests[i].prompt for i in (0, 2, 1)], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [case.alone[i].output_token_ids for i in (0, 2, 1)]
+    assert seen and all(no_embeds for no_embeds, _ in seen), "a decode-only step merged media embeddings"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_equal_eager(case):
+    """bf16 on the GPU: decode steps replayed from CUDA graphs give the greedy tokens of eager steps."""
+    prompts = [r.prompt for r in case.requests]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(case.directory), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=4,
+                  enforce_eager=eager, enable_prefix_caching=False)  # fmt: skip
+        assert (llm.engine.runner.cuda_graphs is None) == eager
+        runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert runs[True] == runs[False]
