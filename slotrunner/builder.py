@@ -8,6 +8,7 @@ front end call `build_engine(EngineArgs(...))` directly.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,10 @@ from slotrunner.vllm_options import check_vllm_options, mm_limits, unknown_optio
 
 _CPU_KV_CACHE_BYTES = 2 << 30  # default KV-cache budget on CPU
 _GPU_MEMORY_UTILIZATION = 0.85  # fraction of free GPU memory (after loading) given to the KV cache
+# At most this share of the cache budget goes to a family's per-request state (Whisper's, BART's
+# and T5's cross-attention caches, Mamba pools); max_num_seqs is lowered to fit it, so that a
+# real checkpoint loads with default arguments and the paged KV cache keeps the rest.
+_FAMILY_STATE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,18 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     # The family's state (Mamba pools, cross-attention caches) comes out of the same memory as the
     # KV cache: build it once, ask its size, and give the KV cache what is left.
     model_state = arch.model_state_cls(config, nn_model, dev)
+    if args.num_kv_blocks is None:
+        budget = kv_budget_bytes(config, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
+        fitted = launch.tp.agree_min(max_num_seqs_within(budget, model_state.cache_bytes(dtype), config.max_num_seqs))
+        if fitted < config.max_num_seqs:
+            logging.getLogger(__name__).warning(
+                "max_num_seqs lowered from %d to %d: the %s family's per-request state takes %.1f MiB a request, "
+                "and at most %d%% of the %.2f GiB cache budget goes to it (pass kv_cache_memory_bytes or "
+                "gpu_memory_utilization for more)", config.max_num_seqs, fitted, arch.model_state_cls.family,
+                model_state.cache_bytes(dtype) / config.max_num_seqs / 2**20, 100 * _FAMILY_STATE_SHARE, budget / 2**30,
+            )  # fmt: skip
+            config = dataclasses.replace(config, max_num_seqs=fitted)
+            model_state = arch.model_state_cls(config, nn_model, dev)
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
         reserved = model_state.cache_bytes(dtype)
@@ -294,14 +311,36 @@ def default_num_kv_blocks(
     kv_cache_memory_bytes: int | None = None,
 ) -> int:
     """KV-cache blocks for `config`: enough for max_num_seqs requests of max_model_len, within
-    the device's budget less `reserved_bytes` (the family state's share, ModelState.cache_bytes).
-
-    The budget: `kv_cache_memory_bytes` when given; on CUDA with `gpu_memory_utilization`, that
-    share of the GPU's total memory less what is in use now (the weights, other processes), as
-    vLLM sizes it; on CUDA otherwise 85% of the free memory; on CPU 2 GiB."""
+    the device's budget (`kv_budget_bytes`) less `reserved_bytes` (the family state's share,
+    ModelState.cache_bytes)."""
     per_block = kv_bytes_per_block(model, config.block_size, config.cache_dtype)
     blocks_per_req = -(-config.max_model_len // config.block_size)
     wanted = config.max_num_seqs * blocks_per_req
+    budget = kv_budget_bytes(config, gpu_memory_utilization, kv_cache_memory_bytes) - reserved_bytes
+    if budget < per_block * blocks_per_req:
+        raise ValueError(
+            f"after the model's per-request state ({reserved_bytes / 2**30:.2f} GiB for max_num_seqs={config.max_num_seqs}) "
+            f"the KV cache cannot hold one request of max_model_len={config.max_model_len}: lower max_num_seqs or max_model_len"
+        )
+    return max(1, min(wanted, budget // max(per_block, 1)))
+
+
+def max_num_seqs_within(budget: int, state_bytes: int, max_num_seqs: int) -> int:
+    """The most requests (up to `max_num_seqs`) whose family state -- `state_bytes` for
+    `max_num_seqs` of them, ModelState.cache_bytes, linear in the count -- fits in
+    _FAMILY_STATE_SHARE of the cache `budget`; at least 1 (the KV sizing then says if even
+    that does not fit)."""
+    per_request = state_bytes / max_num_seqs
+    if per_request == 0:
+        return max_num_seqs
+    return max(1, min(max_num_seqs, int(budget * _FAMILY_STATE_SHARE // per_request)))
+
+
+def kv_budget_bytes(config: EngineConfig, gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None) -> int:
+    """Bytes for the KV cache and the family's per-request state together: `kv_cache_memory_bytes`
+    when given; on CUDA with `gpu_memory_utilization`, that share of the GPU's total memory less
+    what is in use now (the weights, other processes), as vLLM sizes it; on CUDA otherwise 85%
+    of the free memory; on CPU 2 GiB."""
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
     elif config.device.type == "cuda":
@@ -318,13 +357,7 @@ def default_num_kv_blocks(
                 )
     else:
         budget = _CPU_KV_CACHE_BYTES
-    budget -= reserved_bytes
-    if budget < per_block * blocks_per_req:
-        raise ValueError(
-            f"after the model's per-request state ({reserved_bytes / 2**30:.2f} GiB for max_num_seqs={config.max_num_seqs}) "
-            f"the KV cache cannot hold one request of max_model_len={config.max_model_len}: lower max_num_seqs or max_model_len"
-        )
-    return max(1, min(wanted, budget // max(per_block, 1)))
+    return budget
 
 
 def _check_engine_args(**args: Any) -> None:

@@ -1,0 +1,55 @@
+"""Real-size checkpoints load with default arguments: max_num_seqs is lowered to what the
+family's per-request state leaves room for, and the log says so.
+
+Guards against: `LLM(real_whisper_dir)` raising "the KV cache cannot hold one request" because
+256 requests' cross-attention caches (4.4 GiB for Whisper tiny) exceed the CPU cache budget;
+a user's small max_num_seqs being changed; a decoder-only model (no family state) being capped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import transformers
+
+from slotrunner import LLM
+from slotrunner.builder import _CPU_KV_CACHE_BYTES, _FAMILY_STATE_SHARE, max_num_seqs_within
+
+# Real dimensions, random (dummy) weights: the sizes are what matters here.
+REAL_SIZE = {
+    "whisper-tiny": lambda: transformers.WhisperConfig(
+        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
+        encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=51864, architectures=["WhisperForConditionalGeneration"],
+    ),
+    "t5-small": lambda: transformers.T5Config(
+        d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8, vocab_size=32128,
+        architectures=["T5ForConditionalGeneration"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", REAL_SIZE)
+def test_a_real_size_encoder_decoder_loads_with_defaults(name, tmp_path, caplog):
+    REAL_SIZE[name]().save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="slotrunner.builder"):
+        llm = LLM(str(tmp_path), device="cpu", load_format="dummy")
+    config, state = llm.engine.config, llm.engine.runner.model_state
+    assert 1 <= config.max_num_seqs < 256
+    assert state.cache_bytes(config.dtype) <= _FAMILY_STATE_SHARE * _CPU_KV_CACHE_BYTES
+    assert config.num_kv_blocks * config.block_size >= config.max_model_len  # the KV cache keeps the rest
+    assert f"max_num_seqs lowered from 256 to {config.max_num_seqs}" in caplog.text
+
+
+def test_max_num_seqs_within_the_state_share():
+    gib = 2**30
+    assert max_num_seqs_within(2 * gib, 256 * 18 * 2**20, 256) == 56  # 1 GiB / 18 MiB a request
+    assert max_num_seqs_within(2 * gib, 4 * 18 * 2**20, 4) == 4  # a small request count is kept
+    assert max_num_seqs_within(2 * gib, 0, 256) == 256  # no family state: nothing to fit
+    assert max_num_seqs_within(2 * gib, 8 * gib, 1) == 1  # never 0: the KV sizing then explains
+
+
+def test_a_decoder_only_model_keeps_max_num_seqs(tiny_llama_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="slotrunner.builder"):
+        llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
+    assert llm.engine.config.max_num_seqs == 256 and "lowered" not in caplog.text
