@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram drafts): time per output token with and without it.
+"""Speculative decoding (n-gram or draft-model drafts): time per output token with and without it.
 
 Prompts ask the model to repeat or lightly edit a given passage (code, prose, a list): the
 output copies long spans of the prompt, which is what prompt lookup proposes. Per batch size it
@@ -11,6 +11,7 @@ are identical (they must be: verification is exact).
 
     python benchmarks/spec_decode.py                      # CPU: SmolLM2-135M (LLM()), batch 1 and 16
     python benchmarks/spec_decode.py --qwen3-shape        # GPU: Qwen3-0.6B shape, random weights
+    python benchmarks/spec_decode.py --draft-model PATH   # a draft model instead of prompt lookup
 
 `--qwen3-shape` builds a random-weight model of Qwen3-0.6B's shape (as benchmarks/throughput.py
 does); random weights do not copy their prompt, so there it measures the cost of verification
@@ -87,6 +88,9 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument(
+        "--draft-model", default=None, help="speculate with this draft model (method draft_model); 'same': the target itself"
+    )
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
@@ -103,9 +107,15 @@ def main() -> None:
     }
     common = dict(device=args.device, max_model_len=1024, max_num_seqs=32, enable_prefix_caching=False, async_scheduling=False)
     base = LLM(model, **common)
+    if args.draft_model is not None:
+        # "same": a draft sharing the target's weights proposes the target's own greedy tokens
+        # (every draft of a greedy request accepted: the upper bound of the method).
+        draft = base.config.model if args.draft_model == "same" else args.draft_model
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
     fast = LLM(model, speculative_config=spec, **common)
     print(f"model={model or 'SmolLM2-135M-Instruct'} device={base.config.device} dtype={base.config.dtype} "
-          f"k={args.num_speculative_tokens} n={args.prompt_lookup_min}..{args.prompt_lookup_max} max_tokens={args.max_tokens}")
+          f"k={args.num_speculative_tokens} " + (f"draft={args.draft_model} " if args.draft_model else
+          f"n={args.prompt_lookup_min}..{args.prompt_lookup_max} ") + f"max_tokens={args.max_tokens}")
     print(f"{'batch':>5} {'base ms/tok':>11} {'spec ms/tok':>11} {'base tok/s':>10} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accept':>6} {'tok/step':>8} identical")
     for b in [int(x) for x in args.batch_sizes.split(",")]:

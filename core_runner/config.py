@@ -36,8 +36,12 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
-_SPEC_METHODS = ("ngram",)
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_SPEC_METHODS = ("ngram", "draft_model")
+# The keys each method reads (vLLM's names).
+_SPEC_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("method", "num_speculative_tokens", "model"),
+}
 
 
 @dataclass(frozen=True)
@@ -47,19 +51,17 @@ class SpeculativeConfig:
 
     method "ngram" (prompt lookup): the most recent earlier occurrence of the row's last n
     tokens, n from prompt_lookup_max down to prompt_lookup_min, proposes the tokens after it.
+    method "draft_model": a smaller decoder (`model`: a path or repo id, as for the target)
+    sharing the target's tokenizer proposes k tokens greedily.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    model: str | None = None  # the draft model (method "draft_model")
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError(
-                "speculative_config method 'draft_model' is not implemented yet; use {'method': 'ngram', ...} "
-                "(docs/architecture.md, 'Speculative decoding', says how a draft model plugs in)"
-            )
         if self.method not in _SPEC_METHODS:
             raise ValueError(f"speculative_config['method'] must be one of {_SPEC_METHODS}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
@@ -71,6 +73,13 @@ class SpeculativeConfig:
                 f"speculative_config['prompt_lookup_min']={self.prompt_lookup_min} exceeds "
                 f"prompt_lookup_max={self.prompt_lookup_max}"
             )
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                "speculative_config method 'draft_model' needs 'model': the draft checkpoint (a directory, .gguf "
+                f"file or repo id) sharing the target's tokenizer, got {self.model!r}"
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config['model'] is only read by method 'draft_model', not {self.method!r}")
 
     @classmethod
     def from_dict(cls, d: object) -> "SpeculativeConfig":
@@ -80,13 +89,16 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         if "method" not in d:
-            raise ValueError("speculative_config needs 'method' (e.g. 'ngram')")
-        if d["method"] != "ngram":
-            cls(method=d["method"])  # the method's own message (draft_model: not implemented yet)
-        unknown = sorted(set(d) - set(_SPEC_KEYS))
+            raise ValueError("speculative_config needs 'method' ('ngram' or 'draft_model')")
+        method = d["method"]
+        if method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {_SPEC_METHODS}, got {method!r}")
+        unknown = sorted(set(d) - set(_SPEC_KEYS[method]))
         if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known keys: {list(_SPEC_KEYS)}")
-        if d["method"] == "ngram" and "num_speculative_tokens" not in d:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown} for method {method!r}; known keys: {list(_SPEC_KEYS[method])}"
+            )
+        if "num_speculative_tokens" not in d:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (drafts per step, e.g. 3)")
         return cls(**d)
 

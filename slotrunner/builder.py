@@ -24,6 +24,7 @@ from slotrunner.core_runner.loader.hub import HubOptions, resolve_model_path
 from slotrunner.core_runner.loader.source import open_model, read_generation_config
 from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype, kv_bytes_per_block
 from slotrunner.core_runner.distributed.parallel_state import tensor_parallel_scope
+from slotrunner.draft_model import load_draft_model
 from slotrunner.models.layers.media_source import media_root
 from slotrunner.llm_engine import LLMEngine, sampling_defaults
 from slotrunner.registry import read_gguf, resolve
@@ -196,6 +197,14 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     dev = launch.device
     with tensor_parallel_scope(launch.tp):  # the layers keep this rank's shard
         nn_model = load_model(arch.model_cls, hf_config, source.weights, dtype, dev, args.load_format, args.seed)
+    draft_model = None
+    if speculative is not None and speculative.method == "draft_model":
+        if tp_size > 1:
+            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1")
+        hub = HubOptions(args.revision, args.download_dir, args.hf_token)
+        draft_model = load_draft_model(
+            speculative, source.tokenizer, text_config.vocab_size, max_model_len, dtype, dev, args.load_format, pack, args.seed, hub
+        )
     config = EngineConfig(
         model=source.path,
         device=dev,
@@ -232,7 +241,9 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
         reserved = model_state.cache_bytes(dtype)
-        num_kv_blocks = default_num_kv_blocks(nn_model, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
+        # A draft model's KV cache has the same blocks: size them for both models.
+        cached = nn_model if draft_model is None else nn.ModuleList([nn_model, draft_model])
+        num_kv_blocks = default_num_kv_blocks(cached, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
         num_kv_blocks = launch.tp.agree_min(num_kv_blocks, launch.check_peers)  # what fits on every rank
     config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
     if args.enable_chunked_prefill is False and config.max_num_batched_tokens < max_model_len:
@@ -240,7 +251,7 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
             f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len ({max_model_len}) so that a "
             f"whole prompt fits in one step; got {config.max_num_batched_tokens}"
         )
-    runner = launch.make_runner(config, nn_model, model_state)  # a ModelRunner; rank 0's sends its steps
+    runner = launch.make_runner(config, nn_model, model_state, draft_model)  # a ModelRunner; rank 0's sends its steps
     intake = IntakeContext(source.tokenizer, source.processor, hf_config, text_config.vocab_size, max_model_len, model_cls=arch.model_cls,
                            allowed_local_media_path=media_root(args.allowed_local_media_path))
     generation = source.generation_config

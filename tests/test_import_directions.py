@@ -46,7 +46,7 @@ ALLOWED = {
     "engine": {"runner", "attention", "sample"},
     "runner": {"attention", "sample", "cpu", "spec_decode", "distributed"},
     "distributed": set(),  # process groups, collectives, shard arithmetic: the runner and layers call them
-    "spec_decode": set(),  # speculators and verification: the runner calls them
+    "spec_decode": {"attention"},  # speculators and verification: the runner calls them (a draft model attends)
     "attention": set(),
     "sample": set(),
     "cpu": {"attention"},

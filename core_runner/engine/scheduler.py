@@ -53,6 +53,10 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.block_size = config.block_size
         self.async_scheduling = async_scheduling
+        # Positions past its scheduled tokens a request holds blocks for: a draft model writes
+        # its proposals' KV there (spec_decode/draft_model.py).
+        spec = config.speculative_config
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -192,7 +196,7 @@ class Scheduler:
                 # written too; rejected ones are overwritten later, update() rolls back).
                 num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(self.max_model_len))
                 num_new += num_drafts
-            new_block_ids = self._grow_or_preempt(request, request.num_computed_tokens + num_new, out)
+            new_block_ids = self._grow_or_preempt(request, self._with_lookahead(request.num_computed_tokens + num_new), out)
             if new_block_ids is None:
                 break  # it preempted itself, so it was the last running request
             out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
@@ -211,11 +215,11 @@ class Scheduler:
             cached = self._find_cached(request)
             num_computed = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
-            if not self.block_manager.can_grow(request.req_id, num_computed + num_new, cached):
+            if not self.block_manager.can_grow(request.req_id, self._with_lookahead(num_computed + num_new), cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.block_manager.take_cached(request.req_id, cached)
-            self.block_manager.grow(request.req_id, num_computed + num_new)
+            self.block_manager.grow(request.req_id, self._with_lookahead(num_computed + num_new))
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:  # first admission: what the user's prompt found cached
                 request.num_cached_tokens = num_computed
@@ -247,6 +251,10 @@ class Scheduler:
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_pending:
                 request.num_pending += 1  # this step samples its next token
         return out
+
+    def _with_lookahead(self, num_tokens: int) -> int:
+        """Tokens to hold blocks for when a step computes up to `num_tokens`."""
+        return min(num_tokens + self.num_lookahead_tokens, self.max_model_len)
 
     def _find_cached(self, request: Request) -> list[int]:
         """The cached blocks a request being admitted starts from: the longest cached chain of

@@ -48,14 +48,15 @@ class _ExecutedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, model_state: ModelState) -> None:
+    def __init__(
+        self, config: EngineConfig, model: nn.Module, model_state: ModelState, draft_model: nn.Module | None = None
+    ) -> None:
         assert config.num_kv_blocks is not None, "size the KV cache before building the runner"
         self.config = config
         self.device = config.device
         self.model = model
         self.model_state = model_state
         spec = config.speculative_config
-        self.speculator: Speculator | None = None if spec is None else build_speculator(spec)
         max_draft = 0 if spec is None else spec.num_speculative_tokens
         assert spec is None or not config.async_scheduling, "speculative decoding runs with synchronous scheduling"
         assert spec is None or model_state.supports_speculative_rollback, (
@@ -77,6 +78,10 @@ class ModelRunner:
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
         )
+        if draft_model is not None:
+            # Speculative decoding with a draft model: its own cache, indexed by the same block ids.
+            allocate_kv_cache(draft_model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
+        self.speculator: Speculator | None = None if spec is None else build_speculator(config, self.attn_backend, draft_model)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: CudaGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and not model_state.supports_cuda_graphs:
@@ -197,10 +202,14 @@ class ModelRunner:
             # num_rejected + 1 on sampling rows; rows whose sampling reads the history get none).
             allowed = batch.sample_mask_np & self.sampling_states.drafts_allowed(idx)
             allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
-            hist_len = torch.where(allowed_dev, batch.seq_lens.long() - num_rejected + 1, 0)
+            num_known = batch.seq_lens.long() - num_rejected + samples
+            hist_len = torch.where(allowed_dev, num_known, 0)
             next_num_draft = self._next_num_draft[:num_reqs]
             self.speculator.propose(
-                ProposeInputs(batch.idx_mapping, hist_len, rs.token_ids, step.hidden, batch.positions),
+                ProposeInputs(
+                    batch.idx_mapping, hist_len, rs.token_ids, step.hidden, batch.positions,
+                    idx, batch.num_computed_tokens_np, num_known, self.block_tables.table,
+                ),
                 rs.draft_tokens,
                 next_num_draft,
             )

@@ -8,10 +8,10 @@ the step's sampled tokens), so the scheduler can size the next step. Nothing her
 token history on the host.
 
 What a proposer may read is `ProposeInputs`: the token history and each row's length (n-gram
-lookup), and the target's hidden states and positions of the step (what an EAGLE / MTP head
-or a draft model conditions on). A draft model or a hidden-state head implements `propose`
-with its own forward (and its own KV, kept per slot like a ModelState's); the runner, the
-verification and the scheduler stay the same.
+lookup), the target's hidden states and positions of the step (what an EAGLE / MTP head
+conditions on), and where each row's query began and the block table (what a draft model
+needs to run its own forward over the same slots, `draft_model.py`). The runner, the
+verification and the scheduler stay the same for every proposer.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch import nn
 
-from slotrunner.core_runner.config import SpeculativeConfig
+from slotrunner.core_runner.attention.backend import AttentionBackend
+from slotrunner.core_runner.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,15 @@ class ProposeInputs:
     token_ids: torch.Tensor  # [slots, max_model_len] int64, per-slot token history (device)
     hidden: torch.Tensor  # [num_tokens_in_step, hidden] the target's last hidden states of the step
     positions: torch.Tensor  # [num_tokens_in_step] int64, positions of those hidden states
+    idx_mapping_np: np.ndarray  # [num_reqs] batch row -> slot, on the host
+    num_computed_np: np.ndarray  # [num_reqs] where each row's query of this step began
+    num_known: torch.Tensor  # [num_reqs] int64, history length after this step, every row
+    block_table: torch.Tensor  # [slots, max_num_blocks_per_req] int32, each slot's KV blocks
 
 
 class Speculator(abc.ABC):
-    """Proposes drafts on the device; subclasses: `NgramSpeculator` (`ngram.py`)."""
+    """Proposes drafts on the device; subclasses: `NgramSpeculator` (`ngram.py`),
+    `DraftModelSpeculator` (`draft_model.py`)."""
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens
@@ -52,10 +60,23 @@ class Speculator(abc.ABC):
         num_tokens 0 get num_draft 0. Runs on the device; must not synchronize."""
 
 
-def build_speculator(config: SpeculativeConfig) -> Speculator:
-    """The speculator `config.method` names (validated by SpeculativeConfig)."""
-    if config.method == "ngram":
+def build_speculator(
+    config: EngineConfig, attn_backend: AttentionBackend, draft_model: nn.Module | None = None
+) -> Speculator:
+    """The speculator `config.speculative_config.method` names (validated by SpeculativeConfig);
+    "draft_model" runs `draft_model`, loaded by the engine builder, whose KV cache the runner
+    has allocated and bound."""
+    spec = config.speculative_config
+    assert spec is not None, "build_speculator without a speculative_config"
+    if spec.method == "ngram":
         from slotrunner.core_runner.spec_decode.ngram import NgramSpeculator
 
-        return NgramSpeculator(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise AssertionError(f"SpeculativeConfig accepted an unknown method {config.method!r}")
+        return NgramSpeculator(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from slotrunner.core_runner.spec_decode.draft_model import DraftModelSpeculator
+
+        assert draft_model is not None, "method 'draft_model' needs the loaded draft model (the engine builder loads it)"
+        return DraftModelSpeculator(
+            spec.num_speculative_tokens, draft_model, attn_backend, config.block_size, config.max_model_len, config.vocab_size
+        )
+    raise AssertionError(f"SpeculativeConfig accepted an unknown method {spec.method!r}")

@@ -196,8 +196,8 @@ def test_refusals(tmp_path, llama_dir):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(speculative_config={"method": "ngram"})
-    with pytest.raises(ValueError, match="draft_model"):
-        EngineArgs(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="must be one of"):
+        EngineArgs(speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="synchronous scheduling"):
         EngineArgs(speculative_config=NGRAM, async_scheduling=True)
 

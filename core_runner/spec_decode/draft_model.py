@@ -1,0 +1,143 @@
+"""Draft-model speculator: a smaller decoder sharing the target's tokenizer proposes k tokens.
+
+The draft model keeps its own paged KV cache (its own tensors, allocated and bound by the
+runner) indexed by the target's block table: a slot's positions live in the same block ids in
+both caches, so the draft needs no block manager, prefix-cache hits hold its KV too, and a
+preempted request loses both at once. The scheduler grows each request's blocks k positions
+past its scheduled tokens (`Scheduler.num_lookahead_tokens`) for the draft's proposals.
+
+After each target step (`propose`), per batch row:
+
+1. Catch up: one forward over the positions [num_computed, num_known) of the row's history --
+   what the target computed this step (a prefill chunk, or the last token and the accepted
+   drafts) plus the token it just emitted. The draft therefore sees every prompt chunk in the
+   step the target does, and rejected drafts never enter its cache (their positions are
+   rewritten). The hidden state at the last known token gives draft 1 (greedy argmax over the
+   target's vocabulary).
+2. Propose: k - 1 forwards of one token per proposing row, each feeding the draft just chosen.
+
+Rows that do not sample this step (a prefill chunk that stops short) or may not be speculated
+(`num_tokens` 0) only catch up. Laying out the forwards needs each row's accepted count on the
+host: one small copy per step (the engine reads it before the next schedule anyway under
+synchronous scheduling). Steps run eagerly; no CUDA graphs for the draft yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
+from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator
+
+
+class DraftModelSpeculator(Speculator):
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        model: nn.Module,  # its KV cache already bound (same num_blocks and block_size as the target's)
+        attn_backend: AttentionBackend,
+        block_size: int,
+        max_model_len: int,
+        vocab_size: int,  # the target's: drafts are picked among its ids only
+    ) -> None:
+        super().__init__(num_speculative_tokens)
+        self.model = model
+        self.attn_backend = attn_backend
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def propose(self, inputs: ProposeInputs, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> None:
+        num_reqs = inputs.idx_mapping_np.shape[0]
+        if num_reqs == 0:
+            return
+        device = draft_tokens.device
+        # [num_reqs] the one host copy (see the module docstring); a token sampled at
+        # max_model_len is not in the history (the request ends with it).
+        known = np.minimum(inputs.num_known.cpu().numpy(), self.max_model_len)
+        start = inputs.num_computed_np
+        proposing = inputs.num_tokens[:num_reqs].cpu().numpy() > 0
+        # Drafts a row may use: all accepted plus the target's own token stay below max_model_len.
+        count = np.where(proposing, np.clip(self.max_model_len - known - 1, 0, self.num_speculative_tokens), 0)
+        rows = np.flatnonzero(known > start)
+        with torch.inference_mode():
+            if rows.size:
+                hidden, last = self._forward(inputs, rows, start[rows], known[rows])
+                picked = count[rows] > 0
+                if picked.any():
+                    # [rows proposing] draft 1, from the hidden state at each row's last known token
+                    tokens = self._greedy(hidden.index_select(0, torch.from_numpy(last[picked]).to(device)))
+                    self._propose_rest(inputs, rows[picked], known[rows[picked]], count[rows[picked]], tokens, draft_tokens)
+            num_draft[:num_reqs].copy_(torch.from_numpy(count.astype(np.int32)).to(device, non_blocking=True))
+
+    def _propose_rest(
+        self,
+        inputs: ProposeInputs,
+        rows: np.ndarray,  # [n] batch rows that propose
+        known: np.ndarray,  # [n] their history lengths
+        count: np.ndarray,  # [n] drafts each proposes (>= 1)
+        tokens: torch.Tensor,  # [n] int64 draft 1 of each row
+        draft_tokens: torch.Tensor,  # [slots, k] int64, written
+    ) -> None:
+        """Store draft 1, then feed draft i at position known + i - 1 for drafts 2..count."""
+        slots = torch.from_numpy(inputs.idx_mapping_np[rows]).to(draft_tokens.device)
+        draft_tokens[slots, 0] = tokens
+        for i in range(1, int(count.max())):
+            keep = count > i  # rows that still want draft i + 1
+            if not keep.all():
+                rows, known, count = rows[keep], known[keep], count[keep]
+                index = torch.from_numpy(np.flatnonzero(keep)).to(draft_tokens.device)
+                tokens, slots = tokens.index_select(0, index), slots.index_select(0, index)
+            position = known + i - 1
+            hidden, _ = self._forward(inputs, rows, position, position + 1, tokens)
+            tokens = self._greedy(hidden)
+            draft_tokens[slots, i] = tokens
+
+    def _forward(
+        self,
+        inputs: ProposeInputs,
+        rows: np.ndarray,  # [n] batch rows
+        begin: np.ndarray,  # [n] first position each row computes
+        end: np.ndarray,  # [n] one past its last (its KV length after this forward)
+        input_ids: torch.Tensor | None = None,  # [sum(end - begin)] int64; None: read from the history
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Run the draft over positions [begin, end) of each row's slot, writing its KV through
+        the target's block table. Returns the hidden states [num_tokens, hidden] and the index
+        of each row's last token in them [n]."""
+        device = inputs.token_ids.device
+        num_q = end - begin
+        query_start_loc_np = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(num_q, out=query_start_loc_np[1:])
+        num_tokens = int(query_start_loc_np[-1])
+        slots_np = inputs.idx_mapping_np[rows]
+        token_slot_np = np.repeat(slots_np, num_q)
+        positions_np = np.repeat(begin - query_start_loc_np[:-1], num_q) + np.arange(num_tokens)
+        token_slot = torch.from_numpy(token_slot_np).to(device)
+        positions = torch.from_numpy(positions_np).to(device)
+        if input_ids is None:
+            input_ids = inputs.token_ids[token_slot, positions]
+        table = inputs.block_table
+        slot_mapping = table[token_slot, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        seq_lens_np = end.astype(np.int32)
+        meta = AttentionMetadata(
+            num_reqs=int(rows.size),
+            num_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start_loc_np).to(device),
+            query_start_loc_np=query_start_loc_np,
+            seq_lens=torch.from_numpy(seq_lens_np).to(device),
+            seq_lens_np=seq_lens_np,
+            max_query_len=int(num_q.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            block_tables=table.index_select(0, torch.from_numpy(slots_np).to(device)),
+            slot_mapping=slot_mapping,
+        )
+        with forward_context(ForwardContext(self.attn_backend, meta)):
+            hidden = self.model(input_ids, positions, inputs_embeds=None)
+        return hidden, query_start_loc_np[1:] - 1
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] int64
+        logits = self.model.compute_logits(hidden)
+        return logits[:, : self.vocab_size].argmax(dim=-1)
