@@ -4,7 +4,8 @@ Guards against: a query head of a GQA group read against the wrong KV head (grou
 keys read from the wrong cache slot at block edges, a head dim that is not a multiple of 8 (the
 kernel's lane tail), rows that must stay on the reference path (prefill chunks, a sliding window
 that cuts, soft caps, position biases, half precision) taken natively, and a row's output
-changing with the other rows of its batch.
+changing with the other rows of its batch, and a token verified among speculative drafts (a row
+of 1 + k query tokens) getting other bits than the same token decoded alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from slotrunner.core_runner.cpu.native import native_unavailable_reason
 
 pytestmark = pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
 
-from slotrunner.core_runner.cpu.attention import CpuBackend  # noqa: E402
+from slotrunner.core_runner.cpu.attention import MAX_NATIVE_QUERY, CpuBackend, native_rows  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _native_rows(case: Case) -> int:
     spec, _, _, _, cache, meta, bias = _build(case)
     if case.soft_cap is not None or bias is not None or case.dtype != torch.float32:
         return 0
-    return len(step_plan(meta, case.block_size, torch.device("cpu")).decode_rows(spec.sliding_window)[1])
+    return len(native_rows(meta, case.block_size, spec.sliding_window)[1])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -108,8 +109,9 @@ def test_matches_the_reference(case: Case) -> None:
 def test_which_rows_go_native() -> None:
     by_name = {c.name: c for c in CASES}
     assert _native_rows(by_name["decode at block edges"]) == 5
-    assert _native_rows(by_name["mixed, group 3"]) == 2  # the two single-token rows
-    assert _native_rows(by_name["sliding window: cut rows stay on the reference"]) == 1  # 3 keys <= window 5
+    assert _native_rows(by_name["mixed, group 3"]) == 5  # all but the empty row: every query is short
+    assert _native_rows(Case("long chunk", ((0, MAX_NATIVE_QUERY + 1), (3, 1)))) == 1
+    assert _native_rows(by_name["sliding window: cut rows stay on the reference"]) == 2  # 3 and 4 keys <= window 5
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
@@ -133,3 +135,28 @@ def test_batch_invariant(case: Case) -> None:
         t = int(qsl[r])
         alone = CpuBackend().forward(spec, q[t : t + 1], k[t : t + 1], v[t : t + 1], cache.clone(), one)
         assert torch.equal(alone[0], full[t]), f"row {r} of {sub.name}"
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], Case("drafts, group 2", ((6, 5), (3, 2), (17, 4)), block_size=4)], ids=lambda c: c.name)
+def test_each_query_token_equals_its_own_decode(case: Case) -> None:
+    """Token j of a row with n query tokens gives the bits a one-token decode gives after the
+    row's first seq_len - n + j + 1 keys are cached (speculative decoding verifies drafts so)."""
+    spec, q, k, v, cache, meta, _ = _build(case)
+    full_cache = cache.clone()
+    full = CpuBackend().forward(spec, q, k, v, full_cache, meta)
+    qsl = meta.query_start_loc_np
+    for r, (cached, new) in enumerate(case.rows):
+        window_cuts = case.window is not None and cached + new > case.window
+        if new == 0 or window_cuts:
+            continue
+        for j in range(new):
+            t = int(qsl[r]) + j
+            one = AttentionMetadata(
+                num_reqs=1, num_tokens=1,
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32), query_start_loc_np=np.array([0, 1], dtype=np.int32),
+                seq_lens=torch.tensor([cached + j + 1], dtype=torch.int32), seq_lens_np=np.array([cached + j + 1], dtype=np.int32),
+                max_query_len=1, max_seq_len=cached + j + 1,
+                block_tables=meta.block_tables[r : r + 1], slot_mapping=meta.slot_mapping[t : t + 1],
+            )
+            alone = CpuBackend().forward(spec, q[t : t + 1], k[t : t + 1], v[t : t + 1], full_cache.clone(), one)
+            assert torch.equal(alone[0], full[t]), f"row {r} token {j} of {case.name}"
