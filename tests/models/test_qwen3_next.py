@@ -3,7 +3,9 @@
 Guards against: configs the model cannot serve accepted silently (a layer type it does not
 know, value heads that are not a multiple of key heads), Qwen3-Next's fused projections read as
 Qwen3.5's four (or the reverse), and real checkpoints refused for their multi-token-prediction
-heads (`mtp.*`), which transformers ignores too.
+heads (`mtp.*`), which transformers ignores too; and the Triton kernels, interpreted on CPU,
+wired into the model wrong (strides of the conv output's q/k/v views, a prefill chunk that does
+not continue from the state its previous chunk left).
 """
 
 from __future__ import annotations
@@ -47,3 +49,39 @@ def test_mtp_heads_in_the_checkpoint_are_skipped():
     assert not any(name.startswith("mtp.") for name in loaded)
     with pytest.raises(ValueError, match="bogus"):  # only the MTP heads are skipped
         Qwen3_5MoeForCausalLM(config).load_weights(checkpoint + [("model.bogus.weight", torch.zeros(1))])
+
+
+def _check_interpreted_model():
+    """Every kernel interpreted (the delta rule's chunked and one-step kernels, the short conv,
+    attention, MoE, rotary, norms, input preparation) against transformers' logits, for two
+    requests batched with chunked prefill: one request's decode rows run beside the other's
+    prefill chunks, which end inside a delta-rule chunk (CHUNK = 16) and continue from it."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from slotrunner import LLM
+    from slotrunner.conformance import compare_logits, tiny_case
+    from slotrunner.conformance_recorder import greedy_params, run_batch
+    from slotrunner.core_runner.triton_utils import use_triton
+
+    assert use_triton(torch.device("cpu")), "the interpreter switch did not take"
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "conformance"))
+    from test_gated_delta_net import with_long_memory
+
+    with tempfile.TemporaryDirectory() as d:
+        hf = with_long_memory(tiny_case("Qwen3NextForCausalLM", Path(d))).oracle.hf_model
+        llm = LLM(d, device="cpu", max_model_len=64, max_num_seqs=2, block_size=4, max_num_batched_tokens=7,
+                  enable_prefix_caching=False)  # fmt: skip
+        prompts = [[5, 17, 300], [(13 * i) % 900 + 4 for i in range(19)]]
+        runs = run_batch(llm, [{"prompt_token_ids": p} for p in prompts], [greedy_params(4)] * 2)
+        for prompt, run in zip(prompts, runs):
+            ids = prompt + run.output_token_ids[:-1]
+            with torch.no_grad():
+                ref = hf(input_ids=torch.tensor([ids])).logits[0].float()
+            result = compare_logits("interpreted", run.logits.float(), ref)
+            assert result.passed, result.detail
+
+
+def test_interpreted_kernels_match_transformers(run_interpreted):
+    run_interpreted(_check_interpreted_model)
