@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.activation import GatedAct
-from slotrunner.models.layers.linear import Linear, MergedLinear
+from slotrunner.models.layers.parallel_linear import merged_column_linear, row_linear
 from slotrunner.models.layers.lm_head import LogitScale
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.qkv_attention import QKVAttention
@@ -107,11 +108,11 @@ class GemmaAttention(QKVAttention):
 class GemmaMLP(nn.Module):
     def __init__(self, args: GemmaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = merged_column_linear(
             args.hidden_size, {"gate": args.intermediate_size, "up": args.intermediate_size}, bias=False
         )
         self.act = GatedAct(args.hidden_act)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.down_proj = row_linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -149,6 +150,13 @@ class Gemma2ForCausalLM(CausalLM):
     qk_norm: bool = False
     attn_soft_cap: bool = True  # read `attn_logit_softcapping` (transformers' Gemma3 ignores it)
     merged = QKV_SHARDS | GATE_UP_SHARDS
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the heads or the MLP cannot be split over `world_size` ranks."""
+        args = GemmaArgs.from_hf(hf_config, qk_norm=cls.qk_norm, attn_soft_cap=cls.attn_soft_cap)
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        even_shard(args.intermediate_size, 0, world_size, "intermediate_size")
 
     def __init__(self, hf_config: object) -> None:
         args = GemmaArgs.from_hf(hf_config, qk_norm=self.qk_norm, attn_soft_cap=self.attn_soft_cap)

@@ -24,16 +24,25 @@ from torch import nn
 
 from slotrunner.models.causal_lm import CausalLM
 from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE
+from slotrunner.models.layers.parallel_linear import ShardedWeights, query_heads
 from slotrunner.models.llama import LlamaArgs, LlamaAttention
 from slotrunner.models.mixtral import MixtralForCausalLM
 
 
-class GptOssAttention(LlamaAttention):
-    """Llama's attention (biases on) plus one sink logit per query head."""
+class GptOssAttention(LlamaAttention, ShardedWeights):
+    """Llama's attention (biases on) plus one sink logit per query head (under tensor
+    parallelism, per query head of this rank: `load_full` keeps those of the checkpoint's)."""
 
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
         super().__init__(args, layer_idx)
-        self.sinks = nn.Parameter(torch.empty(args.num_heads))
+        self.heads = query_heads(args.num_heads, args.num_kv_heads)
+        self.sinks = nn.Parameter(torch.empty(self.heads.size))
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        if param_name != "sinks":  # the only parameter of its own; the others live in its layers
+            raise ValueError(f"unexpected parameter {param_name!r} of GptOssAttention")
+        with torch.no_grad():
+            self.sinks.copy_(self.heads.narrow(tensor, 0))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -48,9 +57,6 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] (g0 u0 g
 
 
 class GptOssForCausalLM(MixtralForCausalLM):
-    # Its per-head attention sinks are not split over ranks yet: tensor parallelism is refused.
-    check_tensor_parallel = None
-
     def __init__(self, hf_config: object) -> None:
         quant = getattr(hf_config, "quantization_config", None)
         if quant:

@@ -19,5 +19,3 @@ from slotrunner.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     qkv_bias = False  # Phi-3 has no attention biases (and its config no `attention_bias`)
-    # Its fused qkv_proj / gate_up_proj tensors load whole: not split over ranks yet.
-    check_tensor_parallel = None

@@ -50,9 +50,8 @@ def check_tensor_parallel(model_cls: type, family: str, architecture: str, hf_co
     check = getattr(model_cls, "check_tensor_parallel", None)
     if check is None:
         raise ValueError(
-            f"tensor_parallel_size={world_size}: {architecture} ({family} family) does not run tensor-parallel yet; "
-            "tensor parallelism covers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM "
-            "(docs/architecture.md lists the families). Use tensor_parallel_size=1"
+            f"tensor_parallel_size={world_size}: {architecture} ({family} family) does not run tensor-parallel yet "
+            "(docs/architecture.md lists the architectures that do); use tensor_parallel_size=1"
         )
     check(hf_config, world_size)
 

@@ -2,7 +2,8 @@
 
 `LLM(..., tensor_parallel_size=2)` makes this process rank 0 and spawns rank 1 (a tiny Llama);
 a second run starts both ranks as a launcher (torchrun) would, through RANK / WORLD_SIZE /
-MASTER_* (a tiny Qwen3-MoE: experts split over the ranks).
+MASTER_* (a tiny GPT-OSS: experts with biases split over the ranks, per-head attention sinks,
+attention biases, sliding windows).
 
 Guards against: a sharded forward that differs from the single-device one (a head or MLP row
 computed by the wrong rank, a missing all-reduce, partial sums added twice, logits gathered in
@@ -127,7 +128,7 @@ def test_rank_zero_holds_half_of_the_model_and_of_the_kv_cache(one_rank, two_ran
 
 
 @pytest.mark.parametrize(
-    "architecture, family", [("Gemma2ForCausalLM", "default decoder"), ("Mamba2ForCausalLM", "recurrent hybrid")]
+    "architecture, family", [("DeepseekV2ForCausalLM", "default decoder"), ("Mamba2ForCausalLM", "recurrent hybrid")]
 )
 def test_a_family_without_sharded_layers_is_refused_naming_it(architecture, family, tmp_path):
     build_case(tiny_config(architecture), tmp_path)
@@ -160,8 +161,8 @@ llm.close()
 
 
 def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
-    """A tiny Qwen3-MoE (8 experts, 4 per rank; the router replicated), started torchrun-style."""
-    build_case(tiny_config("Qwen3MoeForCausalLM", tie_word_embeddings=False), tmp_path)
+    """A tiny GPT-OSS (4 of its experts per rank; the router replicated), started torchrun-style."""
+    build_case(tiny_config("GptOssForCausalLM", tie_word_embeddings=False), tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -48,9 +48,10 @@ class ShardedWeights:
         raise NotImplementedError
 
 
-class MergedColumnParallelLinear(MergedLinear):
+class MergedColumnParallelLinear(MergedLinear, ShardedWeights):
     """`MergedLinear` holding the rank's rows of every part (`parts`: name -> its `Shard` of
-    the part's output rows)."""
+    the part's output rows). Parts arrive one by one (`load_shard`: q, k, v), or fused in the
+    checkpoint's order in one tensor (`load_full`: Phi-3's qkv_proj, gate_up_proj)."""
 
     def __init__(self, in_features: int, parts: dict[str, Shard], bias: bool, tp: TensorParallelGroup) -> None:
         super().__init__(in_features, {name: s.size for name, s in parts.items()}, bias=bias)
@@ -60,6 +61,16 @@ class MergedColumnParallelLinear(MergedLinear):
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor | PackedWeight) -> None:
         part = self.parts[shard]
         super().load_shard(param_name, shard, part.narrow(_dense(tensor), 0))
+
+    def load_full(self, param_name: str, tensor: torch.Tensor | PackedWeight) -> None:
+        tensor = _dense(tensor)
+        total = sum(p.total for p in self.parts.values())
+        if tensor.shape[0] != total:
+            raise ValueError(f"shape {tuple(tensor.shape)} does not have the {total} fused rows of {list(self.parts)}")
+        start = 0
+        for name, part in self.parts.items():
+            self.load_shard(param_name, name, tensor.narrow(0, start, part.total))
+            start += part.total
 
 
 class RowParallelLinear(Linear, ShardedWeights):
@@ -146,6 +157,12 @@ def qkv_linear(hidden_size: int, spec: AttentionSpec, bias: bool) -> MergedLinea
     q = Shard(heads.q.start * d, heads.q.size * d, spec.num_heads * d)
     kv = Shard(heads.kv.start * d, heads.kv.size * d, spec.num_kv_heads * d)
     return MergedColumnParallelLinear(hidden_size, {"q": q, "k": kv, "v": kv}, bias, tp)
+
+
+def query_heads(num_heads: int, num_kv_heads: int) -> Shard:
+    """This rank's query heads (all of them at tensor_parallel_size 1), for per-head parameters."""
+    tp = current_tp()
+    return head_shard(num_heads, num_kv_heads, tp.rank, tp.world_size).q
 
 
 def rank_spec(spec: AttentionSpec) -> AttentionSpec:

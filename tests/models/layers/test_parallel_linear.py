@@ -106,3 +106,44 @@ def test_a_head_count_that_does_not_divide_is_refused_before_any_rank_starts(tmp
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         LlamaForCausalLM.check_tensor_parallel(cfg, 3)
     LlamaForCausalLM.check_tensor_parallel(cfg, 4)  # 4 query heads, 2 KV heads each on 2 ranks
+
+
+def test_fused_checkpoint_tensors_are_split_per_part(tmp_path):
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: each rank takes its
+    rows of every part of the fused tensor, not a contiguous block of it."""
+    from slotrunner.models.phi3 import Phi3ForCausalLM
+
+    cfg = tiny_config("Phi3ForCausalLM", tie_word_embeddings=False)
+    build_case(cfg, tmp_path)
+    full = load_file(str(tmp_path / "model.safetensors"))
+    hf_config = load_hf_config(tmp_path)
+    weights = lambda: iter_safetensors(safetensors_files(tmp_path), torch.float32)  # noqa: E731
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    inter = cfg.intermediate_size
+    for rank in range(2):
+        with tensor_parallel_scope(TensorParallelGroup(rank, 2)):
+            model = load_model(Phi3ForCausalLM, hf_config, weights, torch.float32, torch.device("cpu"))
+        qkv = full["model.layers.0.self_attn.qkv_proj.weight"]
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d])
+        half_q, half_kv = heads * d // 2, kv_heads * d // 2
+        expected = torch.cat([q[rank * half_q : (rank + 1) * half_q], k[rank * half_kv : (rank + 1) * half_kv],
+                              v[rank * half_kv : (rank + 1) * half_kv]])  # fmt: skip
+        assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, expected)
+        gate, up = full["model.layers.0.mlp.gate_up_proj.weight"].split([inter, inter])
+        rows = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]))
+
+
+def test_per_head_sinks_follow_the_rank_query_heads(tmp_path):
+    """GPT-OSS's attention sinks: one logit per query head, so a rank keeps its heads' sinks."""
+    from slotrunner.models.gpt_oss import GptOssForCausalLM
+
+    build_case(tiny_config("GptOssForCausalLM", tie_word_embeddings=False), tmp_path)
+    sinks = load_file(str(tmp_path / "model.safetensors"))["model.layers.0.self_attn.sinks"]
+    weights = lambda: iter_safetensors(safetensors_files(tmp_path), torch.float32)  # noqa: E731
+    for rank in range(2):
+        with tensor_parallel_scope(TensorParallelGroup(rank, 2)):
+            model = load_model(GptOssForCausalLM, load_hf_config(tmp_path), weights, torch.float32, torch.device("cpu"))
+        half = sinks.shape[0] // 2
+        assert torch.equal(model.model.layers[0].self_attn.sinks, sinks[rank * half : (rank + 1) * half])
+        assert model.model.layers[0].mlp.experts.w_in.shape[0] == model.num_experts // 2
