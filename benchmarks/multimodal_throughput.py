@@ -1,0 +1,159 @@
+"""Multimodal throughput: LLaVA with images against the same LM fed text, and transformers `generate`.
+
+A LLaVA-shaped model with random bf16 weights -- a CLIP-L/14-336 tower (24 layers, 1024 wide,
+576 patches per 336x336 image) and a 0.45B Llama LM (24 layers, 1024 wide) -- on N requests of
+one random 336x336 image plus 50 text tokens, greedy, exactly `--output-len` new tokens each (EOS
+ignored). Four runs of the same prompts' lengths, printed side by side:
+
+- slotrunner, multimodal: the image prompts through `MultimodalModelState` (tower, merge);
+- slotrunner, LLaVA text-only: the same model, each image replaced by 576 text tokens (the
+  multimodal state with nothing to merge: what the family costs on its own);
+- slotrunner, LM as a decoder: the LM's weights saved as `LlamaForCausalLM`, the same text
+  prompts through the default decoder state (the reference the text-only run should equal);
+- transformers `generate` on the image prompts, in batches of `--hf-batch`.
+
+Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
+text-only run within 10% of the LM as a decoder.
+
+    python benchmarks/multimodal_throughput.py                      # one GPU, 128 x (image + 50) -> 256
+    python benchmarks/multimodal_throughput.py --tiny --device cpu  # a small shape, to check the script
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def llava_config(args: argparse.Namespace):
+    from slotrunner.registry import tiny_configs as tc
+
+    if args.tiny:
+        vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, image_size=56, patch_size=14, projection_dim=64)
+        text = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    else:  # CLIP-L/14-336 and a 0.45B Llama
+        vision = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                      num_attention_heads=16, image_size=336, patch_size=14, projection_dim=768)
+        text = dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                    num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    return tc.llava(vision_config=vision, text_config=text, image_seq_length=patches)
+
+
+def build(directory: Path, args: argparse.Namespace, dtype: torch.dtype):
+    """Save the LLaVA model (with its processor) and its LM alone as a LlamaForCausalLM."""
+    import transformers
+
+    from slotrunner.registry import tiny_configs as tc
+
+    config = llava_config(args)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
+    model.save_pretrained(str(directory / "llava"))
+    tc.llava_processor(config).save_pretrained(str(directory / "llava"))
+    lm = transformers.LlamaForCausalLM(config.text_config).to(dtype).eval()
+    lm.model.load_state_dict(model.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(model.lm_head.state_dict())
+    lm.config.architectures = ["LlamaForCausalLM"]
+    lm.save_pretrained(str(directory / "lm"))
+    return model, config
+
+
+def prompts_for(args: argparse.Namespace, config) -> tuple[list[dict], list[dict]]:
+    """(image prompts, text prompts of the same token counts): '<image>' + 50 words; the text
+    form puts image_seq_length word tokens where the image's placeholders would be."""
+    from PIL import Image
+
+    size = config.vision_config.image_size
+    rng = np.random.RandomState(0)
+    media, text = [], []
+    for i in range(args.num_requests):
+        words = " ".join(f"w{10 + (7 * i + j) % 900}" for j in range(args.text_len))
+        img = Image.fromarray((rng.rand(size, size, 3) * 255).astype(np.uint8))
+        media.append({"prompt": f"<image> {words}", "multi_modal_data": {"image": img}})
+        ids = [1] + [10 + (3 * i + j) % 900 for j in range(config.image_seq_length)] + [10 + (7 * i + j) % 900 for j in range(args.text_len)]
+        text.append({"prompt_token_ids": ids})
+    return media, text
+
+
+def run_slotrunner(path: str, prompts: list[dict], args: argparse.Namespace) -> tuple[float, int]:
+    from slotrunner import LLM, SamplingParams
+
+    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=False)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run_hf(model, directory: Path, prompts: list[dict], args: argparse.Namespace) -> tuple[float, int]:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(directory / "llava"))
+    model = model.to(args.device)
+    total, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), args.hf_batch):
+        group = prompts[i : i + args.hf_batch]
+        inputs = processor(
+            text=[p["prompt"] for p in group], images=[p["multi_modal_data"]["image"] for p in group], return_tensors="pt", padding=True
+        ).to(args.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)  # fmt: skip
+        total += (out.shape[1] - inputs["input_ids"].shape[1]) * len(group)
+    sync()
+    return time.perf_counter() - t0, total
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--text-len", type=int, default=50)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--hf-batch", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
+    args = p.parse_args()
+    args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        directory = Path(d)
+        model, config = build(directory, args, dtype)
+        media, text = prompts_for(args, config)
+        print(f"{args.num_requests} requests x (one {config.vision_config.image_size}px image = "
+              f"{config.image_seq_length} tokens + {args.text_len} text tokens) -> {args.output_len} tokens, {args.device}")  # fmt: skip
+        rows.append(("slotrunner, multimodal", *run_slotrunner(str(directory / "llava"), media, args)))
+        rows.append(("slotrunner, LLaVA text-only", *run_slotrunner(str(directory / "llava"), text, args)))
+        rows.append(("slotrunner, LM as a decoder", *run_slotrunner(str(directory / "lm"), text, args)))
+        if not args.skip_hf:
+            rows.append(("transformers generate", *run_hf(model, directory, media, args)))
+    base = rows[0][2] / rows[0][1]
+    print(f"{'run':<30} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14}")
+    for name, wall, tokens in rows:
+        print(f"{name:<30} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
