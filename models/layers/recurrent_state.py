@@ -68,6 +68,8 @@ class RecurrentLayer(nn.Module):
     an attribute of the same name ([max_num_seqs, *shape], a view into the family's pool)."""
 
     layer_idx: int
+    # Bound by `bind_checkpoints` when speculative decoding is on; None: no draft rows expected.
+    state_checkpoints: dict[str, torch.Tensor] | None = None
 
     def state_spec(self) -> RecurrentStateSpec:
         raise NotImplementedError(f"{type(self).__name__} must declare its per-slot state (state_spec)")
@@ -94,7 +96,7 @@ class RecurrentLayer(nn.Module):
         the slot's checkpoint for that position (`RecurrentMetadata.draft_steps`)."""
         if not steps:
             return
-        checkpoints = getattr(self, "state_checkpoints", None)
+        checkpoints = self.state_checkpoints
         assert checkpoints is not None, (
             f"{type(self).__name__} layer {self.layer_idx}: draft rows but no state checkpoints bound "
             "(speculative decoding needs RecurrentHybridModelState built with a speculative_config)"
