@@ -59,6 +59,15 @@ class MultimodalLM(nn.Module):
 
     language_model: LlamaForCausalLM
 
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, world_size: int) -> None:
+        """Under tensor parallelism the language model is split (as the decoder it is) and the
+        towers and projector, built from plain layers, are replicated on every rank."""
+        text_config = hf_config.get_text_config()
+        language_model = LANGUAGE_MODELS.get(getattr(text_config, "model_type", None))
+        if language_model is not None:  # else building it raises, naming the type
+            language_model.check_tensor_parallel(text_config, world_size)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]

@@ -1,0 +1,44 @@
+"""Which in-tree architectures run tensor-parallel, and that each refuses shapes it cannot split.
+
+Guards against: a model class inheriting `check_tensor_parallel` from a parent whose layers it
+does not share (it would run tensor_parallel_size > 1 with layers built unsplit or half split),
+docs/architecture.md's table drifting from the code, and a check that passes head, expert or
+MLP counts the layers cannot divide.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from slotrunner.registry import _import, tiny_config
+from slotrunner.registry.table import IN_TREE
+
+# docs/architecture.md, "Tensor parallelism": the architectures whose layers are split by rank.
+SUPPORTED = {
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+    "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
+}  # fmt: skip
+
+
+def test_exactly_the_documented_architectures_opt_in():
+    opted_in = {a for a, e in IN_TREE.items() if getattr(_import(e.model, a), "check_tensor_parallel", None) is not None}
+    assert opted_in == SUPPORTED
+
+
+@pytest.mark.parametrize("architecture", sorted(SUPPORTED))
+def test_two_ranks_fit_the_tiny_configs(architecture):
+    _import(IN_TREE[architecture].model, architecture).check_tensor_parallel(tiny_config(architecture), 2)
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides, size, message",
+    [("LlamaForCausalLM", {"intermediate_size": 129}, 2, "intermediate_size=129 is not divisible"),
+     ("Gemma3ForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+     ("Gemma3ForCausalLM", {"intermediate_size": 130}, 4, "intermediate_size=130 is not divisible"),
+     ("Qwen3MoeForCausalLM", {"num_experts": 5}, 2, "num_experts=5 is not divisible"),
+     ("LlavaForConditionalGeneration", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3")],
+)  # fmt: skip
+def test_shapes_that_do_not_split_are_refused(architecture, overrides, size, message):
+    with pytest.raises(ValueError, match=message):
+        _import(IN_TREE[architecture].model, architecture).check_tensor_parallel(tiny_config(architecture, **overrides), size)
