@@ -62,7 +62,7 @@ class LLM:
             (CPU ranks talk through gloo, GPU ranks through NCCL, one GPU per rank); the LLM
             starts ranks 1.. itself and `close()` stops them, or a launcher such as torchrun
             runs the script on every rank (then `LLM(...)` on ranks > 0 serves rank 0 and ends
-            the process). Llama, Mistral, Qwen2 and Qwen3 only, for now.
+            the process). Decoders and multimodal models (docs/architecture.md lists them).
         allowed_local_media_path: the one directory whose regular files may be given as media
             paths (or file:// URLs); default None: media given as a path is refused.
         **kwargs: vLLM's other engine options, `EngineArgs`' fields: honoured ones (revision,
