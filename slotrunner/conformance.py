@@ -355,14 +355,14 @@ class Case:
 
 
 def check_token_inputs(hf_config: Any, architecture: str) -> None:
-    """The command builds token-id requests: refuse, before building anything, a model whose
-    requests need images or audio."""
-    if any(getattr(hf_config, k, None) is not None for k in ("vision_config", "audio_config")) or (
-        transformers_class(architecture).main_input_name != "input_ids"
-    ):
+    """A tiny case gets token-id requests: refuse, before building anything, a model whose
+    requests need images or audio (a checkpoint's processor builds those: `checkpoint_case`)."""
+    from slotrunner.conformance_media import takes_media
+
+    if takes_media(hf_config, architecture):
         raise ConformanceError(
-            f"{architecture} takes images or audio: the command builds token-id requests only. Check media "
-            "inputs with slotrunner.conformance's functions and your own requests (see tests/conformance/)"
+            f"{architecture} takes images or audio, and a tiny case has no processor to build them: save the model "
+            "with its processor and give it with --model, or build the requests in your own test (see tests/conformance/)"
         )
 
 
@@ -429,11 +429,14 @@ def tiny_case(architecture: str, directory: str | Path, hf_config: Any = None, s
 
 def checkpoint_case(directory: str | Path, architecture: str | None = None, measure_floor: bool | None = None) -> Case:
     """A real checkpoint -- a model directory (config.json + safetensors) or a GGUF file (or a
-    directory holding one) -- that transformers loads as the oracle from the same files.
+    directory holding one) -- that transformers loads as the oracle from the same files. A model
+    that takes images or audio gets them in its requests, built with the processor saved
+    beside it (`conformance_media`).
     `measure_floor`: also build the oracle in float64, to judge each check against
     transformers' own float32 error; None: for every model that is not tiny (TINY_PARAMS).
     A GGUF file runs dequantized in slotrunner, as transformers runs it."""
     from slotrunner.conformance_gguf import gguf_checkpoint_config, gguf_file_of, load_gguf_oracle
+    from slotrunner.conformance_media import media_requests, takes_media
     from slotrunner.core_runner.loader.checkpoint import load_hf_config
 
     gguf = gguf_file_of(directory)
@@ -443,14 +446,24 @@ def checkpoint_case(directory: str | Path, architecture: str | None = None, meas
         raise ConformanceError(f"{directory}/config.json names no 'architectures'")
     if architecture is not None and archs[0] != architecture:
         raise ConformanceError(f"{directory} holds a {archs[0]}, not a {architecture}")
-    check_token_inputs(hf_config, archs[0])
+    media = gguf is None and takes_media(hf_config, archs[0])
     if gguf is not None:
         hf_model = load_gguf_oracle(gguf, archs[0])
     else:
         hf_model = transformers_class(archs[0]).from_pretrained(str(directory), dtype=torch.float32).eval()
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    limit = getattr(text_config, "max_position_embeddings", None) or MAX_MODEL_LEN
-    case = _make_case(archs[0], gguf or Path(directory), hf_model, min(MAX_MODEL_LEN, int(limit)))
+    limit = int(
+        getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "max_target_positions", None)
+        or MAX_MODEL_LEN
+    )  # fmt: skip
+    if media:  # requests from the checkpoint's own processor; a real image is hundreds of tokens
+        oracle, requests, batch_prompts, batch_params, longest = media_requests(
+            directory, hf_config, hf_model, min(MAX_MODEL_LEN, limit), MAX_TOKENS
+        )
+        max_model_len = min(limit, max(MAX_MODEL_LEN, longest + MAX_TOKENS))
+        case = Case(archs[0], Path(directory), oracle, requests, batch_prompts, batch_params, max_model_len)
+    else:
+        case = _make_case(archs[0], gguf or Path(directory), hf_model, min(MAX_MODEL_LEN, limit))
     if gguf is not None:
         case.engine_args = {"quantized_weights": "dequantized"}
     if measure_floor is None:

@@ -107,3 +107,38 @@ def test_a_gguf_file_of_another_architecture_is_named(tmp_path, capsys):
     path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "tiny.gguf")
     assert main(["conformance", "Qwen2ForCausalLM", "--model", str(path)]) == 2
     assert "holds a LlamaForCausalLM, not a Qwen2ForCausalLM" in capsys.readouterr().err
+
+
+def _save_processor(arch: str, config, directory) -> None:
+    from slotrunner.registry import tiny_configs as tc
+
+    if arch.startswith("Whisper"):
+        tc.whisper_feature_extractor(config).save_pretrained(directory)
+    elif arch.startswith("Llava"):
+        tc.llava_processor(config).save_pretrained(directory)
+    else:
+        tc.qwen2_audio_processor(config).save_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    "arch", ["WhisperForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2AudioForConditionalGeneration"]
+)
+def test_the_command_builds_media_requests_from_the_saved_processor(arch, tmp_path, capsys):
+    """Audio clips for Whisper (its feature extractor), text with image or audio placeholders for
+    the media decoders (their processors): every check runs on requests that carry media."""
+    config = tiny_config(arch)
+    config.architectures = [arch]
+    build_case(config, tmp_path)
+    _save_processor(arch, config, tmp_path)
+    case = checkpoint_case(tmp_path)
+    assert all("multi_modal_data" in r.prompt for r in case.requests if r.oracle_inputs)
+    assert sum(bool(r.oracle_inputs) for r in case.requests) >= 2
+    assert main(["conformance", arch, "--model", str(tmp_path), "--max-tokens", "3"]) == 0, capsys.readouterr().out
+
+
+def test_a_media_model_without_its_processor_is_explained(tmp_path, capsys):
+    config = tiny_config("LlavaForConditionalGeneration")
+    config.architectures = ["LlavaForConditionalGeneration"]
+    build_case(config, tmp_path)
+    assert main(["conformance", "LlavaForConditionalGeneration", "--model", str(tmp_path)]) == 2
+    assert "its requests are built with the processor saved beside it" in capsys.readouterr().err
