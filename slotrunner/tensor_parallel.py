@@ -133,6 +133,7 @@ def join_tensor_parallel(args: Any, device: torch.device) -> TensorParallelLaunc
         launch = TensorParallelLaunch(init_tensor_parallel(env.rank, world_size, init, device), device)
     else:
         launch = _spawn(args, device)
+    atexit.register(launch.close)  # a script that never closes its LLM still stops the other ranks
     if device.type == "cpu":
         # The ranks share the CPU: each takes its share of torch's threads, or their threads
         # spin against each other and every collective waits for a descheduled peer.
@@ -170,7 +171,6 @@ def _spawn(args: Any, device: torch.device) -> TensorParallelLaunch:
         launch.close()
         raise
     launch.tp = tp
-    atexit.register(launch.close)
     return launch
 
 
