@@ -247,6 +247,11 @@ def describe_architectures() -> list[tuple[str, str, str]]:
     return rows
 
 
+def in_tree_architectures() -> list[str]:
+    """The architectures slotrunner itself registers (no plugins), sorted."""
+    return sorted(IN_TREE)
+
+
 def model_state_classes(in_tree_only: bool = False) -> list[type]:
     """The ModelState classes that serve the registered architectures (each once, in
     architecture order): the rows of the capability table. `in_tree_only` leaves plugins out."""

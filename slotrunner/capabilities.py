@@ -1,9 +1,12 @@
-"""The capability table: which runner features each family (ModelState class) gets.
+"""The capability tables: which runner features each family (ModelState class) gets, and
+what depends on the architecture itself.
 
-Generated from the ModelState classes' declarations, never written by hand:
-`python -m slotrunner models` prints it, `docs/capabilities.md` holds it (a test checks the two
-agree). A feature a family lacks is refused loudly by the engine builder or falls back with a
-log line; the "how" column of each feature says which.
+Generated from the classes' declarations, never written by hand: `python -m slotrunner models`
+prints them, `docs/capabilities.md` holds them (a test checks they agree). A feature a family
+lacks is refused loudly by the engine builder or falls back with a log line; each entry says
+which. Per architecture: tensor parallelism (the model class declares `check_tensor_parallel`)
+and the fp8 KV cache (every caching layer's `KVCacheSpec.supports_fp8`), read off the model
+built on the meta device from the architecture's tiny config.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
+from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype
 from slotrunner.core_runner.runner.model_state import ModelState
 
 
@@ -78,3 +84,31 @@ def render_text(state_classes: Iterable[type[ModelState]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt(header), *map(fmt, rows)]) + "\n"
+
+
+ARCH_COLUMNS = ("architecture", "ModelState", "tensor parallel", "fp8 KV cache")
+
+
+def architecture_row(architecture: str) -> list[str]:
+    """One row of the architecture table (the architecture must register a tiny config)."""
+    from slotrunner.registry import resolve, tiny_config
+
+    config = tiny_config(architecture)
+    arch = resolve(config, architecture)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = arch.model_cls(config)
+    try:
+        check_kv_cache_dtype(model, torch.float8_e4m3fn)
+        fp8 = "yes"
+    except ValueError:
+        fp8 = "refused"
+    tp = "yes" if callable(getattr(arch.model_cls, "check_tensor_parallel", None)) else "refused"
+    return [architecture, arch.model_state_cls.__name__, tp, fp8]
+
+
+def render_architectures_markdown(architectures: Iterable[str]) -> str:
+    lines = ["| " + " | ".join(ARCH_COLUMNS) + " |", "|" + "---|" * len(ARCH_COLUMNS)]
+    for arch in architectures:
+        name, state, *cells = architecture_row(arch)
+        lines.append("| " + " | ".join([name, f"`{state}`", *cells]) + " |")
+    return "\n".join(lines) + "\n"

@@ -186,9 +186,14 @@ def cmd_models(args: argparse.Namespace) -> int:
     from slotrunner.registry import model_state_classes
 
     if args.capabilities_markdown:
-        # docs/capabilities.md's table: in-tree families only, so the file does not depend on
-        # which plugins are installed.
+        # docs/capabilities.md's tables: in-tree families and architectures only, so the file
+        # does not depend on which plugins are installed.
+        from slotrunner.capabilities import render_architectures_markdown
+        from slotrunner.registry import in_tree_architectures
+
         print(render_markdown(model_state_classes(in_tree_only=True)), end="")
+        print()
+        print(render_architectures_markdown(in_tree_architectures()), end="")
         return 0
     for arch, model_cls, state in describe_architectures():
         print(f"{arch:<36} {model_cls:<48} {state}")

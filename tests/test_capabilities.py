@@ -1,5 +1,5 @@
-"""The capability table (slotrunner/capabilities.py): generated from the ModelState classes,
-kept in docs/capabilities.md, printed by `python -m slotrunner models`, and true.
+"""The capability tables (slotrunner/capabilities.py): generated from the ModelState and model
+classes, kept in docs/capabilities.md, printed by `python -m slotrunner models`, and true.
 
 Guards against: the docs table drifting from the classes' declarations; a flag that says
 "refused" while the engine builder accepts the combination (or the other way round).
@@ -16,21 +16,38 @@ import pytest
 from slotrunner.builder import _prefix_caching, _speculative
 from slotrunner.capabilities import FEATURES, capability_rows, render_markdown
 from slotrunner.core_runner.runner.model_state import ModelState
-from slotrunner.registry import model_state_classes
+from slotrunner.capabilities import architecture_row
+from slotrunner.registry import in_tree_architectures, model_state_classes, resolve, tiny_config
+from slotrunner.tensor_parallel import check_tensor_parallel
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "capabilities.md"
 BEGIN, END = "<!-- capability table: generated -->\n", "<!-- end of capability table -->"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 
 
-def test_docs_table_is_the_generated_one():
+def test_docs_tables_are_the_generated_ones():
     text = DOC.read_text()
-    table = text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
-    generated = render_markdown(model_state_classes(in_tree_only=True))
-    assert table == generated, (
-        "docs/capabilities.md is stale: regenerate its table with "
+    tables = text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
+    generated = subprocess.run(
+        [sys.executable, "-m", "slotrunner", "models", "--capabilities-markdown"],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout  # fmt: skip
+    assert generated.startswith(render_markdown(model_state_classes(in_tree_only=True)))
+    assert tables == generated, (
+        "docs/capabilities.md is stale: regenerate its tables with "
         "`python -m slotrunner models --capabilities-markdown`"
     )
+
+
+@pytest.mark.parametrize("architecture", in_tree_architectures())
+def test_refused_tensor_parallel_is_refused(architecture):
+    name, state, tp, _ = architecture_row(architecture)
+    arch = resolve(tiny_config(architecture), architecture)
+    if tp == "refused":
+        with pytest.raises(ValueError, match="does not run tensor-parallel"):
+            check_tensor_parallel(arch.model_cls, arch.model_state_cls.family, architecture, tiny_config(architecture), 2)
+    else:
+        assert callable(arch.model_cls.check_tensor_parallel)
 
 
 def test_cli_prints_the_table_for_every_registered_family():
