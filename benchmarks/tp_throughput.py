@@ -31,6 +31,7 @@ import argparse
 import json
 import tempfile
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -76,6 +77,9 @@ def run(directory: str, tp: int, prompts, out_lens, args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(directory, tensor_parallel_size=tp, **engine)
     startup = time.perf_counter() - t0
+    import torch
+
+    threads = torch.get_num_threads()  # on CPU each of the tp ranks takes 1/tp of the threads
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy(8), use_tqdm=False)  # warm-up
     sync()
@@ -89,10 +93,13 @@ def run(directory: str, tp: int, prompts, out_lens, args) -> dict:
     for n in (1, args.batch1_tokens):
         sync()
         t = time.perf_counter()
-        llm.generate(one, greedy(n), use_tqdm=False)
+        with collective_timer(args.tiny and tp > 1) as spent:
+            llm.generate(one, greedy(n), use_tqdm=False)
         sync()
         times[n] = time.perf_counter() - t
     per_token = (times[args.batch1_tokens] - times[1]) / (args.batch1_tokens - 1)
+    # Batch 1 makes one step per token: the collectives' share of a decode step (CPU: host-timed).
+    collective_ms = spent["s"] * 1e3 / args.batch1_tokens if spent else None
     ids = [list(o.outputs[0].token_ids) for o in outs]
     layers = llm.engine.runner.model.args.num_layers
     llm.close()
@@ -102,7 +109,40 @@ def run(directory: str, tp: int, prompts, out_lens, args) -> dict:
     cleanup_dist_env_and_memory()
     return dict(tp=tp, out_tokens=n_out, wall_s=round(wall, 3), tokens_per_s=round(n_out / wall, 1),
                 batch1_ms_per_token=round(per_token * 1e3, 3), collectives_per_step=0 if tp == 1 else 2 * layers + 2,
-                startup_s=round(startup, 1), ids=ids)  # fmt: skip
+                batch1_collective_ms_per_step=None if collective_ms is None else round(collective_ms, 3),
+                startup_s=round(startup, 1), cpu_threads_per_rank=threads if args.tiny else None, ids=ids)  # fmt: skip
+
+
+@contextmanager
+def collective_timer(on: bool):
+    """Wall time rank 0 spends in the group's collectives and the step broadcast while inside.
+    Only where collectives run on the host (gloo, `--tiny`): on GPUs NCCL calls return before
+    the transfer ends and CUDA graphs replay without calling them (use a profiler there)."""
+    if not on:
+        yield {}
+        return
+    from slotrunner.core_runner.distributed.parallel_state import TensorParallelGroup
+
+    spent = {"s": 0.0}
+    originals = {name: getattr(TensorParallelGroup, name) for name in ("all_reduce", "all_gather", "broadcast_step")}
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent["s"] += time.perf_counter() - t
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(TensorParallelGroup, name, timed(fn))
+    try:
+        yield spent
+    finally:
+        for name, fn in originals.items():
+            setattr(TensorParallelGroup, name, fn)
 
 
 def sync() -> None:
