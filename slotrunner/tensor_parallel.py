@@ -101,10 +101,9 @@ class TensorParallelLaunch:
         if self._closed:
             return
         self._closed = True
-        if self.runner is not None:
-            self.runner.shutdown()
+        told = self.runner is not None and self.runner.shutdown()
         for proc in self.workers:
-            proc.join(_JOIN_TIMEOUT_S if self.runner is not None else 0)
+            proc.join(_JOIN_TIMEOUT_S if told else 0)
             if proc.is_alive():  # never told, or stuck in a collective: do not wait for it
                 proc.terminate()
                 proc.join(_JOIN_TIMEOUT_S)

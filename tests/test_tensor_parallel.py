@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,8 @@ ENGINE = dict(device="cpu", max_model_len=32, max_num_seqs=4, block_size=4, max_
 ALONE = [[5, 9, 13, 17, 21], list(range(30, 41)), [50 + 3 * i for i in range(20)]]
 # A mixed batch: two prompts sharing their first 8 tokens (prefix-cache hits), prompts longer
 # than the step budget (chunked prefill), more KV blocks wanted than the 12 there are (preemption).
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+REPEATING = [7, 8, 9, 10] * 4  # the n-gram speculator finds drafts in it
 SHARED = list(range(100, 108))
 BATCH = [SHARED + [7, 8, 9], SHARED + [11, 12], list(range(200, 219)), list(range(300, 317))]
 
@@ -156,13 +159,18 @@ out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
                    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)
 print("OUT", json.dumps([[list(o.outputs[0].token_ids), [{str(t): l.logprob for t, l in lp.items()}
                                                         for lp in o.outputs[0].logprobs]] for o in out]))
+print("ACCEPTED", sum(o.metrics.num_accepted_tokens for o in out))
 llm.close()
 """
 
 
 def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
-    """A tiny GPT-OSS (4 of its experts per rank; the router replicated), started torchrun-style."""
+    """A tiny GPT-OSS (4 of its experts per rank; the router replicated), started torchrun-style,
+    with n-gram speculative decoding: the drafts' verification reads the same gathered logits on
+    every rank, and the accepted counts reach rank 1's host tables too."""
     build_case(tiny_config("GptOssForCausalLM", tie_word_embeddings=False), tmp_path)
+    engine = ENGINE | {"speculative_config": SPECULATIVE}
+    prompts = ALONE + [REPEATING]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -170,19 +178,41 @@ def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))  # fmt: skip
-        cmd = [sys.executable, "-c", LAUNCHED, str(tmp_path), json.dumps(ENGINE), json.dumps(ALONE)]
+        cmd = [sys.executable, "-c", LAUNCHED, str(tmp_path), json.dumps(engine), json.dumps(prompts)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    ours = json.loads(outs[0][0].split("OUT ", 1)[1])
+    ours = json.loads(outs[0][0].split("OUT ", 1)[1].split("\n", 1)[0])
+    assert int(outs[0][0].split("ACCEPTED ", 1)[1].split()[0]) > 0, "no draft was accepted: nothing tested"
     assert "OUT" not in outs[1][0]  # rank 1 ran no code after LLM(...)
-    one_rank_moe = LLM(str(tmp_path), **ENGINE)
-    ref = one_rank_moe.generate([{"prompt_token_ids": p} for p in ALONE], _greedy(logprobs=2), use_tqdm=False)
+    one_rank_moe = LLM(str(tmp_path), **ENGINE)  # plain decoding: drafts change no token
+    ref = one_rank_moe.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=2), use_tqdm=False)
     for (ids, logprobs), r in zip(ours, ref):
         assert ids == list(r.outputs[0].token_ids)
         for la, lb in zip(logprobs, r.outputs[0].logprobs):
             assert {int(t) for t in la} == set(lb)
             assert all(abs(v - lb[int(t)].logprob) <= LOGITS_ATOL for t, v in la.items())
+
+
+def test_ctrl_c_in_a_step_lets_every_rank_finish_it_then_interrupts(one_rank, two_ranks):
+    """Guards against: Ctrl-C raising on rank 0 between two collectives of a step (rank 1 would
+    wait in the logits' gather while rank 0 sends the next step: the ranks out of step for good)."""
+    fired = []
+
+    def interrupt(batch, hidden):  # rank 0, after the forward, before the logits are gathered
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    remove = two_ranks.engine.runner.add_step_observer(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            two_ranks.generate({"prompt_token_ids": ALONE[1]}, _greedy(), use_tqdm=False)
+    finally:
+        remove()
+    ours = two_ranks.generate({"prompt_token_ids": ALONE[1]}, _greedy(), use_tqdm=False)[0]
+    ref = one_rank.generate({"prompt_token_ids": ALONE[1]}, _greedy(), use_tqdm=False)[0]
+    assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):

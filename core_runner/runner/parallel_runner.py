@@ -11,14 +11,20 @@ Failures: a step that raises an Exception raises it on every rank (the ranks run
 on the same data); rank 0's engine fails the step's requests and each other rank discards the
 step, and all go on together. A rank that dies fails rank 0's next step with an error naming it
 (`check_peers`), or fails the collective it was part of (gloo: at once; NCCL: after the group's
-timeout). A step interrupted on rank 0 alone (KeyboardInterrupt) leaves the other ranks inside
-it: the runner refuses every later step, saying so, instead of pairing collectives wrongly.
+timeout). Ctrl-C (SIGINT) on rank 0 is held from the step's broadcast to the end of its
+sampling (`_HeldInterrupt`), so every rank finishes the step, then it is raised and the engine
+rolls the step back as it does on one device; the other ranks ignore SIGINT. A step cut short
+on rank 0 alone all the same (another BaseException) leaves the other ranks inside it: the
+runner then refuses every later step, saying so, instead of pairing collectives wrongly.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -52,26 +58,43 @@ class TensorParallelRunner(ModelRunner):
         self.tp = tp
         self._check_peers = check_peers
         self._broken: str | None = None  # why no further step can run
+        self._interrupt = _HeldInterrupt()
 
     def execute_model(self, sched: SchedulerOutput) -> None:
         self._check()
+        self._interrupt.hold()
         try:
-            self.tp.broadcast_step(sched)
-        except Exception as e:
-            self._fail(f"sending the step to the other ranks failed ({type(e).__name__}: {e})")
-        self._guarded(super().execute_model, sched)
+            try:
+                self.tp.broadcast_step(sched)
+            except Exception as e:
+                self._fail(f"sending the step to the other ranks failed ({type(e).__name__}: {e})")
+            self._guarded(super().execute_model, sched)
+        except BaseException:
+            self._interrupt.release()
+            raise
 
     def sample_tokens(self) -> AsyncOutput:
-        return self._guarded(super().sample_tokens)
+        try:
+            return self._guarded(super().sample_tokens)
+        finally:
+            self._interrupt.release()  # the step is over on every rank: a held Ctrl-C raises now
 
-    def shutdown(self) -> None:
-        """Tell the other ranks to leave their loop (idempotent; skipped once the group broke)."""
-        if self._broken is None:
-            self._broken = "the engine was closed"
-            try:
-                self.tp.broadcast_step(None)
-            except Exception as e:  # a rank already gone: nothing to stop there
-                logger.warning("tensor-parallel shutdown could not reach every rank: %s", e)
+    def discard_step(self) -> None:
+        super().discard_step()
+        self._interrupt.release()
+
+    def shutdown(self) -> bool:
+        """Tell the other ranks to leave their loop; returns whether they were told (not when
+        the group broke before, or on a second call)."""
+        if self._broken is not None:
+            return False
+        self._broken = "the engine was closed"
+        try:
+            self.tp.broadcast_step(None)
+        except Exception as e:  # a rank already gone: nothing to stop there
+            logger.warning("tensor-parallel shutdown could not reach every rank: %s", e)
+            return False
+        return True
 
     def _guarded(self, fn: Callable, *args: object) -> object:
         try:
@@ -98,6 +121,32 @@ class TensorParallelRunner(ModelRunner):
     def _fail(self, reason: str) -> None:
         self._broken = reason
         raise TensorParallelBroken(f"tensor-parallel engine cannot run steps: {reason}; build a new LLM")
+
+
+class _HeldInterrupt:
+    """SIGINT held while a step runs (main thread only: Python runs signal handlers there), then
+    delivered to the handler it found once the step is over."""
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._pending = False
+
+    def hold(self) -> None:
+        if self._previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(signal.SIGINT, self._note)
+
+    def release(self) -> None:
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        self._previous = None
+        if self._pending:
+            self._pending = False
+            signal.raise_signal(signal.SIGINT)  # the restored handler: KeyboardInterrupt by default
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self._pending = True
 
 
 def serve_steps(runner: ModelRunner, tp: TensorParallelGroup) -> None:
