@@ -116,11 +116,10 @@ def _phi3(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     if rotary != base["head_dim"]:
         rope["partial_rotary_factor"] = rotary / base["head_dim"]
-    return {
-        "rope_parameters": rope,
-        "sliding_window": get("attention.sliding_window", None),
-        "original_max_position_embeddings": get("rope.scaling.original_context_length", base["max_position_embeddings"]),
-    }
+    original = get("rope.scaling.original_context_length", None)
+    return {"rope_parameters": rope, "sliding_window": get("attention.sliding_window", None)} | (
+        {"original_max_position_embeddings": original} if original is not None else {}
+    )
 
 
 CONVENTIONS: dict[str, Conventions] = {

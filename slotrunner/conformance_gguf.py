@@ -88,11 +88,21 @@ def _byte_level_vocab(size: int) -> list[str]:
     return tokens[:size]
 
 
-def write_gguf(hf_model: torch.nn.Module, path: str | Path) -> Path:
+def _sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """`size` SentencePiece pieces (<unk>, <s>, </s>, then "▁", letters, "▁"-words), their
+    scores and llama.cpp token types (2 unknown, 3 control, 1 normal)."""
+    pieces = ["<unk>", "<s>", "</s>", "\u2581", *"abcdefghijklmnopqrstuvwxyz"]
+    pieces += [f"\u2581{a}{b}" for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
+    pieces = (pieces + [f"\u2581w{i}" for i in range(size)])[:size]
+    return pieces, [0.0, 0.0, 0.0] + [-float(i) for i in range(size - 3)], [2, 3, 3] + [1] * (size - 3)
+
+
+def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2") -> Path:
     """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
     does: gguf-py's tensor names, Q/K rows interleaved for `llama`, 1 added to Gemma's norm
-    weights, the metadata keys its architecture reads, and a byte-level BPE vocabulary of the
-    model's size (`tokenizer.ggml.pre` as the family's files have it). Tensors stay float32, so
+    weights, the metadata keys its architecture reads, and a vocabulary of the model's size:
+    byte-level BPE (`tokenizer="gpt2"`, `tokenizer.ggml.pre` as the family's files have it) or
+    SentencePiece (`"llama"`, what Gemma and Phi-3 files carry). Tensors stay float32, so
     transformers' GGUF loader and slotrunner's reader both see exactly the model's weights."""
     import gguf
 
@@ -126,13 +136,25 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path) -> Path:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if getattr(config, "sliding_window", None) and arch not in ("qwen2", "llama"):
         writer.add_sliding_window(config.sliding_window)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
-    writer.add_token_list(_byte_level_vocab(config.vocab_size))
-    writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    if tokenizer == "gpt2":
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
+        writer.add_token_list(_byte_level_vocab(config.vocab_size))
+        writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
+        writer.add_token_merges([])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+    elif tokenizer == "llama":
+        pieces, scores, types = _sentencepiece_vocab(config.vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        raise ConformanceError(f"tokenizer {tokenizer!r}: write 'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
     if getattr(config, "pad_token_id", None) is not None:
         writer.add_pad_token_id(config.pad_token_id)
     shift = 1.0 if arch.startswith("gemma") else 0.0

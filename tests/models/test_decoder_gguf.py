@@ -76,6 +76,23 @@ def test_file_reads_and_runs_like_transformers(architecture, tmp_path):
     assert report.passed, report.table()
 
 
+@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Phi3ForCausalLM"])
+def test_sentencepiece_files_tokenize_like_transformers(architecture, tmp_path):
+    """Gemma and Phi-3 files carry SentencePiece vocabularies (`tokenizer.ggml.model = llama`),
+    which transformers converts per architecture (Phi-3's prefix space differs): slotrunner's
+    tokenizer for the file must be transformers' one."""
+    from transformers import AutoTokenizer
+
+    config = tiny_config(architecture, **CASES[architecture])
+    config.architectures = [architecture]
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "spm.gguf", tokenizer="llama")
+    ours = read_gguf(path, torch.float32).tokenizer
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["ab ba", "  hello world", "zz q"]:
+        assert ours(text).input_ids == ref(text).input_ids, text
+    assert ours("a").input_ids[0] == 1  # <s>, as the file's bos_token_id
+
+
 def test_qwen2_pre_tokenizer_splits_like_qwen(tmp_path):
     """`tokenizer.ggml.pre = qwen2`: one digit per token, contractions case-insensitive, as
     Qwen's own tokenizer.json splits (and llama.cpp)."""
