@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
+from slotrunner.models.layers.mamba.parallel import check_mixer_split
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.llama import LlamaArgs, LlamaAttention, LlamaMLP
 from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
@@ -48,6 +50,15 @@ class BambaDecoderLayer(nn.Module):
 
 class BambaForCausalLM(CausalLM):
     merged = QKV_SHARDS | GATE_UP_SHARDS
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the attention heads, the MLP or the mixers' heads or groups cannot be
+        split over `world_size` ranks."""
+        args, mamba = LlamaArgs.from_hf(hf_config), mixer_args(hf_config)
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        even_shard(args.intermediate_size, 0, world_size, "intermediate_size")
+        check_mixer_split(mamba.num_heads, mamba.n_groups, world_size)
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

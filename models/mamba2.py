@@ -13,6 +13,7 @@ from torch import nn
 
 from slotrunner.models.causal_lm import MAMBA_NAMES, CausalLM, DecoderStack
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2, parse_time_step_limit
+from slotrunner.models.layers.mamba.parallel import check_mixer_split
 from slotrunner.models.layers.norm import RMSNorm
 
 
@@ -48,6 +49,12 @@ class Mamba2Block(nn.Module):
 
 class Mamba2ForCausalLM(CausalLM):
     """Positions go unused: the state carries the order."""
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the mixers' heads or groups cannot be split over `world_size` ranks."""
+        args = mixer_args(hf_config)
+        check_mixer_split(args.num_heads, args.n_groups, world_size)
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

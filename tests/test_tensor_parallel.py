@@ -131,7 +131,7 @@ def test_rank_zero_holds_half_of_the_model_and_of_the_kv_cache(one_rank, two_ran
 
 
 @pytest.mark.parametrize(
-    "architecture, family", [("DeepseekV2ForCausalLM", "default decoder"), ("Mamba2ForCausalLM", "recurrent hybrid")]
+    "architecture, family", [("DeepseekV2ForCausalLM", "default decoder"), ("NemotronHForCausalLM", "recurrent hybrid")]
 )
 def test_a_family_without_sharded_layers_is_refused_naming_it(architecture, family, tmp_path):
     build_case(tiny_config(architecture), tmp_path)
@@ -216,7 +216,7 @@ def test_ctrl_c_in_a_step_lets_every_rank_finish_it_then_interrupts(one_rank, tw
 
 
 def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):
-    """Last in this module: it leaves the fixture's engine broken (close() still works)."""
+    """The last test of the fixture's engine: it leaves it broken (close() still works)."""
     worker = two_ranks.engine.tensor_parallel.workers[0]
     worker.kill()
     worker.join(10)
@@ -229,3 +229,22 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):
     two_ranks.close()
     # The process group is gone: another parallel engine could start in this process.
     assert not torch.distributed.is_initialized()
+
+
+def test_a_recurrent_hybrid_splits_its_mamba_heads_and_their_state(tmp_path):
+    """After the fixture's engine closed (one process group per process). Bamba: Mamba2 mixers (one B/C group, so the gated norm spans the ranks) between attention
+    layers; chunked prefill carries each rank's conv window and SSM state across chunks."""
+    build_case(tiny_config("BambaForCausalLM", tie_word_embeddings=False), tmp_path)
+    engine = ENGINE | {"max_num_batched_tokens": 7, "max_num_seqs": 2}
+    prompts = [{"prompt_token_ids": p} for p in ALONE]
+    params = _greedy(logprobs=2)
+    ref = LLM(str(tmp_path), **engine).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **engine)
+    try:
+        ours = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)

@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.forward_context import get_forward_context
-from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from slotrunner.models.layers.mamba.gated_norm import GatedRMSNorm
+from slotrunner.models.layers.mamba.parallel import conv1d as parallel_conv1d
+from slotrunner.models.layers.mamba.parallel import gated_norm as parallel_gated_norm
+from slotrunner.models.layers.mamba.parallel import in_proj as parallel_in_proj
+from slotrunner.models.layers.mamba.parallel import mixer_shards, rank_args
+from slotrunner.models.layers.parallel_linear import ShardedWeights, row_linear
 from slotrunner.models.layers.mamba.selective_state_update import selective_state_update
 from slotrunner.models.layers.mamba.ssd_chunk_scan import ssd_chunk_scan_varlen
 from slotrunner.models.layers.recurrent_metadata import RecurrentMetadata
@@ -105,23 +108,33 @@ class Mamba2MixerArgs:
         return (self.num_heads, self.head_dim, self.state_size)
 
 
-class MambaMixer2(RecurrentLayer):
+class MambaMixer2(RecurrentLayer, ShardedWeights):
     def __init__(self, args: Mamba2MixerArgs, layer_idx: int) -> None:
         super().__init__()
-        self.args = args
+        # Under tensor parallelism this rank's heads (and groups): `self.args` holds its sizes, so
+        # the state spec and the forward see only them (mamba/parallel.py); all of them otherwise.
+        shards = mixer_shards(args.num_heads, args.n_groups)
+        self.heads = shards.heads
+        self.args = rank_args(args, shards)
         self.layer_idx = layer_idx
-        a = args
-        self.in_proj = Linear(a.hidden_size, a.intermediate_size + a.conv_dim + a.num_heads, bias=a.use_bias)
+        a = self.args
+        self.in_proj = parallel_in_proj(args, shards)
         # Holds the depthwise taps under the checkpoint's names; the forward uses the kernels.
-        self.conv1d = nn.Conv1d(a.conv_dim, a.conv_dim, a.conv_kernel, groups=a.conv_dim, bias=a.use_conv_bias)
+        self.conv1d = parallel_conv1d(args, shards)
         self.dt_bias = nn.Parameter(torch.empty(a.num_heads))
         self.A_log = nn.Parameter(torch.empty(a.num_heads))
         self.D = nn.Parameter(torch.empty(a.num_heads))
-        self.norm = GatedRMSNorm(a.intermediate_size, a.intermediate_size // a.n_groups, a.norm_eps)
-        self.out_proj = Linear(a.intermediate_size, a.hidden_size, bias=a.use_bias)
+        self.norm = parallel_gated_norm(args, shards)
+        self.out_proj = row_linear(args.intermediate_size, args.hidden_size, bias=args.use_bias)
         # Per-slot pools, bound by RecurrentHybridModelState.initialize_cache (bind_state).
         self.conv_state: torch.Tensor | None = None  # [max_num_seqs, conv_dim, conv_kernel - 1]
         self.ssm_state: torch.Tensor | None = None  # [max_num_seqs, num_heads, head_dim, state_size] float32
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        """dt_bias, A_log, D: one value per head, this rank's heads kept."""
+        param = getattr(self, param_name)
+        with torch.no_grad():
+            param.copy_(self.heads.narrow(tensor, 0))
 
     def state_spec(self) -> RecurrentStateSpec:
         # The SSM state accumulates over the whole sequence: float32 whatever the model dtype
