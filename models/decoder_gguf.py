@@ -1,4 +1,4 @@
-"""GGUF files of the Llama-style decoders besides Llama itself: Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3.
+"""GGUF files of the Llama-style decoders besides Llama itself: Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3.
 
 Each `general.architecture` is a table of llama.cpp's conventions (convert_hf_to_gguf.py and
 gguf-py's tensor_mapping.py, read backwards): the tensor names, the metadata keys, the HF config
@@ -9,8 +9,10 @@ scale 1/sqrt(head_dim), Gemma 3's local RoPE base 10000 and its five local layer
 global. The weights come through `GGUFCheckpoint` (`llama_gguf.py`), the tokenizer through
 `gguf_tokenizer.py`.
 
-Not read: files with LongRoPE factor tensors (Phi-3 128k), mixture-of-experts files
-(`qwen3moe`, `gpt-oss`, Mixtral as `llama`): say so, naming the file.
+A Qwen3-MoE file stores each projection of a layer's experts as one [num_experts, ...] tensor;
+the checkpoint yields them expert by expert, as Hugging Face checkpoints store them.
+Not read: files with LongRoPE factor tensors (Phi-3 128k), other mixture-of-experts files
+(`qwen2moe`, `gpt-oss`, Mixtral as `llama`): say so, naming the file.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ _PHI3 = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Mixture of experts (Qwen3-MoE): the router, and each projection of all experts in one tensor
+_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -111,6 +120,18 @@ def _gemma3(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen3moe(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
+    # llama.cpp runs every layer sparse and renormalises the top-k weights (norm_topk_prob).
+    return _qwen2(get, base) | {
+        "num_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def _phi3(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
     rotary = get("rope.dimension_count", base["head_dim"])
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
@@ -130,6 +151,9 @@ CONVENTIONS: dict[str, Conventions] = {
         "Gemma3ForCausalLM", "Gemma3TextConfig", {**_SANDWICH_NORMS, **_ATTENTION, **_QK_NORMS, **_MLP}, _gemma3, 1.0
     ),
     "phi3": Conventions("Phi3ForCausalLM", "Phi3Config", _PHI3, _phi3),
+    "qwen3moe": Conventions(
+        "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {**_PRE_POST_NORMS, **_ATTENTION, **_QK_NORMS, **_EXPERTS}, _qwen3moe
+    ),
 }
 
 
@@ -176,7 +200,7 @@ def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
         if any(n.startswith("rope_factors") for n in unknown):
             hint = " (LongRoPE factors, as Phi-3 128k files carry them, are not read yet)"
         elif any("_exps." in n for n in unknown):
-            hint = " (mixture-of-experts tensors: not supported for GGUF files yet)"
+            hint = " (mixture-of-experts tensors: read for qwen3moe only)"
         raise ValueError(f"{path}: tensors with no {conv.architecture} equivalent: {', '.join(unknown[:8])}{hint}.")
     if "model.embed_tokens.weight" not in names:
         raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete {arch} model.")
@@ -249,6 +273,11 @@ def _check_shapes(config: Any, shapes: Mapping[str, tuple[int, ...]], path: str)
         "self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,),
         "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
         "mlp.gate_up_proj": (2 * inter, hidden),
+    }  # fmt: skip
+    experts, expert_inter = getattr(config, "num_experts", 0), getattr(config, "moe_intermediate_size", 0)
+    per_name |= {
+        "mlp.gate": (experts, hidden), "mlp.experts.*.gate_proj": (experts, expert_inter, hidden),
+        "mlp.experts.*.up_proj": (experts, expert_inter, hidden), "mlp.experts.*.down_proj": (experts, hidden, expert_inter),
     }  # fmt: skip
     globals_ = {"model.embed_tokens": (config.vocab_size, hidden), "model.norm": (hidden,), "lm_head": (config.vocab_size, hidden)}
     problems = []

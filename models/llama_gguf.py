@@ -54,7 +54,9 @@ class GGUFCheckpoint:
     config: PretrainedConfig = field(repr=False)  # LlamaConfig here; other decoders' readers, theirs
     tokenizer: PreTrainedTokenizerBase = field(repr=False)
     chat_template: str | None = field(repr=False)
-    weight_names: tuple[str, ...] = field(repr=False)  # HF names in file order; no lm_head if tied
+    # HF names in file order; no lm_head if tied. A name with "*" is a stack of experts in one GGUF
+    # tensor ([num_experts, ...]): `weights` yields expert e as the name with "*" -> e.
+    weight_names: tuple[str, ...] = field(repr=False)
     _file: GGUFFile = field(repr=False, compare=False)
     _gguf_names: Mapping[str, str] = field(repr=False, compare=False)  # HF name -> GGUF name
     pack: bool = False  # yield quantized matrices as PackedWeight (see `weights`)
@@ -84,6 +86,9 @@ class GGUFCheckpoint:
                 if self.norm_shift and hf_name.endswith("norm.weight"):  # in float32, before any cast
                     tensor = tensor.float() - self.norm_shift
                 tensor = tensor.to(self.dtype)
+            if ".*." in hf_name:
+                yield from ((hf_name.replace("*", str(e)), expert) for e, expert in enumerate(tensor))
+                continue
             heads = {".self_attn.q_proj.": num_heads, ".self_attn.k_proj.": num_kv_heads} if self.permute_rotary else {}
             for part, count in heads.items():
                 if part in hf_name:

@@ -75,7 +75,7 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
 # transformers model_type -> GGUF general.architecture (Mistral is written as `llama`, named so)
 GGUF_ARCHITECTURES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-    "gemma3_text": "gemma3", "phi3": "phi3",
+    "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
 }  # fmt: skip
 
 
@@ -131,6 +131,10 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     rope = rope.get("full_attention", rope)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if config.model_type == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -161,7 +165,15 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 x ff, hidden]: llama.cpp keeps gate, up apart
+            gate, up = tensor.detach().float().chunk(2, dim=1)
+            block = name.split(".")[2]
+            writer.add_tensor(f"blk.{block}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            writer.add_tensor(f"blk.{block}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
         stem, suffix = name.rsplit(".", 1)
+        if stem.endswith("mlp.experts"):  # down_proj: [experts, hidden, ff], gguf-py's name has no suffix
+            stem, suffix = name, "weight"
         gguf_name = names.get_name(stem)
         if gguf_name is None:
             raise ConformanceError(f"{name} has no GGUF name for {arch}")

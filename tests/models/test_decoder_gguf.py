@@ -38,7 +38,26 @@ CASES = {
     "Gemma3ForCausalLM": dict(num_hidden_layers=6, sliding_window_pattern=6, head_dim=256, query_pre_attn_scalar=256,
                               final_logit_softcapping=None, rope_parameters=_GEMMA_ROPE),
     "Phi3ForCausalLM": dict(rope_parameters=dict(rope_type="default", rope_theta=10_000.0)),
+    # every layer sparse, as llama.cpp runs them; transformers' default expert width (768)
+    "Qwen3MoeForCausalLM": dict(mlp_only_layers=[], head_dim=128, moe_intermediate_size=768, num_experts=4,
+                                num_experts_per_tok=2),
 }  # fmt: skip
+
+
+def per_expert(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors ([experts, 2 x ff, hidden] gate|up, [experts, hidden,
+    ff] down) under the per-expert names its checkpoints store (and slotrunner's reader yields)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1))):
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            out.update((f"{name[:-len('down_proj')]}{e}.down_proj.weight", t) for e, t in enumerate(tensor))
+        else:
+            out[name] = tensor
+    return out
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [900, 3]]
 
 
@@ -63,10 +82,11 @@ def test_file_reads_and_runs_like_transformers(architecture, tmp_path):
     checkpoint = read_gguf(path, torch.float32)
     assert checkpoint.config.architectures == [architecture]
     weights = dict(checkpoint.weights())
-    expected = set(oracle.state_dict()) - ({"lm_head.weight"} if checkpoint.config.tie_word_embeddings else set())
+    reference = per_expert(oracle.state_dict())
+    expected = set(reference) - ({"lm_head.weight"} if checkpoint.config.tie_word_embeddings else set())
     assert set(weights) == expected
     for name, tensor in weights.items():
-        assert torch.equal(tensor, oracle.state_dict()[name]), name
+        assert torch.equal(tensor, reference[name]), name
     tokenizer = checkpoint.tokenizer  # byte-level BPE with the family's pre-tokenizer
     assert tokenizer.decode(tokenizer("It's 2024 ok").input_ids) == "It's 2024 ok"
 
@@ -132,6 +152,6 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3") as e:
+    with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe") as e:
         read_gguf(tmp_path / "x.gguf", torch.float32)
     assert "transformers' GGUF loader does not read it either" in str(e.value)
