@@ -97,13 +97,15 @@ def _sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     return pieces, [0.0, 0.0, 0.0] + [-float(i) for i in range(size - 3)], [2, 3, 3] + [1] * (size - 3)
 
 
-def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2") -> Path:
+def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32") -> Path:
     """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
     does: gguf-py's tensor names, Q/K rows interleaved for `llama`, 1 added to Gemma's norm
     weights, the metadata keys its architecture reads, and a vocabulary of the model's size:
     byte-level BPE (`tokenizer="gpt2"`, `tokenizer.ggml.pre` as the family's files have it) or
-    SentencePiece (`"llama"`, what Gemma and Phi-3 files carry). Tensors stay float32, so
-    transformers' GGUF loader and slotrunner's reader both see exactly the model's weights."""
+    SentencePiece (`"llama"`, what Gemma and Phi-3 files carry). Tensors stay float32 (so
+    transformers' GGUF loader and slotrunner's reader both see exactly the model's weights),
+    or the 2-D matrices are quantized to `matrix_type` ("Q8_0", "Q4_0", ... what gguf-py
+    quantizes) as a quantized file stores them."""
     import gguf
 
     config = hf_model.config
@@ -183,7 +185,12 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        writer.add_tensor(f"{gguf_name}.{suffix}", data.contiguous().numpy())
+        values = data.contiguous().numpy()
+        if matrix_type != "F32" and values.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"{gguf_name}.{suffix}", values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -155,3 +155,31 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe") as e:
         read_gguf(tmp_path / "x.gguf", torch.float32)
     assert "transformers' GGUF loader does not read it either" in str(e.value)
+
+
+@pytest.mark.parametrize("architecture", CASES)
+def test_quantized_file_runs_packed_like_dequantized(architecture, tmp_path):
+    """A Q8_0 file (how users' files come) keeps its matrices packed on CPU -- fused QKV and
+    gate/up (Phi-3), sandwich norms (Gemma), experts (Qwen3-MoE) included -- and gives the
+    tokens and logprobs of the same file dequantized."""
+    from slotrunner import SamplingParams
+    from slotrunner.core_runner.cpu.native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(str(native_unavailable_reason()))
+    config = tiny_config(architecture, **CASES[architecture])
+    config.architectures = [architecture]
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "q8.gguf", matrix_type="Q8_0")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    runs = {}
+    for mode in ("packed", "dequantized"):
+        llm = LLM(str(path), device="cpu", dtype="float32", quantized_weights=mode, max_model_len=64)
+        packed = sum(getattr(m, "packed", None) is not None for m in llm.engine.runner.model.modules())
+        runs[mode] = packed, llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0].outputs[0]
+    assert runs["packed"][0] > 0 and runs["dequantized"][0] == 0
+    ours, ref = runs["packed"][1], runs["dequantized"][1]
+    assert ours.token_ids == ref.token_ids
+    for a, b in zip(ours.logprobs, ref.logprobs):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
