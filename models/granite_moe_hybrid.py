@@ -23,7 +23,9 @@ from slotrunner.models.bamba import mixer_args
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.core_runner.attention.layer import Attention
-from slotrunner.models.layers.linear import Linear
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
+from slotrunner.models.layers.mamba.parallel import check_mixer_split
+from slotrunner.models.layers.parallel_linear import merged_column_linear, row_linear
 from slotrunner.models.layers.lm_head import LogitScale
 from slotrunner.models.layers.mamba.mixer import MambaMixer2
 from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE
@@ -53,9 +55,11 @@ class GraniteAttention(LlamaAttention):
 class SharedMLP(nn.Module):
     def __init__(self, c: object) -> None:
         super().__init__()
-        self.input_linear = Linear(c.hidden_size, 2 * c.shared_intermediate_size, bias=False)
+        # The checkpoint's one [gate | up] tensor, split per part under tensor parallelism.
+        size = c.shared_intermediate_size
+        self.input_linear = merged_column_linear(c.hidden_size, {"gate": size, "up": size}, bias=False)
         self.act = GatedAct(c.hidden_act)
-        self.output_linear = Linear(c.shared_intermediate_size, c.hidden_size, bias=False)
+        self.output_linear = row_linear(size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_linear(self.act(self.input_linear(x)))
@@ -92,6 +96,18 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 
 class GraniteMoeHybridForCausalLM(CausalLM):
     merged = QKV_SHARDS
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the attention heads, the shared MLP, the experts or the mixers'
+        heads cannot be split over `world_size` ranks."""
+        c, args = hf_config, LlamaArgs.from_hf(hf_config)
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        even_shard(c.shared_intermediate_size, 0, world_size, "shared_intermediate_size")
+        if (c.num_local_experts or 0) > 0:
+            even_shard(c.num_local_experts, 0, world_size, "num_local_experts")
+        mamba = mixer_args(c)
+        check_mixer_split(mamba.num_heads, mamba.n_groups, world_size)
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

@@ -24,7 +24,9 @@ from torch import nn
 from slotrunner.models.causal_lm import MAMBA_NAMES, CausalLM, DecoderStack
 from slotrunner.models.granite_moe_hybrid import GraniteAttention
 from slotrunner.models.layers.hf_act import hf_activation
-from slotrunner.models.layers.linear import Linear
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
+from slotrunner.models.layers.mamba.parallel import check_mixer_split
+from slotrunner.models.layers.parallel_linear import merged_column_linear, row_linear
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
@@ -86,8 +88,9 @@ def attention_args(c: object) -> LlamaArgs:
 class NemotronHMLP(nn.Module):
     def __init__(self, c: object, intermediate_size: int) -> None:
         super().__init__()
-        self.up_proj = Linear(c.hidden_size, intermediate_size, bias=bool(c.mlp_bias))
-        self.down_proj = Linear(intermediate_size, c.hidden_size, bias=bool(c.mlp_bias))
+        # Column- then row-parallel under tensor parallelism (one part: a merged layer of one).
+        self.up_proj = merged_column_linear(c.hidden_size, {"up": intermediate_size}, bias=bool(c.mlp_bias))
+        self.down_proj = row_linear(intermediate_size, c.hidden_size, bias=bool(c.mlp_bias))
         self.act = hf_activation(c.mlp_hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +134,24 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
-    merged = QKV_SHARDS  # not gate/up: the MLPs' `up_proj` stays a plain Linear
+    merged = QKV_SHARDS  # not gate/up: the MLPs' `up_proj` loads whole, under its own name
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the attention heads, the MLPs, the experts or the mixers' heads
+        cannot be split over `world_size` ranks."""
+        c, args = hf_config, attention_args(hf_config)
+        kinds = {_KINDS.get(k) for k in c.layers_block_type}
+        if "attention" in kinds:
+            check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        if "mlp" in kinds:
+            even_shard(c.intermediate_size, 0, world_size, "intermediate_size")
+        if "moe" in kinds:
+            even_shard(c.n_routed_experts, 0, world_size, "n_routed_experts")
+            even_shard(c.moe_shared_expert_intermediate_size, 0, world_size, "moe_shared_expert_intermediate_size")
+        if "mamba" in kinds:
+            mamba = mixer_args(c)
+            check_mixer_split(mamba.num_heads, mamba.n_groups, world_size)
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config
