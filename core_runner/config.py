@@ -52,7 +52,8 @@ class SpeculativeConfig:
     method "ngram" (prompt lookup): the most recent earlier occurrence of the row's last n
     tokens, n from prompt_lookup_max down to prompt_lookup_min, proposes the tokens after it.
     method "draft_model": a smaller decoder (`model`: a path or repo id, as for the target)
-    sharing the target's tokenizer proposes k tokens greedily.
+    sharing the target's tokenizer proposes k tokens, each picked as the target picks (argmax, or
+    the same keyed Gumbel noise).
     """
 
     method: str = "ngram"

@@ -208,7 +208,7 @@ class ModelRunner:
             self.speculator.propose(
                 ProposeInputs(
                     batch.idx_mapping, hist_len, rs.token_ids, step.hidden, batch.positions,
-                    idx, batch.num_computed_tokens_np, num_known, self.block_tables.table,
+                    idx, batch.num_computed_tokens_np, num_known, self.block_tables.table, self._pick,
                 ),
                 rs.draft_tokens,
                 next_num_draft,
@@ -236,6 +236,13 @@ class ModelRunner:
             )
 
         return AsyncOutput(tensors, finish, self._copy_stream)
+
+    def _pick(self, slots_np: np.ndarray, positions_np: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+        """The token the sampler picks from `logits` [rows, vocab] for the given slots at the given
+        positions, as it would for the target there (ProposeInputs.sample)."""
+        num_output_np = positions_np - self.req_state.prompt_len_np[slots_np]
+        positions = torch.from_numpy(positions_np).to(self.device, non_blocking=True)
+        return self._sample(slots_np, num_output_np, positions, logits).sampled
 
     def _sample(
         self,

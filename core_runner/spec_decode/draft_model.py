@@ -12,9 +12,14 @@ After each target step (`propose`), per batch row:
    what the target computed this step (a prefill chunk, or the last token and the accepted
    drafts) plus the token it just emitted. The draft therefore sees every prompt chunk in the
    step the target does, and rejected drafts never enter its cache (their positions are
-   rewritten). The hidden state at the last known token gives draft 1 (greedy argmax over the
-   target's vocabulary).
+   rewritten). The hidden state at the last known token gives draft 1.
 2. Propose: k - 1 forwards of one token per proposing row, each feeding the draft just chosen.
+
+Each draft is picked from the draft's logits (over the target's vocabulary) by the target's own
+rule at that position (`ProposeInputs.sample`): argmax for greedy rows, Gumbel-max with the
+row's noise keyed on seed, position and token for sampled rows. Sharing the noise couples the
+two picks, so a sampled row's draft is accepted whenever the two models' logits lead the same
+noise to the same token -- always, for a draft equal to the target.
 
 Rows that do not sample this step (a prefill chunk that stops short) or may not be speculated
 (`num_tokens` 0) only catch up. Laying out the forwards needs each row's accepted count on the
@@ -55,11 +60,12 @@ class DraftModelSpeculator(Speculator):
         if num_reqs == 0:
             return
         device = draft_tokens.device
-        # [num_reqs] the one host copy (see the module docstring); a token sampled at
-        # max_model_len is not in the history (the request ends with it).
-        known = np.minimum(inputs.num_known.cpu().numpy(), self.max_model_len)
+        # The one host copy (see the module docstring): history lengths and which rows propose.
+        host = torch.stack([inputs.num_known.long(), inputs.num_tokens[:num_reqs].long()]).cpu().numpy()
+        # A token sampled at max_model_len is not in the history (the request ends with it).
+        known = np.minimum(host[0], self.max_model_len)
         start = inputs.num_computed_np
-        proposing = inputs.num_tokens[:num_reqs].cpu().numpy() > 0
+        proposing = host[1] > 0
         # Drafts a row may use: all accepted plus the target's own token stay below max_model_len.
         count = np.where(proposing, np.clip(self.max_model_len - known - 1, 0, self.num_speculative_tokens), 0)
         rows = np.flatnonzero(known > start)
@@ -69,7 +75,8 @@ class DraftModelSpeculator(Speculator):
                 picked = count[rows] > 0
                 if picked.any():
                     # [rows proposing] draft 1, from the hidden state at each row's last known token
-                    tokens = self._greedy(hidden.index_select(0, torch.from_numpy(last[picked]).to(device)))
+                    hidden = hidden.index_select(0, torch.from_numpy(last[picked]).to(device))
+                    tokens = self._pick(inputs, rows[picked], known[rows[picked]], hidden)
                     self._propose_rest(inputs, rows[picked], known[rows[picked]], count[rows[picked]], tokens, draft_tokens)
             num_draft[:num_reqs].copy_(torch.from_numpy(count.astype(np.int32)).to(device, non_blocking=True))
 
@@ -93,7 +100,7 @@ class DraftModelSpeculator(Speculator):
                 tokens, slots = tokens.index_select(0, index), slots.index_select(0, index)
             position = known + i - 1
             hidden, _ = self._forward(inputs, rows, position, position + 1, tokens)
-            tokens = self._greedy(hidden)
+            tokens = self._pick(inputs, rows, position + 1, hidden)
             draft_tokens[slots, i] = tokens
 
     def _forward(
@@ -138,6 +145,17 @@ class DraftModelSpeculator(Speculator):
             hidden = self.model(input_ids, positions, inputs_embeds=None)
         return hidden, query_start_loc_np[1:] - 1
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] int64
-        logits = self.model.compute_logits(hidden)
-        return logits[:, : self.vocab_size].argmax(dim=-1)
+    def _pick(
+        self,
+        inputs: ProposeInputs,
+        rows: np.ndarray,  # [n] batch rows
+        positions: np.ndarray,  # [n] the position each draft takes
+        hidden: torch.Tensor,  # [n, hidden] the draft's hidden state before it
+    ) -> torch.Tensor:  # [n] int64
+        """Pick the draft as the target picks its token there (same filters, same keyed noise):
+        greedy rows take the argmax; a sampled row's draft is accepted whenever the draft's
+        logits lead the shared noise to the token the target's lead it to."""
+        logits = self.model.compute_logits(hidden)[:, : self.vocab_size]
+        if logits.shape[1] < self.vocab_size:  # a draft without the target's padding rows
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
+        return inputs.sample(inputs.idx_mapping_np[rows], positions, logits)

@@ -17,6 +17,7 @@ verification and the scheduler stay the same for every proposer.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,10 @@ class ProposeInputs:
     num_computed_np: np.ndarray  # [num_reqs] where each row's query of this step began
     num_known: torch.Tensor  # [num_reqs] int64, history length after this step, every row
     block_table: torch.Tensor  # [slots, max_num_blocks_per_req] int32, each slot's KV blocks
+    # The target's own pick for logits [rows, vocab] of the given slots [rows] at the given
+    # positions [rows] (argmax for greedy rows, Gumbel-max with the row's keyed noise otherwise):
+    # a proposer that picks its drafts so is accepted whenever its logits pick what the target's do.
+    sample: Callable[[np.ndarray, np.ndarray, torch.Tensor], torch.Tensor]
 
 
 class Speculator(abc.ABC):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
-from slotrunner.core_runner.attention.torch_ref import TorchRefBackend, step_plan
+from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
 from slotrunner.core_runner.cpu.native import native_unavailable_reason
 
 pytestmark = pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))

@@ -1,8 +1,9 @@
 """Draft-model speculator: outputs are token for token those of decoding without drafts, and
 the draft sees exactly the target's history.
 
-A draft equal to the target proposes the target's own greedy tokens, so every draft of a greedy
-row must be accepted -- under chunked prefill, preemption and prefix caching too; that only holds
+A draft equal to the target picks each draft as the target will (argmax, or the same keyed
+Gumbel noise for seeded rows), so every draft must be accepted -- greedy and seeded rows, under
+chunked prefill, preemption and prefix caching too; that only holds
 if the draft's KV cache holds every prompt chunk (in step with the target's prefill), the tokens
 accepted since, and nothing of rejected drafts. A draft of the same shape with other random
 weights is accepted about never, and the outputs still do not change.
@@ -75,11 +76,10 @@ def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_a
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
     for out, sp in zip(outs, params):
-        if sp.temperature == 0:
-            m = out.metrics
-            assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens, (out.request_id, m)
-            if sp.logprobs is not None:
-                assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
+        m = out.metrics
+        assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens, (out.request_id, sp.temperature, m)
+        if sp.logprobs is not None:
+            assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
