@@ -23,7 +23,16 @@ from torch import nn
 
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.hf_act import hf_activation
-from slotrunner.models.layers.linear import Linear, MergedLinear
+from slotrunner.core_runner.distributed.parallel_state import SINGLE, TensorParallelGroup
+from slotrunner.core_runner.distributed.shard import Shard, check_head_split, even_shard
+from slotrunner.models.layers.linear import Linear
+from slotrunner.models.layers.mamba.parallel import check_mixer_split, in_proj_parts, in_proj_rows
+from slotrunner.models.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    ShardedWeights,
+    merged_column_linear,
+    row_linear,
+)
 from slotrunner.models.layers.lm_head import LogitScale
 from slotrunner.models.layers.mamba.mixer import Mamba2MixerArgs, MambaMixer2
 from slotrunner.models.layers.norm import RMSNorm
@@ -56,17 +65,41 @@ class ScaledLinear(Linear):
         return super().forward(x) * self.scale.to(x.dtype)
 
 
-class FalconOutputGate(nn.Module):
-    """Replaces the mixer's gated norm: y * silu(z), or RMSNorm per group before/after the gate."""
+class ScaledMergedColumnParallelLinear(MergedColumnParallelLinear):
+    """`ScaledLinear` under tensor parallelism: the rank's rows, times their entries of the vector."""
 
-    def __init__(self, size: int, n_groups: int, eps: float, rms_norm: bool, norm_before_gate: bool) -> None:
+    def __init__(self, in_features: int, parts: dict, bias: bool, tp: TensorParallelGroup, scale: torch.Tensor) -> None:
+        super().__init__(in_features, parts, bias, tp)
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale.to(x.dtype)
+
+
+class FalconOutputGate(nn.Module, ShardedWeights):
+    """Replaces the mixer's gated norm: y * silu(z), or RMSNorm per group before/after the gate.
+    Under tensor parallelism it holds the rank's `rows` of the mixer's heads; a group spread over
+    the ranks (one group, several ranks) has its sum of squares all-reduced."""
+
+    def __init__(
+        self, size: int, n_groups: int, eps: float, rms_norm: bool, norm_before_gate: bool, rows: Shard | None = None,
+        tp: TensorParallelGroup = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.rms_norm = rms_norm
         self.norm_before_gate = norm_before_gate
-        self.group_size = size // n_groups
+        self.rows = Shard(0, size, size) if rows is None else rows
+        self.full_group = size // n_groups
+        self.spans_ranks = self.full_group > self.rows.size
+        self.group_size = self.rows.size if self.spans_ranks else self.full_group
+        self.tp = tp
         self.eps = eps
         if rms_norm:
-            self.weight = nn.Parameter(torch.ones(size))
+            self.weight = nn.Parameter(torch.ones(self.rows.size))
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.weight.copy_(self.rows.narrow(tensor, 0))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [tokens, size] each
         dtype = y.dtype
@@ -76,7 +109,11 @@ class FalconOutputGate(nn.Module):
         if not self.norm_before_gate:
             h = h * gate
         g = h.view(*h.shape[:-1], -1, self.group_size)
-        h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape) * self.weight.float()
+        if self.spans_ranks:
+            mean_sq = self.tp.all_reduce(g.pow(2).sum(-1, keepdim=True)) / self.full_group
+        else:
+            mean_sq = g.pow(2).mean(-1, keepdim=True)
+        h = (g * torch.rsqrt(mean_sq + self.eps)).view(h.shape) * self.weight.float()
         if self.norm_before_gate:
             h = h * gate
         return h.to(dtype)
@@ -86,13 +123,19 @@ class FalconH1Mixer(MambaMixer2):
     def __init__(self, c: object, layer_idx: int) -> None:
         args = mixer_args(c)
         super().__init__(args, layer_idx)
-        a = args
+        a, shards = args, self.shards  # whole sizes; this rank's heads (all at tensor_parallel_size 1)
         proj_size = a.intermediate_size + a.conv_dim + a.num_heads
-        self.in_proj = ScaledLinear(a.hidden_size, proj_size, a.use_bias, mup_vector(c))  # [z | xBC | dt]
+        scale = in_proj_rows(mup_vector(c), a, shards)
+        if shards.tp.world_size == 1:
+            self.in_proj = ScaledLinear(a.hidden_size, proj_size, a.use_bias, scale)  # [z | xBC | dt]
+        else:
+            self.in_proj = ScaledMergedColumnParallelLinear(a.hidden_size, in_proj_parts(a, shards), a.use_bias, shards.tp, scale)
+        rows = Shard(shards.heads.start * a.head_dim, shards.heads.size * a.head_dim, a.intermediate_size)
         self.norm = FalconOutputGate(
-            a.intermediate_size, a.n_groups, a.norm_eps, bool(c.mamba_rms_norm), bool(c.mamba_norm_before_gate)
-        )
-        self.out_proj = Linear(a.intermediate_size, a.hidden_size, bias=bool(c.projectors_bias))
+            a.intermediate_size, a.n_groups, a.norm_eps, bool(c.mamba_rms_norm), bool(c.mamba_norm_before_gate),
+            rows, shards.tp,
+        )  # fmt: skip
+        self.out_proj = row_linear(a.intermediate_size, a.hidden_size, bias=bool(c.projectors_bias))
 
 
 class FalconH1Attention(LlamaAttention):
@@ -113,9 +156,9 @@ class FalconH1MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(c, "mlp_bias", False))
         sizes = {"gate": c.intermediate_size, "up": c.intermediate_size}
-        self.gate_up_proj = MergedLinear(c.hidden_size, sizes, bias=bias)
+        self.gate_up_proj = merged_column_linear(c.hidden_size, sizes, bias=bias)
         self.act = hf_activation(c.hidden_act)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=bias)
+        self.down_proj = row_linear(c.intermediate_size, c.hidden_size, bias=bias)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in c.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,6 +192,15 @@ class FalconH1ForCausalLM(CausalLM):
     """Given `inputs_embeds` are taken as they are: `embedding_multiplier` scales lookups only."""
 
     merged = QKV_SHARDS | GATE_UP_SHARDS
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the attention heads, the MLP or the mixers' heads or groups cannot be
+        split over `world_size` ranks."""
+        args, mamba = LlamaArgs.from_hf(hf_config), mixer_args(hf_config)
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        even_shard(hf_config.intermediate_size, 0, world_size, "intermediate_size")
+        check_mixer_split(mamba.num_heads, mamba.n_groups, world_size)
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

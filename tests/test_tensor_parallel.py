@@ -131,7 +131,7 @@ def test_rank_zero_holds_half_of_the_model_and_of_the_kv_cache(one_rank, two_ran
 
 
 @pytest.mark.parametrize(
-    "architecture, family", [("DeepseekV2ForCausalLM", "default decoder"), ("FalconH1ForCausalLM", "recurrent hybrid")]
+    "architecture, family", [("DeepseekV2ForCausalLM", "default decoder"), ("Qwen3NextForCausalLM", "recurrent hybrid")]
 )
 def test_a_family_without_sharded_layers_is_refused_naming_it(architecture, family, tmp_path):
     build_case(tiny_config(architecture), tmp_path)

@@ -18,7 +18,7 @@ SUPPORTED = {
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
     "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
-    "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+    "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
 }  # fmt: skip
 
 

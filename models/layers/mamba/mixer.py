@@ -114,6 +114,7 @@ class MambaMixer2(RecurrentLayer, ShardedWeights):
         # Under tensor parallelism this rank's heads (and groups): `self.args` holds its sizes, so
         # the state spec and the forward see only them (mamba/parallel.py); all of them otherwise.
         shards = mixer_shards(args.num_heads, args.n_groups)
+        self.shards = shards  # a subclass replacing a layer builds it for the same shards
         self.heads = shards.heads
         self.args = rank_args(args, shards)
         self.layer_idx = layer_idx

@@ -63,14 +63,27 @@ def _scaled(s: Shard, k: int) -> Shard:
     return Shard(s.start * k, s.size * k, s.total * k)
 
 
+def in_proj_parts(args, shards: MixerShards) -> dict[str, Shard]:
+    """The rank's rows of each part of in_proj's output [z | x | B | C | dt]."""
+    inner, group = _scaled(shards.heads, args.head_dim), _scaled(shards.groups, args.state_size)
+    return {"z": inner, "x": inner, "B": group, "C": group, "dt": shards.heads}
+
+
+def in_proj_rows(vector: torch.Tensor, args, shards: MixerShards) -> torch.Tensor:
+    """The rank's entries of a per-feature vector over in_proj's output (FalconH1's mup scale)."""
+    pieces, start = [], 0
+    for part in in_proj_parts(args, shards).values():
+        pieces.append(part.narrow(vector.narrow(0, start, part.total), 0))
+        start += part.total
+    return torch.cat(pieces)
+
+
 def in_proj(args, shards: MixerShards) -> Linear:
     """[z | x | B | C | dt] from the hidden state: the rank's rows of each part."""
     a, tp = args, shards.tp
     if tp.world_size == 1:
         return Linear(a.hidden_size, a.intermediate_size + a.conv_dim + a.num_heads, bias=a.use_bias)
-    inner, group = _scaled(shards.heads, a.head_dim), _scaled(shards.groups, a.state_size)
-    parts = {"z": inner, "x": inner, "B": group, "C": group, "dt": shards.heads}
-    return MergedColumnParallelLinear(a.hidden_size, parts, a.use_bias, tp)
+    return MergedColumnParallelLinear(a.hidden_size, in_proj_parts(a, shards), a.use_bias, tp)
 
 
 class ChannelShardedConv1d(nn.Conv1d, ShardedWeights):
