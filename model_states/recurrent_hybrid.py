@@ -9,6 +9,13 @@ slot -- layers with equal specs stacked in one pool -- and binds each layer's ro
 Attention layers of a hybrid use the paged KV cache as usual. A step gathers the pools through
 the state indices (= idx_mapping); nothing is ever moved between slots.
 
+CUDA graphs: a decode-only step's metadata (`RecurrentMetadata.decode_only`) lives in
+persistent buffers that `prepare_attn` rewrites in place -- the rows' slots, and for the padding
+rows of a padded batch a scratch slot (one extra row in every pool that no request owns), so a
+replayed graph never advances a real slot's state for a padding row. The decode kernels read the
+state through those indices on the device: no host sync in the step. Prefill, mixed and draft
+steps run eagerly.
+
 Speculative decoding: the forward advances a row's state over its drafts too, so with a
 speculative_config every pool gets a checkpoint pool with 1 + num_speculative_tokens entries per
 slot. A row with drafts runs token by token and leaves the state after each of its last known
@@ -42,6 +49,8 @@ class RecurrentHybridModelState(ModelState):
     # Rejected drafts are rolled back: the state after the last accepted token is restored from
     # its per-token checkpoint (postprocess_state).
     supports_speculative_rollback = True
+    # Decode steps replay CUDA graphs: see the module docstring.
+    supports_cuda_graphs = True
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)
@@ -60,10 +69,22 @@ class RecurrentHybridModelState(ModelState):
         # Checkpoints per slot: after the last known token and after each draft (0 without drafts).
         self.num_checkpoints = 0 if spec is None else 1 + spec.num_speculative_tokens
         self.checkpoints: list[torch.Tensor] = []  # each [layers, max_num_seqs, num_checkpoints, *shape], pools' order
+        # Pools have one row more than slots: the scratch row padding rows of a replayed decode
+        # graph advance instead of a real slot.
+        n = config.max_num_seqs
+        self.scratch_slot = n
+        self._decode_slots = torch.full((n,), n, dtype=torch.int64, device=device)  # [max_num_reqs]
+        self._all_true = torch.ones(n, dtype=torch.bool, device=device)
+        self._empty = {
+            "qsl": torch.zeros(1, dtype=torch.int32, device=device),
+            "slots": torch.zeros(0, dtype=torch.int64, device=device),
+            "init": torch.zeros(0, dtype=torch.bool, device=device),
+        }
 
     def cache_bytes(self, dtype: torch.dtype) -> int:
         per_slot = sum(spec.bytes_per_slot(dtype) * len(layers) for spec, layers in self.groups.items())
-        return per_slot * self.config.max_num_seqs * (1 + self.num_checkpoints)
+        n = self.config.max_num_seqs
+        return per_slot * ((n + 1) + n * self.num_checkpoints)  # the pools' scratch row, and checkpoints
 
     def initialize_cache(self, spec: CacheSpec) -> None:
         """Allocate every pool (zeroed) and bind each layer's rows of them to the layer."""
@@ -72,7 +93,7 @@ class RecurrentHybridModelState(ModelState):
             bound: list[dict[str, torch.Tensor]] = [{} for _ in layers]
             kept: list[dict[str, torch.Tensor]] = [{} for _ in layers]
             for t in state_spec.tensors:
-                shape = (len(layers), self.config.max_num_seqs, *t.shape)
+                shape = (len(layers), self.config.max_num_seqs + 1, *t.shape)  # + the scratch row
                 pool = torch.zeros(shape, dtype=t.dtype_for(spec.dtype), device=spec.device)
                 self.pools.append(pool)
                 if self.num_checkpoints:
@@ -104,6 +125,13 @@ class RecurrentHybridModelState(ModelState):
         """Nothing to free: the pools are preallocated and the next admission resets the row."""
 
     def prepare_attn(self, batch: InputBatch) -> RecurrentMetadata:
+        decode_only = batch.num_reqs > 0 and batch.max_query_len == 1
+        if decode_only and (batch.num_draft_np is None or not batch.num_draft_np.any()):
+            n, padded = batch.num_reqs, batch.num_reqs_padded
+            self._decode_slots[:n].copy_(batch.idx_mapping)
+            if padded > n:  # rows a replayed graph runs for nothing: the scratch slot
+                self._decode_slots[n:padded].fill_(self.scratch_slot)
+            return self._decode_metadata(n, batch.query_start_loc)
         return RecurrentMetadata.build(
             batch.idx_mapping,
             batch.idx_mapping_np,
@@ -111,6 +139,18 @@ class RecurrentHybridModelState(ModelState):
             batch.num_scheduled_tokens_np,
             batch.query_start_loc,
             batch.num_draft_np,
+        )
+
+    def prepare_dummy_attn(self, num_reqs: int) -> RecurrentMetadata:
+        """The capture's metadata: every row a decode row of the scratch slot until a step
+        writes its slots (`prepare_attn`)."""
+        self._decode_slots[:num_reqs].fill_(self.scratch_slot)
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device)
+        return self._decode_metadata(num_reqs, qsl)
+
+    def _decode_metadata(self, num_reqs: int, query_start_loc: torch.Tensor) -> RecurrentMetadata:
+        return RecurrentMetadata.decode_only(
+            num_reqs, self._decode_slots[:num_reqs], query_start_loc, self._all_true[:num_reqs], self._empty
         )
 
     def prepare_inputs(self, batch: InputBatch) -> ModelInputs:

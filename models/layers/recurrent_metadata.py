@@ -61,6 +61,35 @@ class RecurrentMetadata(FamilyAttnMetadata):
     draft_steps: tuple[DraftStep, ...] = field(default=())
 
     @classmethod
+    def decode_only(
+        cls,
+        num_reqs: int,
+        state_indices: torch.Tensor,  # [num_reqs] int64, a view of a persistent buffer
+        query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+        has_initial_state: torch.Tensor,  # [num_reqs] bool, all True
+        empty: dict[str, torch.Tensor],  # persistent empty prefill fields: "qsl" [1] int32, "slots" [0], "init" [0]
+    ) -> RecurrentMetadata:
+        """A batch of decode rows only, every tensor at a fixed address: what a CUDA graph of a
+        decode step captures (`prepare_dummy_attn`) and what each such step rewrites in place.
+        Tokens are the rows, in order (no gathers)."""
+        return cls(
+            num_reqs=num_reqs,
+            num_tokens=num_reqs,
+            state_indices=state_indices,
+            has_initial_state=has_initial_state,
+            query_start_loc=query_start_loc,
+            num_decodes=num_reqs,
+            decode_token_idx=None,
+            decode_state_indices=state_indices,
+            num_prefills=0,
+            num_prefill_tokens=0,
+            prefill_token_idx=None,
+            prefill_query_start_loc=empty["qsl"],
+            prefill_state_indices=empty["slots"],
+            prefill_has_initial_state=empty["init"],
+        )
+
+    @classmethod
     def build(
         cls,
         idx_mapping: torch.Tensor,  # [num_reqs] slot of each batch row, on the device

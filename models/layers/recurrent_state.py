@@ -65,7 +65,8 @@ class RecurrentStateSpec:
 class RecurrentLayer(nn.Module):
     """Base of every layer with per-slot recurrent state. A subclass sets `layer_idx`, returns
     its spec from `state_spec` and, before its first forward, has each declared tensor bound as
-    an attribute of the same name ([max_num_seqs, *shape], a view into the family's pool)."""
+    an attribute of the same name ([max_num_seqs + 1, *shape]: a row per slot and a scratch row,
+    a view into the family's pool)."""
 
     layer_idx: int
     # Bound by `bind_checkpoints` when speculative decoding is on; None: no draft rows expected.
@@ -75,7 +76,7 @@ class RecurrentLayer(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must declare its per-slot state (state_spec)")
 
     def bind_state(self, states: dict[str, torch.Tensor]) -> None:
-        """Called once by the ModelState's `initialize_cache`; `states[name]` is [max_num_seqs, *shape]."""
+        """Called once by the ModelState's `initialize_cache`; `states[name]` is [max_num_seqs + 1, *shape]."""
         spec = self.state_spec()
         assert set(states) == {t.name for t in spec.tensors}, (
             f"{type(self).__name__} layer {self.layer_idx}: bound {sorted(states)}, declared "

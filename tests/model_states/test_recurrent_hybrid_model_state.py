@@ -4,7 +4,9 @@ reset per admitted slot.
 Guards against: a re-admitted (preempted) or reused slot starting from the previous request's
 state, pools bound to the wrong layers or shared between layers, attention layers of a hybrid
 mistaken for recurrent layers, a state dtype other than declared, and a postprocess hook that
-accepts rejections in a step without drafts (rollback itself: test_recurrent_rollback.py).
+accepts rejections in a step without drafts (rollback itself: test_recurrent_rollback.py);
+decode steps that a CUDA graph would replay (captured metadata, padded batches) advancing the
+wrong slot's state.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from slotrunner.core_runner.attention.backend import AttentionMetadata
+from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
 
 from slotrunner.core_runner.runner.model_state import CacheSpec
 from slotrunner.model_states.recurrent_hybrid import RecurrentHybridModelState
@@ -39,8 +45,9 @@ def test_pools_bound_to_each_mamba_layer_only():
     assert len(state.pools) == 2  # one spec: a stacked conv pool and a stacked SSM pool
     for i, mixer in enumerate(mixers):
         a = mixer.args
-        assert mixer.conv_state.shape == (MAX_NUM_SEQS, a.conv_dim, a.conv_kernel - 1)
-        assert mixer.ssm_state.shape == (MAX_NUM_SEQS, a.num_heads, a.head_dim, a.state_size)
+        # A row per slot, and the scratch row padding rows of a replayed decode graph advance.
+        assert mixer.conv_state.shape == (MAX_NUM_SEQS + 1, a.conv_dim, a.conv_kernel - 1)
+        assert mixer.ssm_state.shape == (MAX_NUM_SEQS + 1, a.num_heads, a.head_dim, a.state_size)
         assert mixer.ssm_state.dtype == torch.float32
         assert mixer.conv_state.data_ptr() == state.pools[0][i].data_ptr()
         assert mixer.ssm_state.data_ptr() == state.pools[1][i].data_ptr()
@@ -78,8 +85,8 @@ def test_gated_delta_net_layers_get_their_declared_state():
     assert state.layers == nets and len(nets) == 2
     for net in nets:
         a = net.args
-        assert net.conv_state.shape == (MAX_NUM_SEQS, a.conv_dim, a.conv_kernel - 1)
-        assert net.recurrent_state.shape == (MAX_NUM_SEQS, a.num_v_heads, a.head_k_dim, a.head_v_dim)
+        assert net.conv_state.shape == (MAX_NUM_SEQS + 1, a.conv_dim, a.conv_kernel - 1)
+        assert net.recurrent_state.shape == (MAX_NUM_SEQS + 1, a.num_v_heads, a.head_k_dim, a.head_v_dim)
         assert net.recurrent_state.dtype == torch.float32
     assert nets[0].recurrent_state.data_ptr() != nets[1].recurrent_state.data_ptr()
     assert state.cache_bytes(torch.float32) == sum(p.numel() * p.element_size() for p in state.pools)
@@ -116,3 +123,66 @@ def test_state_spec_rejects_bad_declarations():
         StateTensorSpec("conv_state", (4, 0))
     with pytest.raises(ValueError, match="distinct"):
         RecurrentStateSpec("x", (StateTensorSpec("s", (1,)), StateTensorSpec("s", (2,))))
+
+
+class RealRowsAttention:
+    """The attention backend on a padded replay: the real rows through the reference backend
+    with the step's own metadata (it plans from host-side lengths), padding rows' outputs zero
+    and their K/V unwritten -- what the Triton backend does for slot -1."""
+
+    def __init__(self, inner, meta: AttentionMetadata) -> None:
+        self.inner, self.meta = inner, meta
+
+    def forward(self, spec, q, k, v, kv_cache, meta, **kwargs) -> torch.Tensor:
+        r = self.meta.num_tokens
+        out = torch.zeros_like(q)
+        out[:r] = self.inner.forward(spec, q[:r], k[:r], v[:r], kv_cache, self.meta, **kwargs)
+        return out
+
+
+class ReplayedDecode(CudaGraphs):
+    """What a CUDA-graph replay does to the family, on the CPU: the family metadata and inputs
+    are taken once per size at "capture" (`prepare_dummy_attn` / `prepare_dummy_inputs`), and
+    every padded decode step runs the model over the padded buffers with those same objects --
+    the state must have rewritten them in place. Attention: `RealRowsAttention` (graph safety
+    of attention is the decoder's, tested on the GPU)."""
+
+    def capture(self) -> None:
+        self.captured = {n: (self.model_state.prepare_dummy_attn(n), self.model_state.prepare_dummy_inputs(n, n)) for n in self.sizes}
+
+    def run(self, batch) -> torch.Tensor:
+        n, b = batch.num_reqs_padded, self.buffers
+        family_attn, extra = self.captured[n]
+        real = batch.attn_metadata()
+        with torch.inference_mode(), forward_context(ForwardContext(RealRowsAttention(self.backend, real), real, family_attn)):
+            hidden = self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())
+        self.replays += 1
+        self.padded += n > batch.num_reqs
+        return hidden[: batch.num_tokens]
+
+
+@pytest.mark.parametrize("arch", ["BambaForCausalLM", "Qwen3NextForCausalLM"])
+def test_replayed_decode_steps_equal_eager_and_padding_rows_touch_no_slot(arch, tmp_path):
+    """Decode steps run as a graph replays them (captured metadata, batches padded 3 -> 4 with
+    rows for nothing) give the eager engine's tokens: the padding rows advance the scratch row,
+    never slot 0 (the padded rows' idx_mapping) or any request's state."""
+    from slotrunner import LLM, SamplingParams
+    from slotrunner.conformance import build_case
+
+    build_case(tiny_config(arch), tmp_path)
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 90 + 5 for j in range(n)]} for i, n in enumerate((7, 3, 11))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eager = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=4, block_size=4)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=4, block_size=4)
+    runner = llm.engine.runner
+    graphs = ReplayedDecode(runner.model, runner.model_state, runner.attn_backend, runner.input_buffers, (1, 2, 4), 64)
+    graphs.replays = graphs.padded = 0
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert graphs.padded > 0, "no padded decode step was replayed"
+    # A padding row run on slot 0 (its idx_mapping entry) would shift slot 0's conv window and
+    # decay its state even for a zero input: request 0's tokens would change.
+    assert got == expected

@@ -63,6 +63,7 @@ def _step(state, model, x, slots, computed, scheduled, num_draft=None):
         num_scheduled_tokens_np=np.array(scheduled), query_start_loc=torch.from_numpy(qsl),
         num_draft_np=None if num_draft is None else np.array(num_draft),
         num_draft=None if num_draft is None else torch.tensor(num_draft, dtype=torch.int32),
+        num_reqs=len(slots), num_reqs_padded=len(slots), max_query_len=int(max(scheduled)),
     )  # fmt: skip
     meta = state.prepare_attn(batch)
     with forward_context(ForwardContext(None, None, meta)):

@@ -88,3 +88,31 @@ def test_whisper_graphs_equal_eager(tmp_path):
         assert (llm.engine.runner.cuda_graphs is None) == eager
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("arch", ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"])
+def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_path):
+    """Recurrent hybrids replay decode graphs: the rows' state indices are rewritten in the
+    captured buffer, padding rows advance the scratch slot; the decode step never syncs (the
+    MoE of GraniteMoeHybrid and the state-update kernels included)."""
+    from slotrunner.conformance import build_case
+
+    build_case(tiny_config(arch), tmp_path)
+    assert _run(tmp_path, "bfloat16", enforce_eager=False) == _run(tmp_path, "bfloat16", enforce_eager=True)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=16)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, n in enumerate(PROMPT_LENS[:5]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(1, n + 1))}, sp)
+    for _ in range(3):
+        engine.step()
+    for _ in range(5):
+        sched = engine.scheduler.schedule()
+        assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.runner.execute_model(sched)
+            pending = engine.runner.sample_tokens()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        engine.scheduler.update(sched, pending.get())
