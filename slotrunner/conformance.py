@@ -42,6 +42,9 @@ from slotrunner.conformance_oracle import (  # noqa: F401  re-exported: the harn
     hf_seq2seq_greedy,
     CausalLMOracle,
     Seq2SeqOracle,
+    PerturbedOracle,
+    floor_oracle,
+    floor_method,
 )
 from slotrunner.conformance_recorder import (  # noqa: F401
     RecordedRun,
@@ -55,7 +58,8 @@ from slotrunner.conformance_recorder import (  # noqa: F401
 LOGITS_ATOL = 1e-4  # fp32; transformers' own kernels differ from each other by up to ~2e-5
 LOGITS_RTOL = 1e-4
 # A real checkpoint is judged against its measured noise floor: transformers' own float32 error
-# (its float32 logits against the same model run in float64). Two correct float32
+# (its float32 logits against the same model run in float64, or -- when a float64 copy does not
+# fit in memory -- against itself with every weight moved by one ulp). Two correct float32
 # implementations each sit about one floor from the exact answer, with different rounding at
 # ill-conditioned positions; a wrong one is off by orders of magnitude more.
 NOISE_FACTOR = 10
@@ -152,12 +156,13 @@ def merge(name: str, results: Sequence[CheckResult]) -> CheckResult:
     return CheckResult(name, True, worst, f"{len(results)} checked", floor)
 
 
-def noise_floor(oracle: Any, exact: Any | None, request: ConformanceRequest, token_ids: list[int], ref: torch.Tensor) -> float | None:
-    """transformers' own float32 error on this sequence: max |float32 logits - float64 logits|
-    (`exact` is the oracle in float64), or None when no float64 oracle is given (tiny cases)."""
-    if exact is None:
+def noise_floor(oracle: Any, floor_oracle: Any | None, request: ConformanceRequest, token_ids: list[int], ref: torch.Tensor) -> float | None:
+    """The oracle's own float32 noise on this sequence: max |ref - floor_oracle's logits|, where
+    `floor_oracle` is the oracle in float64 or perturbed by one ulp (`conformance_oracle.floor_oracle`);
+    None when none is given (tiny cases)."""
+    if floor_oracle is None:
         return None
-    return float((ref - exact.logits(request, token_ids)[: ref.shape[0]]).abs().max())
+    return float((ref - floor_oracle.logits(request, token_ids)[: ref.shape[0]]).abs().max())
 
 
 # -- the checks -------------------------------------------------------------------------------
@@ -165,18 +170,18 @@ def noise_floor(oracle: Any, exact: Any | None, request: ConformanceRequest, tok
 
 def check_requests(
     llm: Any, oracle: Any, requests: Sequence[ConformanceRequest], max_tokens: int = MAX_TOKENS,
-    atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, exact: Any | None = None,
+    atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, floor_oracle: Any | None = None,
 ) -> list[CheckResult]:
     """Each request alone: prefill logits, decode logits and greedy tokens against the oracle,
-    one result per request and kind ("request 2: decode logits"). With `exact` (the oracle in
-    float64) each is judged against the oracle's measured float32 error (`noise_floor`)."""
+    one result per request and kind ("request 2: decode logits"). With `floor_oracle` each is
+    judged against the oracle's measured float32 noise (`noise_floor`)."""
     results = []
     for i, req in enumerate(requests):
         run = run_recorded_prompt(llm, req.prompt, max_tokens)
         seq = run.prompt_token_ids + run.output_token_ids
         ref = oracle.logits(req, seq)[: len(seq) - 1]
         n = len(run.prompt_token_ids)
-        floor = noise_floor(oracle, exact, req, seq, ref)
+        floor = noise_floor(oracle, floor_oracle, req, seq, ref)
         hf_tokens = oracle.greedy(req, run.prompt_token_ids, max_tokens)
         results.append(compare_logits(f"request {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol, floor))
         results.append(compare_logits(f"request {i}: decode logits", run.logits[n:], ref[n:], atol, rtol, floor))
@@ -195,7 +200,7 @@ def check_case(
 
 def check_chunked_prefill(
     make_llm: Callable[..., Any], oracle: Any, request: ConformanceRequest, budgets: Sequence[int] = CHUNK_BUDGETS,
-    max_tokens: int = 3, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, exact: Any | None = None,
+    max_tokens: int = 3, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, floor_oracle: Any | None = None,
 ) -> list[CheckResult]:
     """One request prefilled `budget` tokens per step: every chunk must continue from what the
     previous one left (KV cache, recurrent state), so its logits equal the oracle's."""
@@ -207,7 +212,7 @@ def check_chunked_prefill(
         seq = run.prompt_token_ids + run.output_token_ids
         ref = oracle.logits(request, seq)[: len(seq) - 1]
         if tuple(seq) not in floors:
-            floors[tuple(seq)] = noise_floor(oracle, exact, request, seq, ref)
+            floors[tuple(seq)] = noise_floor(oracle, floor_oracle, request, seq, ref)
         results.append(compare_logits(f"budget {budget}", run.logits, ref, atol, rtol, floors[tuple(seq)]))
     return results
 
@@ -340,9 +345,10 @@ class Case:
     batch_prompts: list[Any]  # the mixed batch
     batch_params: list[Any]
     max_model_len: int = MAX_MODEL_LEN
-    # The oracle in float64, for a real checkpoint: its float32 error is the noise floor each
-    # check is judged against. None (tiny cases): the fixed LOGITS_ATOL / LOGITS_RTOL.
-    exact: Any | None = None
+    # For a real checkpoint, the oracle in float64 (or perturbed by one ulp): its distance from
+    # the oracle is the noise floor each check is judged against. None (tiny cases): the fixed
+    # LOGITS_ATOL / LOGITS_RTOL.
+    floor_oracle: Any | None = None
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # for every engine (a GGUF file: dequantized)
 
     def make_llm(self, **engine_args: Any) -> Any:
@@ -427,13 +433,16 @@ def tiny_case(architecture: str, directory: str | Path, hf_config: Any = None, s
     return _make_case(architecture, Path(directory), hf_model, MAX_MODEL_LEN)
 
 
-def checkpoint_case(directory: str | Path, architecture: str | None = None, measure_floor: bool | None = None) -> Case:
+def checkpoint_case(directory: str | Path, architecture: str | None = None, floor: str | None = "auto") -> Case:
     """A real checkpoint -- a model directory (config.json + safetensors) or a GGUF file (or a
     directory holding one) -- that transformers loads as the oracle from the same files. A model
     that takes images or audio gets them in its requests, built with the processor saved
     beside it (`conformance_media`).
-    `measure_floor`: also build the oracle in float64, to judge each check against
-    transformers' own float32 error; None: for every model that is not tiny (TINY_PARAMS).
+    `floor`: how the noise floor each check is judged against is measured -- "float64" (the
+    oracle in float64: transformers' own float32 error), "ulp" (the oracle with its weights
+    moved by one ulp: no copy of the model), None (no floor: the fixed tolerances), or "auto":
+    None for a tiny model (TINY_PARAMS), else float64 where a float64 copy fits in half the
+    available memory, else ulp.
     A GGUF file runs dequantized in slotrunner, as transformers runs it."""
     from slotrunner.conformance_gguf import gguf_checkpoint_config, gguf_file_of, load_gguf_oracle
     from slotrunner.conformance_media import media_requests, takes_media
@@ -466,10 +475,10 @@ def checkpoint_case(directory: str | Path, architecture: str | None = None, meas
         case = _make_case(archs[0], gguf or Path(directory), hf_model, min(MAX_MODEL_LEN, limit))
     if gguf is not None:
         case.engine_args = {"quantized_weights": "dequantized"}
-    if measure_floor is None:
-        measure_floor = sum(p.numel() for p in hf_model.parameters()) >= TINY_PARAMS
-    if measure_floor:
-        case.exact = type(case.oracle)(copy.deepcopy(hf_model).double())
+    if floor == "auto":
+        floor = floor_method(hf_model) if sum(p.numel() for p in hf_model.parameters()) >= TINY_PARAMS else None
+    if floor is not None:
+        case.floor_oracle = floor_oracle(case.oracle, floor)
     return case
 
 
@@ -491,11 +500,11 @@ def run_case(
 ) -> CaseReport:
     """Every check, one table row per kind: logits and greedy tokens alone, chunked prefill,
     and the mixed batch run three ways (`on_engine` as in check_batch_invariance)."""
-    alone = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens, atol, rtol, case.exact)
+    alone = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens, atol, rtol, case.floor_oracle)
     report = CaseReport()
     for kind in ("prefill logits", "decode logits", "greedy tokens"):
         report.checks.append(merge(kind, [r for r in alone if r.name.endswith(kind)]))
-    chunked = check_chunked_prefill(case.make_llm, case.oracle, case.requests[-1], atol=atol, rtol=rtol, exact=case.exact)
+    chunked = check_chunked_prefill(case.make_llm, case.oracle, case.requests[-1], atol=atol, rtol=rtol, floor_oracle=case.floor_oracle)
     report.checks.append(merge("chunked prefill logits", chunked))
     # Batched against alone, both slotrunner: a real checkpoint's batches reorder float32 sums
     # as much as the oracle's float32 does, so the largest floor measured above applies.
@@ -522,7 +531,7 @@ def run_conformance(
         if config is not None:
             raise ConformanceError("give a config for a tiny case or a model directory, not both")
         case = checkpoint_case(model, architecture)
-        tiny = case.exact is None
+        tiny = case.floor_oracle is None
         with single_thread() if tiny else nullcontext():
             return run_case(case, max_tokens, atol, rtol)
     if isinstance(config, (str, Path)):

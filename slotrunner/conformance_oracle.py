@@ -176,3 +176,58 @@ class Seq2SeqOracle:
 
     def greedy(self, request: ConformanceRequest, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
         return hf_seq2seq_greedy(self.hf_model, request.oracle_inputs, prompt_token_ids, max_tokens)
+
+
+# -- the noise floor of a real checkpoint -----------------------------------------------------
+
+
+class PerturbedOracle:
+    """The oracle with every float32 weight moved by one ulp, in a random direction per element:
+    its distance from the unperturbed oracle is the model's float32 sensitivity, the noise floor
+    when a float64 copy of a large model does not fit in memory. The weights are moved in place
+    for each call and moved back exactly (one ulp up, then one down), so no second copy exists."""
+
+    def __init__(self, oracle: Any, seed: int = 0) -> None:
+        self.oracle = oracle
+        self.seed = seed
+
+    def _step(self, sign: float) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.oracle.hf_model.parameters()):
+                if p.dtype != torch.float32:
+                    continue
+                gen = torch.Generator().manual_seed(self.seed + i)  # the same directions both ways
+                up = torch.rand(p.shape, generator=gen) < 0.5
+                direction = torch.where(up, sign * torch.inf, -sign * torch.inf).to(p.device)
+                p.copy_(torch.nextafter(p, direction))
+
+    def logits(self, request: ConformanceRequest, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
+        self._step(1.0)
+        try:
+            return self.oracle.logits(request, token_ids)
+        finally:
+            self._step(-1.0)
+
+
+def floor_oracle(oracle: Any, method: str) -> Any:
+    """The oracle whose distance from `oracle` is the noise floor: "float64" (a float64 copy of
+    the model: transformers' own float32 error) or "ulp" (`PerturbedOracle`: no copy)."""
+    import copy
+
+    if method == "float64":
+        return type(oracle)(copy.deepcopy(oracle.hf_model).double())
+    if method == "ulp":
+        return PerturbedOracle(oracle)
+    raise ConformanceError(f"noise floor method {method!r}: use 'float64', 'ulp' or 'auto'")
+
+
+def floor_method(hf_model: torch.nn.Module) -> str:
+    """"float64" when a float64 copy of the model fits in half the memory available now, else "ulp"."""
+    import os
+
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: assume the copy fits
+        return "float64"
+    copy_bytes = 8 * sum(p.numel() for p in hf_model.parameters())
+    return "float64" if copy_bytes < available // 2 else "ulp"

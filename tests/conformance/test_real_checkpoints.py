@@ -45,8 +45,9 @@ def test_the_floor_widens_the_tolerance_to_noise_factor_times_it():
     assert not tight.passed and tight.floor == 1e-5 and "1 of 15 values" in tight.detail
 
 
-def test_a_measured_floor_is_printed_beside_each_deviation(tiny_llama_dir):
-    case = checkpoint_case(tiny_llama_dir, measure_floor=True)
+@pytest.mark.parametrize("floor", ["float64", "ulp"])
+def test_a_measured_floor_is_printed_beside_each_deviation(tiny_llama_dir, floor):
+    case = checkpoint_case(tiny_llama_dir, floor=floor)
     report = run_case(case, max_tokens=4)
     assert report.passed, report.table()
     floors = [c.floor for c in report.checks]
@@ -54,6 +55,22 @@ def test_a_measured_floor_is_printed_beside_each_deviation(tiny_llama_dir):
     header, first = report.table().splitlines()[:2]
     assert header.split() == ["check", "result", "worst", "floor", "detail"]
     assert f"{floors[0]:.2e}" in first
+
+
+def test_the_ulp_perturbation_restores_every_weight_exactly(tiny_llama_dir):
+    from slotrunner.conformance import ConformanceRequest, PerturbedOracle
+
+    case = checkpoint_case(tiny_llama_dir, floor=None)
+    before = {k: v.clone() for k, v in case.oracle.hf_model.state_dict().items()}
+    request = ConformanceRequest({"prompt_token_ids": [5, 6, 7]})
+    moved = PerturbedOracle(case.oracle).logits(request, [5, 6, 7, 8])
+    assert 0 < float((moved - case.oracle.logits(request, [5, 6, 7, 8])).abs().max()) < 1e-5
+    after = case.oracle.hf_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_auto_measures_no_floor_for_a_tiny_model(tiny_llama_dir):
+    assert checkpoint_case(tiny_llama_dir).floor_oracle is None
 
 
 class ScaledLogits(LlamaForCausalLM):
@@ -66,7 +83,7 @@ class ScaledLogits(LlamaForCausalLM):
 def test_a_wrong_model_fails_against_its_floor(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     registry.register_model("LlamaForCausalLM", ScaledLogits, overwrite=True)
-    case = checkpoint_case(tiny_llama_dir, measure_floor=True)
+    case = checkpoint_case(tiny_llama_dir, floor="float64")
     report = run_case(case, max_tokens=4)
     prefill = report.checks[0]
     assert not prefill.passed and prefill.worst > 100 * NOISE_FACTOR * prefill.floor, report.table()
