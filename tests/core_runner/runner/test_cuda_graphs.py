@@ -51,8 +51,13 @@ def test_decode_step_does_not_sync(qwen3_dir):
         engine.add_request(f"r{i}", {"prompt_token_ids": list(range(1, n + 1))}, sp)
     for _ in range(3):  # prefill steps may sync (prompt tables); decode steps must not
         engine.step()
+    assert run_decode_steps_without_sync(engine, 10) == 10
+
+
+def run_decode_steps_without_sync(engine, steps: int) -> int:
+    """Run `steps` decode-only steps with any host-device sync raising; returns how many ran."""
     checked = 0
-    for _ in range(10):
+    for _ in range(steps):
         sched = engine.scheduler.schedule()
         assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
         torch.cuda.set_sync_debug_mode("error")
@@ -63,7 +68,7 @@ def test_decode_step_does_not_sync(qwen3_dir):
             torch.cuda.set_sync_debug_mode("default")
         engine.scheduler.update(sched, pending.get())
         checked += 1
-    assert checked == 10
+    return checked
 
 
 def test_whisper_graphs_equal_eager(tmp_path):
@@ -106,13 +111,4 @@ def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_
         engine.add_request(f"r{i}", {"prompt_token_ids": list(range(1, n + 1))}, sp)
     for _ in range(3):
         engine.step()
-    for _ in range(5):
-        sched = engine.scheduler.schedule()
-        assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            engine.runner.execute_model(sched)
-            pending = engine.runner.sample_tokens()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        engine.scheduler.update(sched, pending.get())
+    assert run_decode_steps_without_sync(engine, 5) == 5
