@@ -156,6 +156,9 @@ def init_tensor_parallel(
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=STEP_WAIT_TIMEOUT)
+    if backend == "nccl":  # create the communicator now: a broken NCCL setup fails here, not in a step or a capture
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
     return TensorParallelGroup(rank, world_size, dist.group.WORLD, cpu_group)
 
 
