@@ -38,11 +38,13 @@ def takes_media(hf_config: Any, architecture: str) -> bool:
 
 def load_processor(directory: str | Path) -> Any:
     """The processor saved with the checkpoint: a full processor (tokenizer + image processor or
-    feature extractor), else the feature extractor alone. Raises ConformanceError if none loads."""
-    from transformers import AutoFeatureExtractor, AutoProcessor, PreTrainedTokenizerBase
+    feature extractor), else the image processor or feature extractor alone (as slotrunner's
+    loader falls back, e.g. when the full one needs torchvision). Raises ConformanceError if
+    none loads."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, PreTrainedTokenizerBase
 
     errors = []
-    for auto in (AutoProcessor, AutoFeatureExtractor):
+    for auto in (AutoProcessor, AutoImageProcessor, AutoFeatureExtractor):
         try:
             processor = auto.from_pretrained(str(directory))
         except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError) as e:
@@ -140,13 +142,15 @@ class MediaDecoderOracle:
         return seq[0, len(prompt_token_ids) :].tolist()
 
 
-def _placeholder(processor: Any) -> tuple[str, str]:
-    """(modality, the text that stands for one image or clip) as the processor expects it."""
-    tokenizer = processor.tokenizer
+def _placeholder(processor: Any, tokenizer: Any, hf_config: Any) -> tuple[str, str]:
+    """(modality, the text that stands for one image or clip) as the processor expects it; an
+    image processor alone (no tokenizer) takes the image token the config names."""
     if getattr(processor, "audio_token", None) is not None:
         bos, eos = getattr(processor, "audio_bos_token", ""), getattr(processor, "audio_eos_token", "")
         return "audio", f"{bos or ''}{processor.audio_token}{eos or ''}"
     image = getattr(processor, "image_token", None)
+    if image is None and getattr(hf_config, "image_token_id", None) is not None:
+        image = tokenizer.convert_ids_to_tokens(hf_config.image_token_id)
     if image is None:
         raise ConformanceError(f"{type(processor).__name__} names no image_token or audio_token to place media with")
     vocab = tokenizer.get_vocab()
@@ -156,18 +160,21 @@ def _placeholder(processor: Any) -> tuple[str, str]:
 
 
 def media_decoder_requests(
-    hf_config: Any, processor: Any, max_tokens: int
+    hf_config: Any, processor: Any, max_tokens: int, tokenizer: Any = None
 ) -> tuple[list[ConformanceRequest], list[Any], list[Any], int]:
     """Text around the processor's placeholder -- one medium, two, none -- with images of a few
     sizes (or clips of 0.3..1 s). The text is random vocabulary words, decoded by the tokenizer.
-    Also returns the longest prompt in tokens (a real image expands to hundreds)."""
-    if getattr(processor, "tokenizer", None) is None:
-        raise ConformanceError(
-            f"{type(processor).__name__} has no tokenizer: the command builds image and audio prompts with the full "
-            "processor (for Qwen2-VL that needs torchvision); build the requests in your own test instead"
-        )
-    modality, mark = _placeholder(processor)
-    tokenizer = processor.tokenizer
+    Also returns the longest prompt in tokens (a real image expands to hundreds).
+
+    An image processor alone (Qwen2-VL's full processor needs torchvision) makes the oracle's
+    image tensors, and `tokenizer` the text: slotrunner's intake then expands the image token
+    itself, and the oracle is given the ids slotrunner ran (transformers refuses ids whose image
+    tokens do not match the image features, so a wrong expansion still fails)."""
+    full = getattr(processor, "tokenizer", None) is not None
+    tokenizer = processor.tokenizer if full else tokenizer
+    if tokenizer is None:
+        raise ConformanceError(f"{type(processor).__name__} has no tokenizer, and none is saved beside it")
+    modality, mark = _placeholder(processor, tokenizer, hf_config)
     special = set(tokenizer.all_special_ids)
     rng = random.Random(0)
     ids = [i for i in range(min(len(tokenizer), getattr(hf_config.get_text_config(), "vocab_size", len(tokenizer))))
@@ -190,8 +197,15 @@ def media_decoder_requests(
         if media:
             prompt["multi_modal_data"] = {modality: media}
             kwargs = {"audio": media, "sampling_rate": processor.feature_extractor.sampling_rate} if modality == "audio" else {"images": media}
-        out = processor(text=[text], return_tensors="pt", **kwargs)
-        lengths.append(int(out["input_ids"].shape[-1]))
+        if full:
+            out = processor(text=[text], return_tensors="pt", **kwargs)
+            lengths.append(int(out["input_ids"].shape[-1]))
+        else:
+            out = processor(images=media, return_tensors="pt") if media else {}
+            grid = out.get("image_grid_thw")  # each image token becomes t*h*w / merge^2 of them
+            merge = getattr(processor, "merge_size", 1) ** 2
+            extra = int(grid.prod(-1).sum()) // merge - len(media) if grid is not None else 0
+            lengths.append(len(tokenizer(text)["input_ids"]) + extra)
         drop = ("input_ids", "attention_mask", "mm_token_type_ids")
         return ConformanceRequest(prompt, {k: v for k, v in out.items() if k not in drop and isinstance(v, torch.Tensor)} if media else {})
 
@@ -217,4 +231,12 @@ def media_requests(
     processor = load_processor(directory)
     if getattr(hf_config, "is_encoder_decoder", False):
         return Seq2SeqOracle(hf_model), *audio_seq2seq_requests(hf_config, processor, max_model_len, max_tokens)
-    return MediaDecoderOracle(hf_model), *media_decoder_requests(hf_config, processor, max_tokens)
+    tokenizer = None
+    if getattr(processor, "tokenizer", None) is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ConformanceError(f"{directory}: {type(processor).__name__} has no tokenizer, and none loads: {e}") from None
+    return MediaDecoderOracle(hf_model), *media_decoder_requests(hf_config, processor, max_tokens, tokenizer)

@@ -159,3 +159,23 @@ def test_a_media_model_without_its_processor_is_explained(tmp_path, capsys):
     build_case(config, tmp_path)
     assert main(["conformance", "LlavaForConditionalGeneration", "--model", str(tmp_path)]) == 2
     assert "its requests are built with the processor saved beside it" in capsys.readouterr().err
+
+
+def test_an_image_processor_alone_still_builds_image_requests(tmp_path):
+    """Qwen2-VL saved with its image processor and tokenizer only (the full processor needs
+    torchvision): the text comes from the tokenizer, the image tensors from the image processor,
+    and slotrunner's own expansion of <|image_pad|> must agree with the oracle (which refuses ids
+    whose image tokens do not match the features)."""
+    from slotrunner.conformance import check_requests
+    from slotrunner.registry import tiny_configs as tc
+
+    arch = "Qwen2VLForConditionalGeneration"
+    config = tiny_config(arch)
+    config.architectures = [arch]
+    build_case(config, tmp_path)
+    tc.qwen2_vl_image_processor(config).save_pretrained(tmp_path)
+    tc.qwen2_vl_tokenizer().save_pretrained(tmp_path)
+    case = checkpoint_case(tmp_path)
+    assert sum("image_grid_thw" in r.oracle_inputs for r in case.requests) == 2
+    results = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens=3)
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
