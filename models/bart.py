@@ -20,11 +20,13 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.core_runner.attention.layer import Attention
+from slotrunner.core_runner.distributed.shard import even_shard
 from slotrunner.models.layers.cross_attention import CrossAttention
 from slotrunner.models.layers.dense_attention import dense_attention
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.lm_head import vocab_logits
+from slotrunner.models.layers.parallel_linear import column_linear, query_heads, row_linear
 from slotrunner.models.layers.weight_aliases import resolve_aliases, share_equal_parameters
 from slotrunner.models.weights import WeightLoader
 
@@ -64,14 +66,22 @@ def stack_args(c: object, stack: str, pre_norm: bool, k_bias: bool) -> StackArgs
 
 
 class _Projections(nn.Module):
-    def __init__(self, a: StackArgs) -> None:
+    def __init__(self, a: StackArgs, sharded: bool = False) -> None:
         super().__init__()
         self.num_heads, self.head_dim = a.num_heads, a.head_dim
         self.scale = a.head_dim**-0.5
-        self.q_proj = nn.Linear(a.d_model, a.d_model)
-        self.k_proj = nn.Linear(a.d_model, a.d_model, bias=a.k_bias)
-        self.v_proj = nn.Linear(a.d_model, a.d_model)
-        self.out_proj = nn.Linear(a.d_model, a.d_model)
+        if not sharded:  # the encoder: replicated on every rank under tensor parallelism
+            self.q_proj = nn.Linear(a.d_model, a.d_model)
+            self.k_proj = nn.Linear(a.d_model, a.d_model, bias=a.k_bias)
+            self.v_proj = nn.Linear(a.d_model, a.d_model)
+            self.out_proj = nn.Linear(a.d_model, a.d_model)
+            return
+        # The decoder: this rank's heads (all of them at tensor_parallel_size 1); out_proj sums the ranks'.
+        self.num_heads = query_heads(a.num_heads, a.num_heads).size
+        self.q_proj = column_linear(a.d_model, a.d_model, bias=True)
+        self.k_proj = column_linear(a.d_model, a.d_model, bias=a.k_bias)
+        self.v_proj = column_linear(a.d_model, a.d_model, bias=True)
+        self.out_proj = row_linear(a.d_model, a.d_model, bias=True)
 
 
 class EncoderSelfAttention(_Projections):
@@ -88,8 +98,8 @@ class DecoderSelfAttention(_Projections):
     """Causal attention over the paged KV cache."""
 
     def __init__(self, a: StackArgs, layer_idx: int) -> None:
-        super().__init__(a)
-        self.attn = Attention(AttentionSpec(a.num_heads, a.num_heads, a.head_dim, self.scale), layer_idx)
+        super().__init__(a, sharded=True)
+        self.attn = Attention(AttentionSpec(self.num_heads, self.num_heads, a.head_dim, self.scale), layer_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, d_model]
         return self.out_proj(self.attn(self.q_proj(x), self.k_proj(x), self.v_proj(x)))
@@ -99,8 +109,8 @@ class DecoderCrossAttention(_Projections):
     """Attention to the request's encoder output, through its cache row of cross K/V."""
 
     def __init__(self, a: StackArgs) -> None:
-        super().__init__(a)
-        self.attn = CrossAttention(a.num_heads, a.num_heads, a.head_dim, self.scale)
+        super().__init__(a, sharded=True)
+        self.attn = CrossAttention(self.num_heads, self.num_heads, a.head_dim, self.scale)
 
     def store(self, row: int, encoder_hidden: torch.Tensor) -> None:  # [encoder_len, d_model]
         self.attn.store(row, self.k_proj(encoder_hidden), self.v_proj(encoder_hidden))
@@ -141,8 +151,8 @@ class DecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(a.d_model)
         self.encoder_attn = DecoderCrossAttention(a)
         self.encoder_attn_layer_norm = nn.LayerNorm(a.d_model)
-        self.fc1 = nn.Linear(a.d_model, a.ffn_dim)
-        self.fc2 = nn.Linear(a.ffn_dim, a.d_model)
+        self.fc1 = column_linear(a.d_model, a.ffn_dim, bias=True)  # split by rank under tensor parallelism
+        self.fc2 = row_linear(a.ffn_dim, a.d_model, bias=True)
         self.final_layer_norm = nn.LayerNorm(a.d_model)
         self.act = hf_activation(a.activation)
 
@@ -211,7 +221,19 @@ class BartModel(nn.Module):
         self.decoder = BartDecoder(c)
 
 
+def check_decoder_split(c: object, world_size: int) -> None:
+    """ValueError when the decoder's heads or feed-forward cannot be split over `world_size`
+    ranks (the decoder is split by head; the encoder, embeddings and LM head are replicated)."""
+    a = stack_args(c, "decoder", pre_norm=False, k_bias=True)
+    even_shard(a.num_heads, 0, world_size, "decoder_attention_heads")
+    even_shard(a.ffn_dim, 0, world_size, "decoder_ffn_dim")
+
+
 class BartForConditionalGeneration(nn.Module):
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        check_decoder_split(hf_config, world_size)
+
     def __init__(self, hf_config: object) -> None:
         super().__init__()
         self.hf_config = hf_config

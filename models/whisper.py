@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotrunner.models.bart import DecoderLayer, EncoderLayer, stack_args, store_cross_kv
+from slotrunner.models.bart import DecoderLayer, EncoderLayer, check_decoder_split, stack_args, store_cross_kv
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.lm_head import vocab_logits
 from slotrunner.models.layers.weight_aliases import resolve_aliases, share_equal_parameters
@@ -68,6 +68,11 @@ class WhisperModel(nn.Module):
 
 
 class WhisperForConditionalGeneration(nn.Module):
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """The decoder splits by head (bart.py); the audio encoder, embeddings and head are replicated."""
+        check_decoder_split(hf_config, world_size)
+
     def __init__(self, hf_config: object) -> None:
         super().__init__()
         self.hf_config = hf_config

@@ -183,6 +183,15 @@ def merged_column_linear(in_features: int, shard_sizes: dict[str, int], bias: bo
     return MergedColumnParallelLinear(in_features, parts, bias, tp)
 
 
+def column_linear(in_features: int, out_features: int, bias: bool) -> Linear:
+    """One projection split by output rows (a q, k or v of its own, an MLP's first layer)."""
+    tp = current_tp()
+    if tp.world_size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    rows = even_shard(out_features, tp.rank, tp.world_size, "output features of a column-parallel linear")
+    return MergedColumnParallelLinear(in_features, {"rows": rows}, bias, tp)
+
+
 def row_linear(in_features: int, out_features: int, bias: bool) -> Linear:
     """A projection back to the hidden size from a column-parallel layer's output (o, down)."""
     tp = current_tp()

@@ -19,6 +19,7 @@ SUPPORTED = {
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
     "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
     "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
+    "BartForConditionalGeneration", "WhisperForConditionalGeneration",
 }  # fmt: skip
 
 
@@ -40,7 +41,8 @@ def test_two_ranks_fit_the_tiny_configs(architecture):
      ("Qwen3MoeForCausalLM", {"num_experts": 5}, 2, "num_experts=5 is not divisible"),
      ("LlavaForConditionalGeneration", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
      ("Mamba2ForCausalLM", {"n_groups": 2}, 4, "mamba n_groups=2 must be 1 .* or divisible by tensor_parallel_size=4"),
-     ("BambaForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3")],
+     ("BambaForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+     ("WhisperForConditionalGeneration", {}, 3, "decoder_attention_heads=4 is not divisible by tensor_parallel_size=3")],
 )  # fmt: skip
 def test_shapes_that_do_not_split_are_refused(architecture, overrides, size, message):
     with pytest.raises(ValueError, match=message):

@@ -147,3 +147,35 @@ def test_per_head_sinks_follow_the_rank_query_heads(tmp_path):
         half = sinks.shape[0] // 2
         assert torch.equal(model.model.layers[0].self_attn.sinks, sinks[rank * half : (rank + 1) * half])
         assert model.model.layers[0].mlp.experts.w_in.shape[0] == model.num_experts // 2
+
+
+def test_an_encoder_decoder_splits_its_decoder_and_replicates_its_encoder(tmp_path):
+    """BART: the decoder's self- and cross-attention split by head (their caches sized for the
+    rank's heads), its feed-forward column/row-parallel; the encoder, the embeddings and the
+    head whole on every rank."""
+    from slotrunner.models.bart import BartForConditionalGeneration
+
+    cfg = tiny_config("BartForConditionalGeneration", tie_word_embeddings=False)
+    build_case(cfg, tmp_path)
+    full = load_file(str(tmp_path / "model.safetensors"))
+    weights = lambda: iter_safetensors(safetensors_files(tmp_path), torch.float32)  # noqa: E731
+    d, half = cfg.d_model, cfg.d_model // 2
+    for rank in range(2):
+        with tensor_parallel_scope(TensorParallelGroup(rank, 2)):
+            model = load_model(BartForConditionalGeneration, load_hf_config(tmp_path), weights, torch.float32,
+                               torch.device("cpu"))  # fmt: skip
+        rows = slice(rank * half, (rank + 1) * half)
+        dec = model.model.decoder.layers[0]
+        for name in ("self_attn", "encoder_attn"):
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                p = f"model.decoder.layers.0.{name}.{proj}"
+                assert torch.equal(getattr(getattr(dec, name), proj).weight, full[f"{p}.weight"][rows])
+                assert torch.equal(getattr(getattr(dec, name), proj).bias, full[f"{p}.bias"][rows])
+            out = f"model.decoder.layers.0.{name}.out_proj.weight"
+            assert torch.equal(getattr(dec, name).out_proj.weight, full[out][:, rows])
+        assert (dec.self_attn.attn.spec.num_heads, dec.encoder_attn.attn.num_kv_heads) == (2, 2)
+        ffn = cfg.decoder_ffn_dim // 2
+        assert torch.equal(dec.fc1.weight, full["model.decoder.layers.0.fc1.weight"][rank * ffn : (rank + 1) * ffn])
+        enc = model.model.encoder.layers[0].self_attn.q_proj.weight
+        assert torch.equal(enc, full["model.encoder.layers.0.self_attn.q_proj.weight"]) and enc.shape == (d, d)
+        assert model.lm_head.weight.shape == (cfg.vocab_size, d)
