@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.distributed.shard import Shard, even_shard
 from slotrunner.models.layers.cross_attention import CrossAttention
 from slotrunner.models.layers.dense_attention import dense_attention
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.lm_head import vocab_logits
 from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.parallel_linear import ShardedWeights, column_linear, query_heads, row_linear
 from slotrunner.models.layers.relative_position import BiasedAttention, RelativePositionBias
 from slotrunner.models.layers.weight_aliases import resolve_aliases, share_equal_parameters
 from slotrunner.models.weights import WeightLoader
@@ -71,13 +73,34 @@ class T5Args:
 
 
 class _Projections(nn.Module):
-    def __init__(self, a: T5Args) -> None:
+    def __init__(self, a: T5Args, sharded: bool = False) -> None:
         super().__init__()
         self.num_heads, self.d_kv = a.num_heads, a.d_kv
-        self.q = nn.Linear(a.d_model, a.inner_dim, bias=False)
-        self.k = nn.Linear(a.d_model, a.inner_dim, bias=False)
-        self.v = nn.Linear(a.d_model, a.inner_dim, bias=False)
-        self.o = nn.Linear(a.inner_dim, a.d_model, bias=False)
+        if not sharded:  # the encoder: replicated on every rank under tensor parallelism
+            self.q = nn.Linear(a.d_model, a.inner_dim, bias=False)
+            self.k = nn.Linear(a.d_model, a.inner_dim, bias=False)
+            self.v = nn.Linear(a.d_model, a.inner_dim, bias=False)
+            self.o = nn.Linear(a.inner_dim, a.d_model, bias=False)
+            return
+        # The decoder: this rank's heads (all of them at tensor_parallel_size 1); `o` sums the ranks'.
+        self.heads = query_heads(a.num_heads, a.num_heads)
+        self.num_heads = self.heads.size
+        self.q = column_linear(a.d_model, a.inner_dim, bias=False)
+        self.k = column_linear(a.d_model, a.inner_dim, bias=False)
+        self.v = column_linear(a.d_model, a.inner_dim, bias=False)
+        self.o = row_linear(a.inner_dim, a.d_model, bias=False)
+
+
+class _RankRelativePositionBias(RelativePositionBias, ShardedWeights):
+    """The decoder's bias table, by the rank's heads (its columns of [num_buckets, num_heads])."""
+
+    def __init__(self, num_buckets: int, max_distance: int, heads: Shard) -> None:
+        super().__init__(num_buckets, max_distance, heads.size, bidirectional=False)
+        self.heads = heads
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.weight.copy_(self.heads.narrow(tensor, 1))
 
 
 class T5EncoderAttention(_Projections):
@@ -94,10 +117,10 @@ class T5EncoderAttention(_Projections):
 
 class T5DecoderAttention(_Projections):
     def __init__(self, a: T5Args, has_bias: bool, layer_idx: int) -> None:
-        super().__init__(a)
+        super().__init__(a, sharded=True)
         if has_bias:
-            self.relative_attention_bias = RelativePositionBias(a.num_buckets, a.max_distance, a.num_heads, bidirectional=False)
-        self.attn = BiasedAttention(AttentionSpec(a.num_heads, a.num_heads, a.d_kv, 1.0), layer_idx)
+            self.relative_attention_bias = _RankRelativePositionBias(a.num_buckets, a.max_distance, self.heads)
+        self.attn = BiasedAttention(AttentionSpec(self.num_heads, self.num_heads, a.d_kv, 1.0), layer_idx)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # [num_tokens, d_model], [heads, distances]
         return self.o(self.attn(self.q(x), self.k(x), self.v(x), bias))
@@ -105,8 +128,8 @@ class T5DecoderAttention(_Projections):
 
 class T5CrossAttention(_Projections):
     def __init__(self, a: T5Args) -> None:
-        super().__init__(a)
-        self.attn = CrossAttention(a.num_heads, a.num_heads, a.d_kv, 1.0)
+        super().__init__(a, sharded=True)
+        self.attn = CrossAttention(self.num_heads, self.num_heads, a.d_kv, 1.0)
 
     def store(self, row: int, encoder_hidden: torch.Tensor) -> None:
         self.attn.store(row, self.k(encoder_hidden), self.v(encoder_hidden))
@@ -118,15 +141,17 @@ class T5CrossAttention(_Projections):
 class T5DenseActDense(nn.Module):
     """act(wi x) or, gated, act(wi_0 x) * wi_1 x; then wo."""
 
-    def __init__(self, a: T5Args) -> None:
+    def __init__(self, a: T5Args, sharded: bool = False) -> None:
         super().__init__()
         self.gated = a.gated
+        # The decoder's (`sharded`) is column- then row-parallel under tensor parallelism.
+        inner = (lambda i, o: column_linear(i, o, bias=False)) if sharded else (lambda i, o: nn.Linear(i, o, bias=False))
         if a.gated:
-            self.wi_0 = nn.Linear(a.d_model, a.d_ff, bias=False)
-            self.wi_1 = nn.Linear(a.d_model, a.d_ff, bias=False)
+            self.wi_0 = inner(a.d_model, a.d_ff)
+            self.wi_1 = inner(a.d_model, a.d_ff)
         else:
-            self.wi = nn.Linear(a.d_model, a.d_ff, bias=False)
-        self.wo = nn.Linear(a.d_ff, a.d_model, bias=False)
+            self.wi = inner(a.d_model, a.d_ff)
+        self.wo = row_linear(a.d_ff, a.d_model, bias=False) if sharded else nn.Linear(a.d_ff, a.d_model, bias=False)
         self.act = hf_activation(a.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +185,7 @@ class T5Block(nn.Module):
             layers = [
                 _Sublayer(a, "SelfAttention", T5DecoderAttention(a, has_bias, layer_idx)),
                 _Sublayer(a, "EncDecAttention", T5CrossAttention(a)),
-                _Sublayer(a, "DenseReluDense", T5DenseActDense(a)),
+                _Sublayer(a, "DenseReluDense", T5DenseActDense(a, sharded=True)),
             ]
         else:
             layers = [
@@ -195,6 +220,15 @@ class T5Stack(nn.Module):
 
 
 class T5ForConditionalGeneration(nn.Module):
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the decoder's heads or feed-forward cannot be split over `world_size`
+        ranks (the decoder splits by head, its bias table too; the encoder, embeddings and head
+        are replicated)."""
+        a = T5Args.from_hf(hf_config)
+        even_shard(a.num_heads, 0, world_size, "num_heads")
+        even_shard(a.d_ff, 0, world_size, "d_ff")
+
     def __init__(self, hf_config: object) -> None:
         super().__init__()
         self.hf_config = hf_config

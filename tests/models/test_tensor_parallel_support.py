@@ -19,7 +19,7 @@ SUPPORTED = {
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
     "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
     "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
-    "BartForConditionalGeneration", "WhisperForConditionalGeneration",
+    "BartForConditionalGeneration", "WhisperForConditionalGeneration", "T5ForConditionalGeneration",
 }  # fmt: skip
 
 
