@@ -242,7 +242,13 @@ def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ..
         BatchVariant("chunked, joining", {"max_num_seqs": 3, "max_num_batched_tokens": 5, **cached}),
         BatchVariant("preempting", {**scarce, **cached}, must_preempt=True),
         BatchVariant("async, preempting", {**scarce, "async_scheduling": True, **cached}, must_preempt=True),
-        BatchVariant("prefix-cached, twice", {"max_num_seqs": 3, "max_num_batched_tokens": 5, **cached}, twice=True),
+        # A cache for 16 requests of max_model_len: every block of the first run stays cached for
+        # the second (the default size, max_num_seqs requests' worth, would evict long prompts').
+        BatchVariant(
+            "prefix-cached, twice",
+            {"max_num_seqs": 3, "max_num_batched_tokens": 5, "num_kv_blocks": 16 * -(-max_model_len // BLOCK_SIZE), **cached},
+            twice=True,
+        ),
     )
 
 

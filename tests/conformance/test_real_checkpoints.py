@@ -133,13 +133,18 @@ def _save_processor(arch: str, config, directory) -> None:
         tc.whisper_feature_extractor(config).save_pretrained(directory)
     elif arch.startswith("Llava"):
         tc.llava_processor(config).save_pretrained(directory)
+    elif arch.startswith("Qwen2VL"):  # the image processor and tokenizer: the full processor needs torchvision
+        tc.qwen2_vl_image_processor(config).save_pretrained(directory)
+        tc.qwen2_vl_tokenizer().save_pretrained(directory)
     else:
         tc.qwen2_audio_processor(config).save_pretrained(directory)
 
 
 @pytest.mark.parametrize(
-    "arch", ["WhisperForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2AudioForConditionalGeneration"]
-)
+    "arch",
+    ["WhisperForConditionalGeneration", "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+     "Qwen2AudioForConditionalGeneration"],
+)  # fmt: skip
 def test_the_command_builds_media_requests_from_the_saved_processor(arch, tmp_path, capsys):
     """Audio clips for Whisper (its feature extractor), text with image or audio placeholders for
     the media decoders (their processors): every check runs on requests that carry media."""
@@ -163,19 +168,14 @@ def test_a_media_model_without_its_processor_is_explained(tmp_path, capsys):
 
 def test_an_image_processor_alone_still_builds_image_requests(tmp_path):
     """Qwen2-VL saved with its image processor and tokenizer only (the full processor needs
-    torchvision): the text comes from the tokenizer, the image tensors from the image processor,
-    and slotrunner's own expansion of <|image_pad|> must agree with the oracle (which refuses ids
-    whose image tokens do not match the features)."""
-    from slotrunner.conformance import check_requests
-    from slotrunner.registry import tiny_configs as tc
-
+    torchvision): the text comes from the tokenizer, the image tensors from the image processor
+    (the command's run above then checks slotrunner's own expansion of <|image_pad|>: the oracle
+    refuses ids whose image tokens do not match the features)."""
     arch = "Qwen2VLForConditionalGeneration"
     config = tiny_config(arch)
     config.architectures = [arch]
     build_case(config, tmp_path)
-    tc.qwen2_vl_image_processor(config).save_pretrained(tmp_path)
-    tc.qwen2_vl_tokenizer().save_pretrained(tmp_path)
+    _save_processor(arch, config, tmp_path)
     case = checkpoint_case(tmp_path)
     assert sum("image_grid_thw" in r.oracle_inputs for r in case.requests) == 2
-    results = check_requests(case.make_llm(), case.oracle, case.requests, max_tokens=3)
-    assert all(r.passed for r in results), [r for r in results if not r.passed]
+    assert all("<|vision_start|><|image_pad|><|vision_end|>" in r.prompt["prompt"] for r in case.requests if r.oracle_inputs)
