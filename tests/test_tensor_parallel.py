@@ -248,3 +248,23 @@ def test_a_recurrent_hybrid_splits_its_mamba_heads_and_their_state(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)
+
+
+def test_an_encoder_decoder_splits_its_decoder_and_replicates_its_encoder(tmp_path):
+    """T5: each rank runs the whole encoder, keeps its heads' cross K/V per slot and its heads'
+    columns of the decoder's relative position bias; chunked decoder prefill, a mixed batch."""
+    build_case(tiny_config("T5ForConditionalGeneration"), tmp_path)
+    engine = ENGINE | {"max_num_batched_tokens": 7, "max_num_seqs": 2, "enable_prefix_caching": False}
+    prompts = [{"encoder_prompt": {"prompt_token_ids": p[:12]}, "decoder_prompt": {"prompt_token_ids": p[12:]}}
+               for p in ALONE]  # fmt: skip
+    params = _greedy(logprobs=2)
+    ref = LLM(str(tmp_path), **engine).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **engine)
+    try:
+        ours = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)
