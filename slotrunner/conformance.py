@@ -19,7 +19,6 @@ table. A tiny case runs single-threaded on CPU in float32 in a few seconds.
 from __future__ import annotations
 
 import dataclasses
-import copy
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -156,8 +155,9 @@ def merge(name: str, results: Sequence[CheckResult]) -> CheckResult:
     return CheckResult(name, True, worst, f"{len(results)} checked", floor)
 
 
-def noise_floor(oracle: Any, floor_oracle: Any | None, request: ConformanceRequest, token_ids: list[int], ref: torch.Tensor) -> float | None:
-    """The oracle's own float32 noise on this sequence: max |ref - floor_oracle's logits|, where
+def noise_floor(floor_oracle: Any | None, request: ConformanceRequest, token_ids: list[int], ref: torch.Tensor) -> float | None:
+    """The oracle's own float32 noise on this sequence: max |ref - floor_oracle's logits| (`ref`:
+    the oracle's logits), where
     `floor_oracle` is the oracle in float64 or perturbed by one ulp (`conformance_oracle.floor_oracle`);
     None when none is given (tiny cases)."""
     if floor_oracle is None:
@@ -181,7 +181,7 @@ def check_requests(
         seq = run.prompt_token_ids + run.output_token_ids
         ref = oracle.logits(req, seq)[: len(seq) - 1]
         n = len(run.prompt_token_ids)
-        floor = noise_floor(oracle, floor_oracle, req, seq, ref)
+        floor = noise_floor(floor_oracle, req, seq, ref)
         hf_tokens = oracle.greedy(req, run.prompt_token_ids, max_tokens)
         results.append(compare_logits(f"request {i}: prefill logits", run.logits[:n], ref[:n], atol, rtol, floor))
         results.append(compare_logits(f"request {i}: decode logits", run.logits[n:], ref[n:], atol, rtol, floor))
@@ -212,7 +212,7 @@ def check_chunked_prefill(
         seq = run.prompt_token_ids + run.output_token_ids
         ref = oracle.logits(request, seq)[: len(seq) - 1]
         if tuple(seq) not in floors:
-            floors[tuple(seq)] = noise_floor(oracle, floor_oracle, request, seq, ref)
+            floors[tuple(seq)] = noise_floor(floor_oracle, request, seq, ref)
         results.append(compare_logits(f"budget {budget}", run.logits, ref, atol, rtol, floors[tuple(seq)]))
     return results
 
