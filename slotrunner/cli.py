@@ -223,6 +223,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         print("error: --save keeps a tiny case; with --model the checkpoint is the case", file=sys.stderr)
         return 2
     tuning = {k: getattr(args, k) for k in ("max_tokens", "atol", "rtol") if getattr(args, k) is not None}
+    tuning["floor"] = None if args.floor == "none" else args.floor
     try:
         report = run_conformance(args.architecture, config=args.config, model=args.model, workdir=args.save, **tuning)
     except (ConformanceError, ValueError, TypeError, ImportError, FileNotFoundError) as e:
@@ -277,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request run alone (default 12)")
     k.add_argument("--atol", type=float, default=None, help="absolute logits tolerance (default 1e-4)")
     k.add_argument("--rtol", type=float, default=None, help="relative logits tolerance (default 1e-4)")
+    k.add_argument(
+        "--floor", choices=("auto", "float64", "ulp", "none"), default="auto",
+        help="how the noise floor is measured: the oracle in float64, or with every weight moved by one ulp (no "
+        "copy of the model); auto: none for a tiny model, else float64 where its copy fits in half the free memory",
+    )  # fmt: skip
     k.set_defaults(func=cmd_conformance)
     return parser
 

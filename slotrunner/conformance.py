@@ -524,20 +524,21 @@ def run_case(
 
 def run_conformance(
     architecture: str, *, config: Any = None, model: str | Path | None = None, workdir: str | Path | None = None,
-    max_tokens: int = MAX_TOKENS, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL,
+    max_tokens: int = MAX_TOKENS, atol: float = LOGITS_ATOL, rtol: float = LOGITS_RTOL, floor: str | None = "auto",
 ) -> CaseReport:
     """Check `architecture` against transformers: on a tiny random-weight case built from
     `config` (an HF config object, or a path to a config.json) or from its registered tiny
     config, saved in `workdir` (default: a temporary directory); or on the checkpoint in
-    `model`. Returns the report; `report.passed` says whether every check passed."""
+    `model`. `floor` measures the noise floor as `checkpoint_case` does ("auto": only for a
+    model that is not tiny). Returns the report; `report.passed` says whether every check passed."""
     import tempfile
     from contextlib import ExitStack
 
     if model is not None:
         if config is not None:
             raise ConformanceError("give a config for a tiny case or a model directory, not both")
-        case = checkpoint_case(model, architecture)
-        tiny = case.floor_oracle is None
+        case = checkpoint_case(model, architecture, floor)
+        tiny = sum(p.numel() for p in case.oracle.hf_model.parameters()) < TINY_PARAMS
         with single_thread() if tiny else nullcontext():
             return run_case(case, max_tokens, atol, rtol)
     if isinstance(config, (str, Path)):
@@ -547,7 +548,10 @@ def run_conformance(
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="slotrunner-conformance-"))
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        return run_case(tiny_case(architecture, workdir, config), max_tokens, atol, rtol)
+        case = tiny_case(architecture, workdir, config)
+        if floor not in ("auto", None):
+            case.floor_oracle = floor_oracle(case.oracle, floor)
+        return run_case(case, max_tokens, atol, rtol)
 
 
 def config_from_json(architecture: str, path: str | Path) -> Any:

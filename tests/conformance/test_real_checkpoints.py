@@ -179,3 +179,11 @@ def test_an_image_processor_alone_still_builds_image_requests(tmp_path):
     case = checkpoint_case(tmp_path)
     assert sum("image_grid_thw" in r.oracle_inputs for r in case.requests) == 2
     assert all("<|vision_start|><|image_pad|><|vision_end|>" in r.prompt["prompt"] for r in case.requests if r.oracle_inputs)
+
+
+def test_the_command_measures_the_floor_it_is_asked_for(tiny_llama_dir, capsys):
+    assert main(["conformance", "LlamaForCausalLM", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--floor", "ulp"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.split() == ["check", "result", "worst", "floor", "detail"]
+    assert main(["conformance", "LlamaForCausalLM", "--model", str(tiny_llama_dir), "--max-tokens", "3"]) == 0
+    assert "floor" not in capsys.readouterr().out.splitlines()[1]  # auto: a tiny model has none
