@@ -95,6 +95,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from slotrunner import LLM
+    from slotrunner.core_runner.engine.draft_gate import DraftGate
 
     model = args.model
     if args.qwen3_shape and model is None:
@@ -120,6 +121,9 @@ def main() -> None:
           f"{'accept':>6} {'tok/step':>8} identical")
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = build_prompts(base, b)
+        # Each batch size starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
+        # measures the cost of steps with and without drafts at this batch size.
+        fast.engine.scheduler.draft_gate = DraftGate()
         ref, t_base = run(base, prompts, args.max_tokens)
         got, t_spec = run(fast, prompts, args.max_tokens)
         tokens = sum(len(o.outputs[0].token_ids) for o in ref)
@@ -134,6 +138,8 @@ def main() -> None:
             f"{t_base / t_spec:>6.2f}x "
             f"{accepted / max(drafts, 1):>6.1%} {decode_tokens / max(steps, 1):>8.2f} {same}"
         )
+        costs = fast.engine.scheduler.draft_gate.costs
+        print("      draft gate, ms per token: " + ", ".join(f"{'with' if k else 'without'} drafts {1000 * v:.1f}" for k, v in costs.items()))
 
 
 def qwen3_shape_dir() -> str:

@@ -288,17 +288,6 @@ def _prefix_caching(asked: bool | None, state_cls: type) -> bool:
     return supported if asked is None else bool(asked)
 
 
-def _speculative(asked: dict[str, Any] | None, state_cls: type) -> SpeculativeConfig | None:
-    if asked is None:
-        return None
-    config = SpeculativeConfig.from_dict(asked)
-    if not state_cls.supports_speculative_rollback:
-        raise ValueError(
-            f"speculative_config: the {state_cls.family} family ({state_cls.__name__}) cannot roll its per-request "
-            "state back past rejected draft tokens; leave speculative_config unset for this model"
-        )
-    return config
-
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
@@ -312,6 +301,17 @@ def _kv_cache_dtype(asked: str, model: nn.Module) -> torch.dtype | None:
         check_kv_cache_dtype(model, dtype)
     return dtype
 
+
+def _speculative(asked: dict[str, Any] | None, state_cls: type) -> SpeculativeConfig | None:
+    if asked is None:
+        return None
+    config = SpeculativeConfig.from_dict(asked)
+    if not state_cls.supports_speculative_rollback:
+        raise ValueError(
+            f"speculative_config: the {state_cls.family} family ({state_cls.__name__}) cannot roll its per-request "
+            "state back past rejected draft tokens; leave speculative_config unset for this model"
+        )
+    return config
 
 
 def default_num_kv_blocks(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.engine.block_hash import extend_block_hashes
 from slotrunner.core_runner.engine.block_manager import BlockManager
+from slotrunner.core_runner.engine.draft_gate import DraftGate
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
@@ -57,6 +59,9 @@ class Scheduler:
         # its proposals' KV there (spec_decode/draft_model.py).
         spec = config.speculative_config
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+        # Speculative decoding: whether decode steps carry drafts, from their measured cost.
+        self.draft_gate = DraftGate() if spec is not None else None
+        self._timed_step: tuple[float, bool] | None = None  # (start, drafts scheduled) of a decode-only step
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -179,6 +184,8 @@ class Scheduler:
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
+        use_drafts = self.draft_gate is not None and self.draft_gate.want_drafts()
+        decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -191,7 +198,8 @@ class Scheduler:
                 i += 1
                 continue
             num_drafts = 0
-            if request.num_spec_tokens and request.num_tokens - request.num_computed_tokens == 1:
+            decode_only &= request.num_tokens - request.num_computed_tokens == 1
+            if use_drafts and request.num_spec_tokens and request.num_tokens - request.num_computed_tokens == 1:
                 # A decode with drafts: the last token and the drafts after it (their KV is
                 # written too; rejected ones are overwritten later, update() rolls back).
                 num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(self.max_model_len))
@@ -250,6 +258,9 @@ class Scheduler:
             request.num_computed_tokens += out.num_scheduled_tokens[request.req_id]
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_pending:
                 request.num_pending += 1  # this step samples its next token
+        self._timed_step = None
+        if self.draft_gate is not None and decode_only and scheduled and not out.new_reqs:
+            self._timed_step = (time.perf_counter(), any(r.num_scheduled_drafts for r in scheduled))
         return out
 
     def _with_lookahead(self, num_tokens: int) -> int:
@@ -310,6 +321,11 @@ class Scheduler:
         Returns the requests that got tokens this step, finished ones included, in batch order.
         """
         assert len(runner_out.req_ids) == len(runner_out.sampled_token_ids), "one sampled list per batch row"
+        if self._timed_step is not None:
+            start, with_drafts = self._timed_step
+            self._timed_step = None
+            emitted = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
+            self.draft_gate.observe(with_drafts, time.perf_counter() - start, emitted)
         touched: list[Request] = []
         next_drafts = runner_out.num_draft_tokens
         for row, (req_id, sampled) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):

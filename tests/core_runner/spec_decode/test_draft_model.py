@@ -140,3 +140,31 @@ def test_refusals(dirs, tmp_path):
     for name, message in cases:
         with pytest.raises(ValueError, match=message):
             LLM(str(dirs / "target"), device="cpu", max_model_len=64, speculative_config=draft_config(tmp_path / name))
+
+
+class AlternatingGate:
+    """A draft gate that withholds drafts every other decode-only step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def want_drafts(self) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0
+
+    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
+        pass
+
+
+def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline):
+    """The draft gate (core_runner/engine/draft_gate.py) withholding drafts changes no output,
+    and the draft's KV still follows every accepted token: an equal draft is always accepted."""
+    llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, speculative_config=draft_config(dirs / "target"))
+    gate = llm.engine.scheduler.draft_gate = AlternatingGate()
+    prompts, params = make_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert gate.calls > 4
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
+    for out in outs:
+        m = out.metrics
+        assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens, (out.request_id, m)
