@@ -42,6 +42,9 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Llama 3.1-style RoPE scaling: llama.cpp's converter writes no scaling metadata, only this
+# float32 tensor of one divisor per rotary frequency (1 / factor / the blend between).
+ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -146,11 +149,9 @@ def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
             names[f"{_GLOBAL_NAMES[stem]}.{suffix}"] = gguf_name
         else:
             unknown.append(gguf_name)
+    unknown = [name for name in unknown if name != ROPE_FREQS]  # config, not a weight (_llama_config)
     if unknown:
-        hint = ""
-        if "rope_freqs.weight" in unknown:
-            hint = " (rope_freqs holds Llama 3.1-style RoPE scaling factors, which this reader does not convert yet)"
-        raise ValueError(f"{path}: tensors with no Llama equivalent: {', '.join(unknown[:8])}{hint}.")
+        raise ValueError(f"{path}: tensors with no Llama equivalent: {', '.join(unknown[:8])}.")
     if "model.embed_tokens.weight" not in names:
         raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete Llama model.")
     return names
@@ -178,10 +179,15 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Lla
     if get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial rotary (rope.dimension_count != head_dim) is not supported.")
     rope_theta = float(get("rope.freq_base", 10000.0))
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if ROPE_FREQS in gguf.tensors:
+        rope_parameters = _rope_freqs_parameters(gguf, rope_theta, head_dim, get("context_length"), path)
     if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers >= 5
-        rope: dict[str, Any] = {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}
+        rope: dict[str, Any] = {"rope_parameters": rope_parameters}
     else:
         rope = {"rope_theta": rope_theta}
+        if rope_parameters["rope_type"] != "default":
+            rope["rope_scaling"] = rope_parameters
     # llama.cpp converts Mistral models to the `llama` architecture, and runs them as Llama (no
     # sliding window: Mistral 7B v0.2 and later have none); so does transformers' GGUF loader
     # (unless general.name is exactly "mistral"), and so does this reader.
@@ -208,6 +214,28 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Lla
         return LlamaConfig(**fields)
     except Exception as exc:  # transformers' config validators raise their own exception types
         raise ValueError(f"{path}: the llama.* metadata does not make a valid LlamaConfig: {exc}") from exc
+
+
+def _rope_freqs_parameters(gguf: GGUFFile, theta: float, head_dim: int, context: int, path: str) -> dict[str, Any]:
+    """The `rope_freqs` divisors as rope parameters. llama.cpp divides frequency i by factor i,
+    which is what transformers' "longrope" computes with one factor set for every length
+    (short = long, the original length = the context) and no attention scaling; the Llama 3.1
+    parameters themselves (factor, low/high frequency factors, original context) are not in
+    the file, and these divisors are exactly what they produced."""
+    factors = [float(f) for f in gguf.read_tensor(ROPE_FREQS).reshape(-1)]
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"{path}: {ROPE_FREQS} has {len(factors)} values, expected head_dim / 2 = {head_dim // 2}.")
+    if not all(f > 0 for f in factors):
+        raise ValueError(f"{path}: {ROPE_FREQS} holds a divisor <= 0.")
+    return {
+        "rope_type": "longrope",
+        "rope_theta": theta,
+        "short_factor": factors,
+        "long_factor": factors,
+        "original_max_position_embeddings": context,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+    }
 
 
 def _check_shapes(config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], path: str) -> None:

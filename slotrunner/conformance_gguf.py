@@ -51,6 +51,13 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
     another class than slotrunner does."""
     import transformers
 
+    from slotrunner.core_runner.loader.gguf_file import open_gguf
+
+    if "rope_freqs.weight" in open_gguf(str(path)).tensors:
+        raise ConformanceError(
+            f"{path}: the file scales RoPE with a rope_freqs tensor (Llama 3.1 style), which transformers' GGUF "
+            "loader drops, so it would be no oracle; check the Hugging Face checkpoint the file was made from instead"
+        )
     try:
         # eager attention: the reference implementation (some sdpa paths drop Gemma 2's soft cap)
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -97,10 +104,33 @@ def _sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     return pieces, [0.0, 0.0, 0.0] + [-float(i) for i in range(size - 3)], [2, 3, 3] + [1] * (size - 3)
 
 
+def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> Any:
+    """Llama 3.1-style RoPE scaling as llama.cpp's converter stores it (`LlamaModel`
+    `generate_extra_tensors`): no scaling metadata, a float32 `rope_freqs` tensor holding the
+    divisor of each frequency -- 1 for short wavelengths, `factor` for long ones, the smooth blend
+    in between."""
+    import numpy as np
+
+    base, factor = float(rope.get("rope_theta", 10000.0)), float(rope["factor"])
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    original = float(rope.get("original_max_position_embeddings", 8192))
+    divisors = []
+    for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
 def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32") -> Path:
     """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
-    does: gguf-py's tensor names, Q/K rows interleaved for `llama`, 1 added to Gemma's norm
-    weights, the metadata keys its architecture reads, and a vocabulary of the model's size:
+    does: gguf-py's tensor names, Q/K rows interleaved for `llama` (and Llama 3.1-style RoPE
+    scaling as `rope_freqs`), 1 added to Gemma's norm weights, the metadata keys its architecture reads, and a vocabulary of the model's size:
     byte-level BPE (`tokenizer="gpt2"`, `tokenizer.ggml.pre` as the family's files have it) or
     SentencePiece (`"llama"`, what Gemma and Phi-3 files carry). Tensors stay float32 (so
     transformers' GGUF loader and slotrunner's reader both see exactly the model's weights),
@@ -133,6 +163,8 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     rope = rope.get("full_attention", rope)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     if arch == "qwen3moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

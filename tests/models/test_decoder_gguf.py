@@ -124,24 +124,29 @@ def test_qwen2_pre_tokenizer_splits_like_qwen(tmp_path):
     assert pieces == ["It", "'S", " ", "2", "0", "2", "4", " ok", "!!\n\n", " ", " x"]
 
 
-def test_mixture_of_experts_llama_file_names_the_missing_oracle(tmp_path):
-    config = tiny_config("LlamaForCausalLM")
-    config.architectures = ["LlamaForCausalLM"]
-    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "moe.gguf")
-    moe = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(moe), "llama")
+def copy_gguf(path, out, add) -> object:
+    """A copy of the `llama` file at `path` with what `add(writer)` adds (metadata or tensors)."""
+    writer = gguf.GGUFWriter(str(out), "llama")
     reader = gguf.GGUFReader(str(path))
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
         writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-    writer.add_expert_count(8)
+    add(writer)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data.reshape([int(d) for d in reversed(tensor.shape)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_mixture_of_experts_llama_file_names_the_missing_oracle(tmp_path):
+    config = tiny_config("LlamaForCausalLM")
+    config.architectures = ["LlamaForCausalLM"]
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "moe.gguf")
+    moe = copy_gguf(path, tmp_path / "mixtral.gguf", lambda writer: writer.add_expert_count(8))
     with pytest.raises(ValueError, match="transformers' GGUF loader does not read them either"):
         read_gguf(moe, torch.float32)
 
@@ -183,3 +188,45 @@ def test_quantized_file_runs_packed_like_dequantized(architecture, tmp_path):
         assert a.keys() == b.keys()
         for token in a:
             assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+def test_llama31_rope_freqs_file_runs_like_the_checkpoint_it_came_from(tmp_path):
+    """Llama 3.1/3.2 files carry their RoPE scaling as a `rope_freqs` tensor (one divisor per
+    frequency) and no metadata. transformers' GGUF loader drops that tensor, so the oracle is
+    the Hugging Face model the file was written from. Head dim 16 and an original context of
+    512 give divisors of 1, of `factor` and in between, so a reader that ignored any kind would
+    move the logits."""
+    rope = dict(rope_type="llama3", rope_theta=10_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=512)  # fmt: skip
+    config = tiny_config("LlamaForCausalLM", head_dim=16, rope_parameters=rope, max_position_embeddings=4096)
+    config.architectures = ["LlamaForCausalLM"]
+    original = build_case(config, tmp_path / "hf")
+    path = write_gguf(original, tmp_path / "llama31.gguf")
+
+    divisors = read_gguf(path, torch.float32).config.rope_parameters["short_factor"]
+    assert divisors[0] == 1.0 and divisors[-1] == 8.0 and any(1.0 < d < 8.0 for d in divisors), divisors
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, block_size=4, enable_prefix_caching=False,
+              quantized_weights="dequantized")  # fmt: skip
+    report = check_case(llm, original, PROMPTS, max_tokens=4)
+    assert report.passed, report.table()
+
+
+def test_rope_freqs_of_the_wrong_length_is_refused(tmp_path):
+    config = tiny_config("LlamaForCausalLM", head_dim=16)
+    config.architectures = ["LlamaForCausalLM"]
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "plain.gguf")
+    bad = copy_gguf(path, tmp_path / "bad.gguf", lambda writer: writer.add_tensor("rope_freqs.weight", torch.ones(5).numpy()))
+    with pytest.raises(ValueError, match="rope_freqs.weight has 5 values, expected head_dim / 2 = 8"):
+        read_gguf(bad, torch.float32)
+
+
+def test_conformance_refuses_transformers_as_the_oracle_of_a_rope_freqs_file(tmp_path):
+    from slotrunner.conformance_oracle import ConformanceError
+
+    rope = dict(rope_type="llama3", rope_theta=10_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=512)  # fmt: skip
+    config = tiny_config("LlamaForCausalLM", head_dim=16, rope_parameters=rope, max_position_embeddings=4096)
+    config.architectures = ["LlamaForCausalLM"]
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "llama31.gguf")
+    with pytest.raises(ConformanceError, match="rope_freqs tensor"):
+        load_gguf_oracle(path, "LlamaForCausalLM")
