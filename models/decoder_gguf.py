@@ -143,6 +143,32 @@ def _phi3(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+# Phi-3 128k files: LongRoPE's two factor sets as tensors (llama.cpp's Phi3MiniModel converter).
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _phi3_longrope(gguf: GGUFFile, get: Metadata, rope: dict[str, Any], head_dim: int, path: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE parameters from the factor tensors, the original context length and the
+    attention factor the converter computed (sqrt(1 + ln(scale) / ln(original)))"""
+    if not all(name in gguf.tensors for name in _ROPE_FACTORS):
+        raise ValueError(f"{path}: one of {', '.join(_ROPE_FACTORS)} without the other.")
+    original = get("rope.scaling.original_context_length", None)
+    if original is None:
+        raise ValueError(f"{path}: LongRoPE factors without phi3.rope.scaling.original_context_length.")
+    long, short = ([float(f) for f in gguf.read_tensor(name).reshape(-1)] for name in _ROPE_FACTORS)
+    rotated = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if len(long) != rotated // 2 or len(short) != rotated // 2:
+        raise ValueError(
+            f"{path}: LongRoPE factor tensors hold {len(long)} and {len(short)} values, expected one per rotated "
+            f"frequency ({rotated // 2})."
+        )
+    longrope = {"rope_type": "longrope", "long_factor": long, "short_factor": short, "original_max_position_embeddings": original}
+    attention_factor = get("rope.scaling.attn_factor", None)
+    if attention_factor is not None:
+        longrope["attention_factor"] = float(attention_factor)
+    return rope | longrope
+
+
 CONVENTIONS: dict[str, Conventions] = {
     "qwen2": Conventions("Qwen2ForCausalLM", "Qwen2Config", {**_PRE_POST_NORMS, **_ATTENTION, **_MLP}, _qwen2),
     "qwen3": Conventions("Qwen3ForCausalLM", "Qwen3Config", {**_PRE_POST_NORMS, **_ATTENTION, **_QK_NORMS, **_MLP}, _qwen2),
@@ -195,10 +221,12 @@ def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
             names[f"{_GLOBAL_NAMES[stem]}.{suffix}"] = gguf_name
         else:
             unknown.append(gguf_name)
+    if arch == "phi3":  # LongRoPE factors: config, not weights (_phi3_longrope)
+        unknown = [n for n in unknown if n not in _ROPE_FACTORS]
     if unknown:
         hint = ""
         if any(n.startswith("rope_factors") for n in unknown):
-            hint = " (LongRoPE factors, as Phi-3 128k files carry them, are not read yet)"
+            hint = " (LongRoPE factor tensors are read for phi3 only)"
         elif any("_exps." in n for n in unknown):
             hint = " (mixture-of-experts tensors: read for qwen3moe only)"
         raise ValueError(f"{path}: tensors with no {conv.architecture} equivalent: {', '.join(unknown[:8])}{hint}.")
@@ -252,6 +280,8 @@ def _config(gguf: GGUFFile, conv: Conventions, hf_names: Mapping[str, str], path
         del base["head_dim"]  # Phi3Config derives it
     try:
         fields = base | conv.extra_config(get, {**base, "head_dim": head_dim})
+        if arch == "phi3" and any(name in gguf.tensors for name in _ROPE_FACTORS):
+            fields["rope_parameters"] = _phi3_longrope(gguf, get, fields["rope_parameters"], head_dim, path)
         return getattr(transformers, conv.config_class)(**fields)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc

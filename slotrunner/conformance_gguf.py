@@ -10,6 +10,7 @@ the dequantized weights).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,10 @@ def gguf_checkpoint_config(path: Path) -> Any:
     return read_gguf(path, torch.float32).config
 
 
+# RoPE scaling stored as tensors, which transformers' GGUF loader does not read.
+_ROPE_SCALING_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
     """transformers' model for the GGUF file, in float32. Raises ConformanceError when
     transformers' GGUF loader does not read this architecture (then no oracle exists for the
@@ -53,10 +58,12 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
 
     from slotrunner.core_runner.loader.gguf_file import open_gguf
 
-    if "rope_freqs.weight" in open_gguf(str(path)).tensors:
+    rope_tensors = [name for name in _ROPE_SCALING_TENSORS if name in open_gguf(str(path)).tensors]
+    if rope_tensors:
         raise ConformanceError(
-            f"{path}: the file scales RoPE with a rope_freqs tensor (Llama 3.1 style), which transformers' GGUF "
-            "loader drops, so it would be no oracle; check the Hugging Face checkpoint the file was made from instead"
+            f"{path}: the file scales RoPE with {', '.join(rope_tensors)} (Llama 3.1 / Phi-3 128k style), which "
+            "transformers' GGUF loader drops, so it would be no oracle; check the Hugging Face checkpoint the file "
+            "was made from instead"
         )
     try:
         # eager attention: the reference implementation (some sdpa paths drop Gemma 2's soft cap)
@@ -137,6 +144,7 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     or the 2-D matrices are quantized to `matrix_type` ("Q8_0", "Q4_0", ... what gguf-py
     quantizes) as a quantized file stores them."""
     import gguf
+    import numpy as np
 
     config = hf_model.config
     if config.model_type not in GGUF_ARCHITECTURES:
@@ -165,6 +173,13 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if arch == "llama" and rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # Phi-3 128k, as Phi3MiniModel writes it
+        original = rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if arch == "qwen3moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

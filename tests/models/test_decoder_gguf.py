@@ -228,5 +228,25 @@ def test_conformance_refuses_transformers_as_the_oracle_of_a_rope_freqs_file(tmp
     config = tiny_config("LlamaForCausalLM", head_dim=16, rope_parameters=rope, max_position_embeddings=4096)
     config.architectures = ["LlamaForCausalLM"]
     path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "llama31.gguf")
-    with pytest.raises(ConformanceError, match="rope_freqs tensor"):
+    with pytest.raises(ConformanceError, match="RoPE with rope_freqs.weight"):
         load_gguf_oracle(path, "LlamaForCausalLM")
+
+
+def test_phi3_longrope_file_runs_like_the_checkpoint_it_came_from(tmp_path):
+    """Phi-3 128k files carry LongRoPE as `rope_factors_long` / `rope_factors_short` tensors plus
+    the original context and attention factor in metadata; transformers' GGUF loader reads
+    neither, so the oracle is the Hugging Face model the file came from, on a prompt past the
+    original context (where transformers uses the long factors, as slotrunner does for a model
+    that can outgrow it: tests/models/test_phi3.py)."""
+    config = tiny_config("Phi3ForCausalLM")  # LongRoPE: original context 4, max_position_embeddings 256
+    config.architectures = ["Phi3ForCausalLM"]
+    original = build_case(config, tmp_path / "hf")
+    path = write_gguf(original, tmp_path / "phi3-128k.gguf")
+    rope = read_gguf(path, torch.float32).config.rope_parameters
+    expected = original.config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["long_factor"] == pytest.approx(expected["long_factor"])
+    assert rope["short_factor"] == pytest.approx(expected["short_factor"]) and rope["long_factor"] != rope["short_factor"]
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, block_size=4, enable_prefix_caching=False,
+              quantized_weights="dequantized")  # fmt: skip
+    report = check_case(llm, original, PROMPTS[:1], max_tokens=4)
+    assert report.passed, report.table()
