@@ -1,4 +1,4 @@
-"""Build and load the native CPU kernels (`packed_linear.c`, `decode_attention.c`) on first use.
+"""Build and load the native CPU kernels (`packed_linear.c`, `decode_attention.c`, `layer_ops.c`) on first use.
 
 The source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for the
 host CPU (`-march=native`), and cached under `$SLOTRUNNER_CACHE` (default
@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.c", "decode_attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.c", "decode_attention.c", "layer_ops.c"))
 # Tried in order: with OpenMP threads; without OpenMP (Apple clang), one thread; without
 # -march=native, for compilers that reject it (portable C, no SIMD intrinsics).
 _FLAG_SETS = (
@@ -35,6 +35,8 @@ SIGNATURES = {
     **{f"sr_linear_{fmt}": (LINEAR_ARGTYPES, None) for fmt in LINEAR_FORMATS},
     "sr_decode_attention": ([_PTR] * 5 + [_I64] * 4 + [ctypes.c_float, _I64, _PTR, ctypes.c_int], ctypes.c_int),
     "sr_simd_width": ([], ctypes.c_int),
+    "sr_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, ctypes.c_int, _I64, _I64, _PTR, _PTR], None),
+    "sr_rotary_qk": ([_PTR, _I64] + [_PTR, _I64, _I64, _I64] * 2 + [_PTR, _I64], None),
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _MAX_BLOCK = 32768  # one row must fit one program's registers; wider rows take the reference
@@ -88,12 +89,16 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [..., hidden], same shape and dtype as x
     unit_offset: bool = False,  # Gemma: scale by (1 + weight)
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """norm(x), or (norm(x + residual), x + residual) -- one launch where Triton runs, the torch
-    reference elsewhere. Outputs are new tensors: x and residual are never written (x may be a
+    """norm(x), or (norm(x + residual), x + residual) -- one launch where Triton runs, one native
+    call for float32 on a CPU, the torch reference elsewhere. Outputs are new tensors: x and residual are never written (x may be a
     caller's buffer, e.g. inputs_embeds as the first layer's residual)."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} does not match hidden size {hidden}"
     assert residual is None or residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+    if x.device.type == "cpu":  # one native call for float32 (core_runner/cpu/layer_ops.py)
+        lib = native_for(x, weight) if residual is None else native_for(x, weight, residual)
+        if lib is not None and x.numel():
+            return rms_norm_native(lib, x, weight, eps, residual, unit_offset)
     block = triton.next_power_of_2(hidden) if HAS_TRITON else 0
     if (
         not use_triton(x.device)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native, rotary_qk_native
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 from slotrunner.models.layers.norm import rms_norm_ref
 
@@ -149,7 +150,8 @@ def rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the first rotary_dim channels of each head of q and k, after a per-head RMSNorm
     when `qk_norm` is given. Where Triton runs: one launch that writes q and k in place and
-    returns them; elsewhere the reference, which returns new tensors. Callers use the returned
+    returns them; for float32 on a CPU, native calls (core_runner/cpu/layer_ops.py) that do the
+    same; elsewhere the reference, which returns new tensors. Callers use the returned
     tensors and must not read q or k afterwards."""
     num_tokens, num_heads, head_dim = q.shape
     rotary_dim = cos_sin.shape[-1]
@@ -173,7 +175,16 @@ def rotary_qk(
         )
     )
     if not fusable:
-        return rotary_qk_ref(positions, q, k, cos_sin, qk_norm)
+        lib = None
+        if q.device.type == "cpu" and num_tokens > 0 and q.stride(-1) == k.stride(-1) == 1:
+            lib = native_for(q, k, cos_sin, *(qk_norm[:2] if qk_norm is not None else ()))
+        if lib is None:
+            return rotary_qk_ref(positions, q, k, cos_sin, qk_norm)
+        if qk_norm is not None:  # new tensors, as the reference's norm makes them
+            q = rms_norm_native(lib, q, qk_norm.q_weight, qk_norm.q_eps, None, qk_norm.unit_offset)
+            k = rms_norm_native(lib, k, qk_norm.k_weight, qk_norm.k_eps, None, qk_norm.unit_offset)
+        rotary_qk_native(lib, positions, q, k, cos_sin)
+        return q, k
     half = rotary_dim // 2
     block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), 8)
     has_norm = qk_norm is not None
