@@ -193,14 +193,14 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     speculative = _speculative(args.speculative_config, arch.model_state_cls)
     tp_size = args.tensor_parallel_size
     check_tensor_parallel(arch.model_cls, arch.model_state_cls.family, arch.architecture, hf_config, tp_size)
+    if speculative is not None and speculative.method == "draft_model" and tp_size > 1:  # before any rank starts
+        raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1")
     launches.append(launch := join_tensor_parallel(args, dev))  # rank 0 starts the other ranks here
     dev = launch.device
     with tensor_parallel_scope(launch.tp):  # the layers keep this rank's shard
         nn_model = load_model(arch.model_cls, hf_config, source.weights, dtype, dev, args.load_format, args.seed)
     draft_model = None
     if speculative is not None and speculative.method == "draft_model":
-        if tp_size > 1:
-            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1")
         hub = HubOptions(args.revision, args.download_dir, args.hf_token)
         draft_model = load_draft_model(
             speculative, source.tokenizer, text_config.vocab_size, max_model_len, dtype, dev, args.load_format, pack, args.seed, hub

@@ -140,6 +140,9 @@ def test_refusals(dirs, tmp_path):
     for name, message in cases:
         with pytest.raises(ValueError, match=message):
             LLM(str(dirs / "target"), device="cpu", max_model_len=64, speculative_config=draft_config(tmp_path / name))
+    # refused before any other rank is started (a rank process would outlive the error)
+    with pytest.raises(ValueError, match="runs with tensor_parallel_size=1"):
+        LLM(str(dirs / "target"), device="cpu", max_model_len=64, tensor_parallel_size=2, speculative_config=draft_config(dirs / "target"))
 
 
 class AlternatingGate:
