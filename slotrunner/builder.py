@@ -61,6 +61,12 @@ class EngineArgs:
     # Prefix caching: None is on where the family can reuse KV blocks (ModelState.shares_prefix_kv),
     # off elsewhere; True on a family that cannot is refused.
     enable_prefix_caching: bool | None = None
+    # Recurrent hybrids' prefix caching: checkpoints of a request's whole recurrent state kept
+    # (None: max_num_seqs of them, as much memory again as the running requests' state; 0: none,
+    # which turns prefix caching off for the family) and taken every this many prompt tokens
+    # besides each prompt's last full block (prefill chunks end there). Ignored by other families.
+    num_state_checkpoints: int | None = None
+    state_checkpoint_interval: int = 512
     # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": ..., "prompt_lookup_max": ...}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -189,7 +195,8 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     elif max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     arch = resolve(hf_config)  # once per engine: the model class, its ModelState, its checks
-    prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls)
+    prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls, args.num_state_checkpoints)
+    checkpoints_state = prefix_caching and arch.model_state_cls.checkpoints_state
     speculative = _speculative(args.speculative_config, arch.model_state_cls)
     tp_size = args.tensor_parallel_size
     check_tensor_parallel(arch.model_cls, arch.model_state_cls.family, arch.architecture, hf_config, tp_size)
@@ -220,6 +227,8 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         cuda_graph_sizes=tuple(args.cuda_graph_sizes),
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=prefix_caching,
+        num_state_checkpoints=_num_state_checkpoints(checkpoints_state, args.num_state_checkpoints, args.max_num_seqs),
+        state_checkpoint_interval=args.state_checkpoint_interval,
         speculative_config=speculative,
         kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
     )
@@ -236,7 +245,8 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
                 "gpu_memory_utilization for more)", config.max_num_seqs, fitted, arch.model_state_cls.family,
                 model_state.cache_bytes(dtype) / config.max_num_seqs / 2**20, 100 * _FAMILY_STATE_SHARE, budget / 2**30,
             )  # fmt: skip
-            config = dataclasses.replace(config, max_num_seqs=fitted)
+            checkpoints = _num_state_checkpoints(checkpoints_state, args.num_state_checkpoints, fitted)
+            config = dataclasses.replace(config, max_num_seqs=fitted, num_state_checkpoints=checkpoints)
             model_state = arch.model_state_cls(config, nn_model, dev)
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
@@ -278,14 +288,31 @@ def _apply_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None:
             setattr(hf_config, key, value)
 
 
-def _prefix_caching(asked: bool | None, state_cls: type) -> bool:
+def _prefix_caching(asked: bool | None, state_cls: type, num_state_checkpoints: int | None = None) -> bool:
     supported = state_cls.shares_prefix_kv
     if asked and not supported:
         raise ValueError(
             f"enable_prefix_caching=True: the {state_cls.family} family ({state_cls.__name__}) cannot reuse cached KV "
             "blocks (its per-request state is not in them); leave enable_prefix_caching unset or False"
         )
+    if state_cls.checkpoints_state and num_state_checkpoints == 0:
+        if asked:
+            raise ValueError(
+                f"enable_prefix_caching=True with num_state_checkpoints=0: the {state_cls.family} family "
+                f"({state_cls.__name__}) can only start from a cached prefix whose recurrent state was checkpointed; "
+                "leave num_state_checkpoints unset (max_num_seqs checkpoints) or give a positive count"
+            )
+        return False
     return supported if asked is None else bool(asked)
+
+
+def _num_state_checkpoints(checkpoints_state: bool, asked: int | None, max_num_seqs: int) -> int:
+    """Recurrent-state checkpoints a family that checkpoints its state keeps for prefix caching:
+    the asked count, default one per request slot (ModelState.cache_bytes counts them, so the
+    budget check that may lower max_num_seqs lowers the default with it)."""
+    if not checkpoints_state:
+        return 0
+    return max_num_seqs if asked is None else asked
 
 
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -394,6 +421,12 @@ def _check_engine_args(**args: Any) -> None:
         raise ValueError(f"cuda_graph_sizes must be a list of positive ints, got {sizes!r}")
     if args["enable_prefix_caching"] is not None and not isinstance(args["enable_prefix_caching"], bool):
         raise ValueError(f"enable_prefix_caching must be True, False or None, got {args['enable_prefix_caching']!r}")
+    n = args["num_state_checkpoints"]
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"num_state_checkpoints must be an int >= 0 or None, got {n!r}")
+    n = args["state_checkpoint_interval"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"state_checkpoint_interval must be a positive int (tokens), got {n!r}")
     _check_device(args["device"])
     if args["speculative_config"] is not None:
         SpeculativeConfig.from_dict(args["speculative_config"])  # ValueError naming the key

@@ -52,8 +52,9 @@ class LLM:
             quantized matrices load the same under every mode.
         enable_prefix_caching: start each request from the longest cached prefix of its tokens
             (full KV blocks keyed by their content; parallel samples share their prompt this
-            way). Default: on where the model's family can reuse KV blocks (decoders,
-            multimodal, encoder-decoder), off for recurrent hybrids, where True is refused.
+            way). Default: on for every in-tree family; recurrent hybrids also checkpoint their
+            recurrent state at block boundaries of prompts (kwargs `num_state_checkpoints`,
+            `state_checkpoint_interval`: docs/architecture.md) and hit only where one was kept.
         speculative_config: speculative decoding, vLLM's dict, e.g. {"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}: drafts
             verified exactly (outputs are token for token the same); synchronous scheduling only;
