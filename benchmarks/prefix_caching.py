@@ -4,8 +4,9 @@ The workload (TARGETS.md): N requests sharing one system prompt of P tokens, eac
 100-400 unique tokens (seeded), O output tokens each, EOS ignored, random token ids. On a GPU
 the model is the bench workload's Qwen3-0.6B shape with random bf16 weights; on a CPU a tiny
 Llama, or with `--model bamba` a tiny Bamba (Mamba2 mixers with attention at one layer in four:
-its hits also restore a recurrent-state checkpoint), the shape printed. Reported per setting: wall time, output tokens/s, mean time to
-first token, and the prefix-cache hit rate (prompt tokens served from the cache / prompt tokens).
+its hits also restore a recurrent-state checkpoint), the shape printed. Reported per setting:
+wall time, output tokens/s, mean time to first token, and the prefix-cache hit rate (prompt
+tokens served from the cache / prompt tokens).
 
 TTFT is measured the way an offline user sees it: all requests are submitted at once, and a
 request's first token is the first engine step that returns output for it.

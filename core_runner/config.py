@@ -155,8 +155,9 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.num_state_checkpoints, bool) or not isinstance(self.num_state_checkpoints, int) or self.num_state_checkpoints < 0:
-            raise ValueError(f"num_state_checkpoints must be an int >= 0, got {self.num_state_checkpoints!r}")
+        n = self.num_state_checkpoints
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_state_checkpoints must be an int >= 0, got {n!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "

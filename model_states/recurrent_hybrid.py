@@ -140,7 +140,9 @@ class RecurrentHybridModelState(ModelState):
         assert self.pools, "initialize_cache was not called"
         entry = None if new_request is None else new_request.state_checkpoint
         if entry is not None:
-            assert self.state_cache is not None, f"request {new_request.req_id!r} restores state checkpoint {entry}, but none are kept"
+            assert self.state_cache is not None, (
+                f"request {new_request.req_id!r} restores state checkpoint {entry}, but none are kept"
+            )
             self.state_cache.restore(self.pools, slot, entry)
             return
         assert new_request is None or new_request.num_computed_tokens == 0, (

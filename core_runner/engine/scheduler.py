@@ -60,7 +60,9 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.state_checkpoints = None
         if prefix_caching and config.num_state_checkpoints:
-            self.state_checkpoints = StateCheckpoints(config.num_state_checkpoints, config.state_checkpoint_interval, config.block_size)
+            self.state_checkpoints = StateCheckpoints(
+                config.num_state_checkpoints, config.state_checkpoint_interval, config.block_size
+            )
         # Positions past its scheduled tokens a request holds blocks for: a draft model writes
         # its proposals' KV there (spec_decode/draft_model.py).
         spec = config.speculative_config

@@ -2,7 +2,8 @@
 from what is left.
 
 Guards against: a family's state pools (recurrent conv/SSM state and its prefix-cache
-checkpoints, cross-attention caches) taking memory the KV cache was already given -- an out-of-memory error on a GPU at large max_num_seqs.
+checkpoints, cross-attention caches) taking memory the KV cache was already given -- an
+out-of-memory error on a GPU at large max_num_seqs.
 """
 
 from __future__ import annotations
