@@ -58,7 +58,8 @@ class LLM:
         speculative_config: speculative decoding, vLLM's dict, e.g. {"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}: drafts
             verified exactly (outputs are token for token the same); synchronous scheduling only;
-            refused for recurrent hybrids.
+            refused for a family that cannot roll its state back (docs/capabilities.md; every
+            in-tree family can, recurrent hybrids through per-slot draft checkpoints).
         tensor_parallel_size (in kwargs): split the model over this many ranks, one process each
             (CPU ranks talk through gloo, GPU ranks through NCCL, one GPU per rank); the LLM
             starts ranks 1.. itself and `close()` stops them, or a launcher such as torchrun
