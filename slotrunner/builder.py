@@ -62,9 +62,10 @@ class EngineArgs:
     # off elsewhere; True on a family that cannot is refused.
     enable_prefix_caching: bool | None = None
     # Recurrent hybrids' prefix caching: checkpoints of a request's whole recurrent state kept
-    # (None: max_num_seqs of them, as much memory again as the running requests' state; 0: none,
-    # which turns prefix caching off for the family) and taken every this many prompt tokens
-    # besides each prompt's last full block (prefill chunks end there). Ignored by other families.
+    # (None: one per request slot, fewer if the family's share of the cache budget left after its
+    # per-request state holds fewer -- logged; 0: none, which turns prefix caching off for the
+    # family) and taken every this many prompt tokens besides each prompt's last full block
+    # (prefill chunks end there). Ignored by other families.
     num_state_checkpoints: int | None = None
     state_checkpoint_interval: int = 512
     # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
@@ -227,7 +228,9 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         cuda_graph_sizes=tuple(args.cuda_graph_sizes),
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=prefix_caching,
-        num_state_checkpoints=_num_state_checkpoints(checkpoints_state, args.num_state_checkpoints, args.max_num_seqs),
+        # A count the user gave takes its memory like the pools do; the default is sized below, from
+        # what the family's share of the budget leaves after them.
+        num_state_checkpoints=(args.num_state_checkpoints or 0) if checkpoints_state else 0,
         state_checkpoint_interval=args.state_checkpoint_interval,
         speculative_config=speculative,
         kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
@@ -245,9 +248,24 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
                 "gpu_memory_utilization for more)", config.max_num_seqs, fitted, arch.model_state_cls.family,
                 model_state.cache_bytes(dtype) / config.max_num_seqs / 2**20, 100 * _FAMILY_STATE_SHARE, budget / 2**30,
             )  # fmt: skip
-            checkpoints = _num_state_checkpoints(checkpoints_state, args.num_state_checkpoints, fitted)
-            config = dataclasses.replace(config, max_num_seqs=fitted, num_state_checkpoints=checkpoints)
+            config = dataclasses.replace(config, max_num_seqs=fitted)
             model_state = arch.model_state_cls(config, nn_model, dev)
+    if checkpoints_state and args.num_state_checkpoints is None:
+        checkpoints = config.max_num_seqs  # with num_kv_blocks given there is no budget to fit
+        if args.num_kv_blocks is None:
+            one = arch.model_state_cls(dataclasses.replace(config, num_state_checkpoints=1), nn_model, dev).cache_bytes(dtype)
+            entry_bytes = one - model_state.cache_bytes(dtype)
+            checkpoints = state_checkpoints_within(budget, model_state.cache_bytes(dtype), entry_bytes, config.max_num_seqs)
+            checkpoints = launch.tp.agree_min(checkpoints)  # the scheduler hands out entries every rank has
+            if checkpoints < config.max_num_seqs:
+                logging.getLogger(__name__).warning(
+                    "prefix caching keeps %d recurrent-state checkpoints of %.1f MiB, fewer than max_num_seqs=%d: that is "
+                    "what %d%% of the %.2f GiB cache budget leaves after the per-request state (pass num_state_checkpoints, "
+                    "kv_cache_memory_bytes or gpu_memory_utilization for more)", checkpoints, entry_bytes / 2**20,
+                    config.max_num_seqs, 100 * _FAMILY_STATE_SHARE, budget / 2**30,
+                )  # fmt: skip
+        config = dataclasses.replace(config, num_state_checkpoints=checkpoints)
+        model_state = arch.model_state_cls(config, nn_model, dev)
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
         reserved = model_state.cache_bytes(dtype)
@@ -300,19 +318,12 @@ def _prefix_caching(asked: bool | None, state_cls: type, num_state_checkpoints: 
             raise ValueError(
                 f"enable_prefix_caching=True with num_state_checkpoints=0: the {state_cls.family} family "
                 f"({state_cls.__name__}) can only start from a cached prefix whose recurrent state was checkpointed; "
-                "leave num_state_checkpoints unset (max_num_seqs checkpoints) or give a positive count"
+                "leave num_state_checkpoints unset (sized from the memory budget) or give a positive count"
             )
         return False
     return supported if asked is None else bool(asked)
 
 
-def _num_state_checkpoints(checkpoints_state: bool, asked: int | None, max_num_seqs: int) -> int:
-    """Recurrent-state checkpoints a family that checkpoints its state keeps for prefix caching:
-    the asked count, default one per request slot (ModelState.cache_bytes counts them, so the
-    budget check that may lower max_num_seqs lowers the default with it)."""
-    if not checkpoints_state:
-        return 0
-    return max_num_seqs if asked is None else asked
 
 
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -372,6 +383,15 @@ def max_num_seqs_within(budget: int, state_bytes: int, max_num_seqs: int) -> int
     if per_request == 0:
         return max_num_seqs
     return max(1, min(max_num_seqs, int(budget * _FAMILY_STATE_SHARE // per_request)))
+
+
+def state_checkpoints_within(budget: int, state_bytes: int, entry_bytes: int, max_num_seqs: int) -> int:
+    """The default count of recurrent-state checkpoints for prefix caching (`entry_bytes` each):
+    one per request slot, fewer where _FAMILY_STATE_SHARE of the cache `budget` left after the
+    family's other state (`state_bytes`) holds fewer, so that checkpoints never lower
+    max_num_seqs; at least one (the KV sizing then says if even that does not fit)."""
+    room = budget * _FAMILY_STATE_SHARE - state_bytes
+    return max(1, min(max_num_seqs, int(room // max(entry_bytes, 1))))
 
 
 def kv_budget_bytes(config: EngineConfig, gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None) -> int:
