@@ -123,6 +123,8 @@ class ModelState(abc.ABC):
         missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
         if missing:
             raise TypeError(f"{cls.__name__} subclasses ModelState but does not implement: {', '.join(missing)}")
+        if cls.checkpoints_state and cls.save_state_checkpoints is ModelState.save_state_checkpoints:
+            raise TypeError(f"{cls.__name__} sets checkpoints_state but does not implement save_state_checkpoints")
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
@@ -185,8 +187,9 @@ class ModelState(abc.ABC):
         """Called after a forward, only for families with `checkpoints_state` and only when the
         step ends some rows' chunks at checkpoint positions: copy the whole state of each of
         `slots` into the state-cache entry at the same index of `entries` (on the device, no
-        host sync). An entry may hold another prefix's state until then: overwrite it."""
-        raise NotImplementedError(f"{type(self).__name__} sets checkpoints_state but does not implement save_state_checkpoints")
+        host sync). An entry may hold another prefix's state until then: overwrite it. A family
+        with `checkpoints_state` must implement it (checked when the class is created)."""
+        raise NotImplementedError(f"{type(self).__name__} does not checkpoint its state (checkpoints_state is False)")
 
     def postprocess_state(self, batch: InputBatch, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> None:
         """Called after sampling. `num_sampled` [num_reqs] tokens were sampled per row, of which
