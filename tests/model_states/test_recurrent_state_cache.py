@@ -7,7 +7,8 @@ with caching on equal those with caching off -- under chunked prefill, preemptio
 scheduling, with hits that land mid-prompt (prompts sharing part of a prefix) and with
 speculative decoding; n > 1 samples share the prompt's prefill.
 
-Guards against: a hit that restores no state, another prefix's state or the state of the wrong
+Guards against: a checkpoint copied from or into the wrong slot or entry, or of some pools
+only; a hit that restores no state, another prefix's state or the state of the wrong
 position (the sensitivity test shows the comparison catches it), a chunk cut at a checkpoint
 that loses or doubles tokens, a checkpoint saved before its chunk ran, a preempted or re-admitted
 request restoring a stale entry, prompt-logprob requests taking hits (every prompt position must
@@ -110,6 +111,21 @@ def test_a_hit_without_its_state_changes_the_outputs(case, monkeypatch):
     assert sum(o.num_cached_tokens for o in got) > 0
     with pytest.raises(AssertionError):
         _assert_same(got, want)
+
+
+def test_save_and_restore_copy_every_pool_between_the_right_slots_and_entries():
+    pools = [torch.randn(2, 5, 3, 4), torch.randn(3, 5, 7)]  # [layers, slots + scratch, *shape]
+    cache = RecurrentStateCache(pools, num_entries=3)
+    cache.save(pools, slots=[4, 1], entries=[2, 0])
+    before = [p.clone() for p in pools]
+    cache.restore(pools, slot=3, entry=2)
+    for pool, old in zip(pools, before):
+        torch.testing.assert_close(pool[:, 3], old[:, 4], atol=0, rtol=0)  # slot 4's state, via entry 2
+        torch.testing.assert_close(pool[:, [0, 1, 2, 4]], old[:, [0, 1, 2, 4]], atol=0, rtol=0)
+    cache.restore(pools, slot=2, entry=0)
+    for pool, old in zip(pools, before):
+        torch.testing.assert_close(pool[:, 2], old[:, 1], atol=0, rtol=0)
+    assert all(e.shape == (p.shape[0], 3, *p.shape[2:]) for e, p in zip(cache.entries, pools))
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
