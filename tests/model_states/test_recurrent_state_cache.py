@@ -4,8 +4,8 @@ state with the KV blocks, and outputs are those of an engine that computes every
 For a Mamba2 hybrid (Bamba) and a gated delta-net hybrid (Qwen3-Next), with slow decays so
 that a wrong state changes the tokens: greedy ids, seeded samples, logprobs and prompt logprobs
 with caching on equal those with caching off -- under chunked prefill, preemption and async
-scheduling, with hits that land mid-prompt (prompts sharing part of a prefix) and with
-speculative decoding; n > 1 samples share the prompt's prefill.
+scheduling, with hits that land mid-prompt (prompts sharing part of a prefix), with checkpoints
+overwritten before they are used, and with speculative decoding; n > 1 samples share the prompt's prefill.
 
 Guards against: a checkpoint copied from or into the wrong slot or entry, or of some pools
 only; a hit that restores no state, another prefix's state or the state of the wrong
@@ -72,6 +72,8 @@ def _assert_same(got, want) -> None:
 
 VARIANTS = {
     "chunked": dict(max_num_seqs=3, max_num_batched_tokens=7),
+    # Two checkpoints for 6 prompts: most are overwritten, hits fall back to shorter ones or to 0.
+    "chunked, evicting": dict(max_num_seqs=3, max_num_batched_tokens=7, num_state_checkpoints=2),
     # A KV cache of one max_model_len request: running requests preempt each other.
     "preempting": dict(max_num_seqs=6, max_num_batched_tokens=16, num_kv_blocks=16),
     "async, preempting": dict(max_num_seqs=6, max_num_batched_tokens=16, num_kv_blocks=16, async_scheduling=True),
