@@ -98,6 +98,9 @@ def test_rows_follow_the_flags():
         shares_prefix_kv = True
         checkpoints_state = True
 
+        def save_state_checkpoints(self, slots, entries):
+            pass
+
     (_, cells), = capability_rows([Checkpointing])
     status = dict(zip((f.name for f in FEATURES), cells))
     assert status["prefix caching"] == "yes (default on; state checkpoints)"
