@@ -62,7 +62,7 @@ def workload(n: int, prefix_len: int, lo: int, hi: int, vocab: int, seed: int) -
 def run(model_dir: str, prompts: list[list[int]], args, caching: bool) -> dict:
     from slotrunner import LLM, SamplingParams
 
-    kwargs = dict(device=args.device, load_format="dummy", max_model_len=args.prefix_len + 400 + args.max_tokens + 16,
+    kwargs = dict(device=args.device, load_format="dummy", max_model_len=args.prefix_len + args.max_unique + args.max_tokens + 16,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=caching)
     if args.device == "cuda":
