@@ -3,14 +3,17 @@
 The workload (TARGETS.md): N requests sharing one system prompt of P tokens, each followed by
 100-400 unique tokens (seeded), O output tokens each, EOS ignored, random token ids. On a GPU
 the model is the bench workload's Qwen3-0.6B shape with random bf16 weights; on a CPU a tiny
-Llama (the shape is printed). Reported per setting: wall time, output tokens/s, mean time to
-first token, and the prefix-cache hit rate (prompt tokens served from the cache / prompt tokens).
+Llama, or with `--model bamba` a tiny Bamba (Mamba2 mixers with attention at one layer in four:
+its hits also restore a recurrent-state checkpoint), the shape printed. Reported per setting:
+wall time, output tokens/s, mean time to first token, and the prefix-cache hit rate (prompt
+tokens served from the cache / prompt tokens).
 
 TTFT is measured the way an offline user sees it: all requests are submitted at once, and a
 request's first token is the first engine step that returns output for it.
 
     python benchmarks/prefix_caching.py                          # GPU: 256 x (2000 + 100..400) / 128
     python benchmarks/prefix_caching.py --device cpu --num-requests 16 --prefix-len 256 --max-tokens 16
+    python benchmarks/prefix_caching.py --device cpu --model bamba --num-requests 16 --prefix-len 512 --max-tokens 16
 
 This is a benchmark, not a test: it asserts nothing about speed. It does check that both
 settings generate the same tokens.
@@ -37,6 +40,19 @@ def tiny_llama_config() -> dict:
     )
 
 
+def tiny_bamba_config() -> dict:
+    """The tiny Llama's width and vocabulary as a Bamba: 3 Mamba2 layers and 1 attention layer."""
+    from transformers import BambaConfig
+
+    cfg = BambaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, attn_layer_indices=[2],
+        num_attention_heads=8, num_key_value_heads=4, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=64, mamba_chunk_size=64, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ).to_dict()
+    return cfg | dict(architectures=["BambaForCausalLM"], torch_dtype="float32")
+
+
 def workload(n: int, prefix_len: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     prefix = rng.integers(3, vocab, prefix_len).tolist()
@@ -46,7 +62,7 @@ def workload(n: int, prefix_len: int, lo: int, hi: int, vocab: int, seed: int) -
 def run(model_dir: str, prompts: list[list[int]], args, caching: bool) -> dict:
     from slotrunner import LLM, SamplingParams
 
-    kwargs = dict(device=args.device, load_format="dummy", max_model_len=args.prefix_len + 400 + args.max_tokens + 16,
+    kwargs = dict(device=args.device, load_format="dummy", max_model_len=args.prefix_len + args.max_unique + args.max_tokens + 16,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=caching)
     if args.device == "cuda":
@@ -89,6 +105,7 @@ def run(model_dir: str, prompts: list[list[int]], args, caching: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", choices=["llama", "bamba"], default="llama", help="the CPU model's family (tiny shapes)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prefix-len", type=int, default=2000)
     p.add_argument("--min-unique", type=int, default=100)
@@ -105,7 +122,7 @@ def main() -> None:
 
         cfg = qwen3_06b_config()
     else:
-        cfg = tiny_llama_config()
+        cfg = tiny_bamba_config() if args.model == "bamba" else tiny_llama_config()
     prompts = workload(args.num_requests, args.prefix_len, args.min_unique, args.max_unique, cfg["vocab_size"], args.seed)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"shared-prefix workload: {args.num_requests} requests x ({args.prefix_len} shared + "

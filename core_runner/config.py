@@ -129,6 +129,12 @@ class EngineConfig:
     # Start each request from the longest cached prefix of its tokens (the engine builder turns
     # it on by default where the model's family can reuse KV blocks).
     enable_prefix_caching: bool = False
+    # Families that checkpoint their recurrent state for prefix caching (ModelState.checkpoints_state):
+    # how many checkpoints the family's state cache holds (0: none, so no hits) and every how many
+    # tokens a prompt's state is checkpointed besides its last full block (rounded down to whole
+    # blocks, at least one; engine/state_checkpoints.py).
+    num_state_checkpoints: int = 0
+    state_checkpoint_interval: int = 512
     # Speculative decoding, or None. Runs with synchronous scheduling only (checked here).
     speculative_config: SpeculativeConfig | None = None
     # The paged KV cache's dtype where a layer's spec leaves it open: None is `dtype`;
@@ -140,12 +146,18 @@ class EngineConfig:
         return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size"):
+        for name in (
+            "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "vocab_size",
+            "state_checkpoint_interval",
+        ):  # fmt: skip
             value = getattr(self, name)
             if name == "num_kv_blocks" and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        n = self.num_state_checkpoints
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_state_checkpoints must be an int >= 0, got {n!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "

@@ -21,10 +21,19 @@ speculative_config every pool gets a checkpoint pool with 1 + num_speculative_to
 slot. A row with drafts runs token by token and leaves the state after each of its last known
 token and drafts in those entries; `postprocess_state` copies back the one after the last
 accepted token (on the device, from the verification's counts: no host sync).
+
+Prefix caching: the state after a prefix cannot be rebuilt from its KV blocks, so it is
+checkpointed (`checkpoints_state`): while prompts are prefilled, the scheduler ends chunks at
+checkpoint positions (every `state_checkpoint_interval` tokens and a prompt's last full block)
+and has the state of those slots saved into a `RecurrentStateCache` of
+`config.num_state_checkpoints` entries (`save_state_checkpoints`); a request admitted with a
+prefix-cache hit gets its entry copied into its slot (`add_request`) and prefills the rest from
+there, as a later chunk of a chunked prefill does.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +41,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.runner.model_state import CacheSpec, ModelInputs, ModelState
+from slotrunner.model_states.recurrent_state_cache import RecurrentStateCache
 from slotrunner.models.layers.recurrent_metadata import RecurrentMetadata
 from slotrunner.models.layers.recurrent_state import RecurrentLayer, RecurrentStateSpec
 
@@ -43,9 +53,10 @@ if TYPE_CHECKING:
 
 class RecurrentHybridModelState(ModelState):
     family = "recurrent hybrid"
-    # A slot's state summarises every token before it and cannot be rebuilt from KV blocks:
-    # forked parallel samples (and, later, prefix-cache hits) recompute the prompt instead.
-    shares_prefix_kv = False
+    # A slot's state summarises every token before it and cannot be rebuilt from KV blocks: it is
+    # checkpointed at block boundaries of prompts, and a prefix-cache hit restores it.
+    shares_prefix_kv = True
+    checkpoints_state = True
     # Rejected drafts are rolled back: the state after the last accepted token is restored from
     # its per-token checkpoint (postprocess_state).
     supports_speculative_rollback = True
@@ -69,6 +80,9 @@ class RecurrentHybridModelState(ModelState):
         # Checkpoints per slot: after the last known token and after each draft (0 without drafts).
         self.num_checkpoints = 0 if spec is None else 1 + spec.num_speculative_tokens
         self.checkpoints: list[torch.Tensor] = []  # each [layers, max_num_seqs, num_checkpoints, *shape], pools' order
+        # Prefix caching's checkpoints of whole slots (0 entries: prefix caching is off).
+        self.num_state_checkpoints = config.num_state_checkpoints
+        self.state_cache: RecurrentStateCache | None = None
         # Pools have one row more than slots: the scratch row padding rows of a replayed decode
         # graph advance instead of a real slot.
         n = config.max_num_seqs
@@ -84,7 +98,8 @@ class RecurrentHybridModelState(ModelState):
     def cache_bytes(self, dtype: torch.dtype) -> int:
         per_slot = sum(spec.bytes_per_slot(dtype) * len(layers) for spec, layers in self.groups.items())
         n = self.config.max_num_seqs
-        return per_slot * ((n + 1) + n * self.num_checkpoints)  # the pools' scratch row, and checkpoints
+        # The pools with their scratch row, the draft checkpoints, the prefix cache's checkpoints.
+        return per_slot * ((n + 1) + n * self.num_checkpoints + self.num_state_checkpoints)
 
     def initialize_cache(self, spec: CacheSpec) -> None:
         """Allocate every pool (zeroed) and bind each layer's rows of them to the layer."""
@@ -107,19 +122,40 @@ class RecurrentHybridModelState(ModelState):
                 layer.bind_state(states)
                 if self.num_checkpoints:
                     layer.bind_checkpoints(checkpoints)
+        if self.num_state_checkpoints:
+            self.state_cache = RecurrentStateCache(self.pools, self.num_state_checkpoints)
+            per_slot = sum(p[:, 0].numel() * p.element_size() for p in self.pools)
+            logging.getLogger(__name__).info(
+                "prefix caching: %d recurrent-state checkpoints of %.2f MiB (%.1f MiB), every %d tokens of a prompt "
+                "and at its last full block", self.num_state_checkpoints, per_slot / 2**20,
+                self.num_state_checkpoints * per_slot / 2**20, self.config.state_checkpoint_interval,
+            )  # fmt: skip
 
     def add_request(self, slot: int, new_request: NewRequestData) -> None:
-        """Zero the slot's state in every layer. After a preemption the request prefills from
-        scratch (num_computed_tokens = 0), so the reset is the whole rebuild. The prefill kernels
+        """Set the slot's state in every layer: zero, or the checkpoint of the prefix-cache hit
+        the request arrives with (its first num_computed_tokens tokens). After a preemption the
+        request starts over the same way, so this is the whole rebuild. The prefill kernels
         ignore the old state of a row without initial state anyway; the reset is what lets the
         decode kernels serve a new request whose prompt is a single token."""
         assert self.pools, "initialize_cache was not called"
+        entry = None if new_request is None else new_request.state_checkpoint
+        if entry is not None:
+            assert self.state_cache is not None, (
+                f"request {new_request.req_id!r} restores state checkpoint {entry}, but none are kept"
+            )
+            self.state_cache.restore(self.pools, slot, entry)
+            return
         assert new_request is None or new_request.num_computed_tokens == 0, (
-            f"request {new_request.req_id!r} admitted with {new_request.num_computed_tokens} computed tokens: "
-            "recurrent state cannot be shared (shares_prefix_kv is False)"
+            f"request {new_request.req_id!r} admitted with {new_request.num_computed_tokens} computed tokens "
+            "but no state checkpoint: its recurrent state would be wrong"
         )
         for pool in self.pools:
             pool[:, slot].zero_()
+
+    def save_state_checkpoints(self, slots: list[int], entries: list[int]) -> None:
+        """Checkpoint the state of `slots` (their chunks just ended at checkpoint positions)."""
+        assert self.state_cache is not None, "state checkpoints scheduled, but none are kept (num_state_checkpoints is 0)"
+        self.state_cache.save(self.pools, slots, entries)
 
     def remove_request(self, slot: int) -> None:
         """Nothing to free: the pools are preallocated and the next admission resets the row."""

@@ -61,6 +61,13 @@ class EngineArgs:
     # Prefix caching: None is on where the family can reuse KV blocks (ModelState.shares_prefix_kv),
     # off elsewhere; True on a family that cannot is refused.
     enable_prefix_caching: bool | None = None
+    # Recurrent hybrids' prefix caching: checkpoints of a request's whole recurrent state kept
+    # (None: one per request slot, fewer if the family's share of the cache budget left after its
+    # per-request state holds fewer -- logged; 0: none, which turns prefix caching off for the
+    # family) and taken every this many prompt tokens besides each prompt's last full block
+    # (prefill chunks end there). Ignored by other families.
+    num_state_checkpoints: int | None = None
+    state_checkpoint_interval: int = 512
     # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": ..., "prompt_lookup_max": ...}; None: off.
     speculative_config: dict[str, Any] | None = None
@@ -189,7 +196,8 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     elif max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     arch = resolve(hf_config)  # once per engine: the model class, its ModelState, its checks
-    prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls)
+    prefix_caching = _prefix_caching(args.enable_prefix_caching, arch.model_state_cls, args.num_state_checkpoints)
+    checkpoints_state = prefix_caching and arch.model_state_cls.checkpoints_state
     speculative = _speculative(args.speculative_config, arch.model_state_cls)
     tp_size = args.tensor_parallel_size
     check_tensor_parallel(arch.model_cls, arch.model_state_cls.family, arch.architecture, hf_config, tp_size)
@@ -220,6 +228,10 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         cuda_graph_sizes=tuple(args.cuda_graph_sizes),
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=prefix_caching,
+        # A count the user gave takes its memory like the pools do; the default is sized below, from
+        # what the family's share of the budget leaves after them.
+        num_state_checkpoints=(args.num_state_checkpoints or 0) if checkpoints_state else 0,
+        state_checkpoint_interval=args.state_checkpoint_interval,
         speculative_config=speculative,
         kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
     )
@@ -238,6 +250,22 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
             )  # fmt: skip
             config = dataclasses.replace(config, max_num_seqs=fitted)
             model_state = arch.model_state_cls(config, nn_model, dev)
+    if checkpoints_state and args.num_state_checkpoints is None:
+        checkpoints = config.max_num_seqs  # with num_kv_blocks given there is no budget to fit
+        if args.num_kv_blocks is None:
+            one = arch.model_state_cls(dataclasses.replace(config, num_state_checkpoints=1), nn_model, dev).cache_bytes(dtype)
+            entry_bytes = one - model_state.cache_bytes(dtype)
+            checkpoints = state_checkpoints_within(budget, model_state.cache_bytes(dtype), entry_bytes, config.max_num_seqs)
+            checkpoints = launch.tp.agree_min(checkpoints)  # the scheduler hands out entries every rank has
+            if checkpoints < config.max_num_seqs:
+                logging.getLogger(__name__).warning(
+                    "prefix caching keeps %d recurrent-state checkpoints of %.1f MiB, fewer than max_num_seqs=%d: that is "
+                    "what %d%% of the %.2f GiB cache budget leaves after the per-request state (pass num_state_checkpoints, "
+                    "kv_cache_memory_bytes or gpu_memory_utilization for more)", checkpoints, entry_bytes / 2**20,
+                    config.max_num_seqs, 100 * _FAMILY_STATE_SHARE, budget / 2**30,
+                )  # fmt: skip
+        config = dataclasses.replace(config, num_state_checkpoints=checkpoints)
+        model_state = arch.model_state_cls(config, nn_model, dev)
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None:
         reserved = model_state.cache_bytes(dtype)
@@ -278,14 +306,24 @@ def _apply_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None:
             setattr(hf_config, key, value)
 
 
-def _prefix_caching(asked: bool | None, state_cls: type) -> bool:
+def _prefix_caching(asked: bool | None, state_cls: type, num_state_checkpoints: int | None = None) -> bool:
     supported = state_cls.shares_prefix_kv
     if asked and not supported:
         raise ValueError(
             f"enable_prefix_caching=True: the {state_cls.family} family ({state_cls.__name__}) cannot reuse cached KV "
             "blocks (its per-request state is not in them); leave enable_prefix_caching unset or False"
         )
+    if state_cls.checkpoints_state and num_state_checkpoints == 0:
+        if asked:
+            raise ValueError(
+                f"enable_prefix_caching=True with num_state_checkpoints=0: the {state_cls.family} family "
+                f"({state_cls.__name__}) can only start from a cached prefix whose recurrent state was checkpointed; "
+                "leave num_state_checkpoints unset (sized from the memory budget) or give a positive count"
+            )
+        return False
     return supported if asked is None else bool(asked)
+
+
 
 
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -347,6 +385,15 @@ def max_num_seqs_within(budget: int, state_bytes: int, max_num_seqs: int) -> int
     return max(1, min(max_num_seqs, int(budget * _FAMILY_STATE_SHARE // per_request)))
 
 
+def state_checkpoints_within(budget: int, state_bytes: int, entry_bytes: int, max_num_seqs: int) -> int:
+    """The default count of recurrent-state checkpoints for prefix caching (`entry_bytes` each):
+    one per request slot, fewer where _FAMILY_STATE_SHARE of the cache `budget` left after the
+    family's other state (`state_bytes`) holds fewer, so that checkpoints never lower
+    max_num_seqs; at least one (the KV sizing then says if even that does not fit)."""
+    room = budget * _FAMILY_STATE_SHARE - state_bytes
+    return max(1, min(max_num_seqs, int(room // max(entry_bytes, 1))))
+
+
 def kv_budget_bytes(config: EngineConfig, gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None) -> int:
     """Bytes for the KV cache and the family's per-request state together: `kv_cache_memory_bytes`
     when given; on CUDA with `gpu_memory_utilization`, that share of the GPU's total memory less
@@ -394,6 +441,12 @@ def _check_engine_args(**args: Any) -> None:
         raise ValueError(f"cuda_graph_sizes must be a list of positive ints, got {sizes!r}")
     if args["enable_prefix_caching"] is not None and not isinstance(args["enable_prefix_caching"], bool):
         raise ValueError(f"enable_prefix_caching must be True, False or None, got {args['enable_prefix_caching']!r}")
+    n = args["num_state_checkpoints"]
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"num_state_checkpoints must be an int >= 0 or None, got {n!r}")
+    n = args["state_checkpoint_interval"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"state_checkpoint_interval must be a positive int (tokens), got {n!r}")
     _check_device(args["device"])
     if args["speculative_config"] is not None:
         SpeculativeConfig.from_dict(args["speculative_config"])  # ValueError naming the key

@@ -38,11 +38,17 @@ def _cuda_graphs(cls: type[ModelState]) -> str:
 
 
 def _prefix_caching(cls: type[ModelState]) -> str:
-    return "yes (default on)" if cls.shares_prefix_kv else "refused (default off)"
+    if not cls.shares_prefix_kv:
+        return "refused (default off)"
+    # A hit also needs the state checkpointed where it ends (core_runner/engine/state_checkpoints.py).
+    return "yes (default on; state checkpoints)" if cls.checkpoints_state else "yes (default on)"
 
 
 def _parallel_samples(cls: type[ModelState]) -> str:
-    return "yes (prompt shared)" if cls.shares_prefix_kv else "yes (prompt per sample)"
+    if not cls.shares_prefix_kv:
+        return "yes (prompt per sample)"
+    # Siblings wait for the first sample's prefill to checkpoint the prompt's state, then restore it.
+    return "yes (prompt shared after the first sample's prefill)" if cls.checkpoints_state else "yes (prompt shared)"
 
 
 def _speculative(cls: type[ModelState]) -> str:

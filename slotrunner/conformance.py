@@ -244,9 +244,12 @@ def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ..
         BatchVariant("async, preempting", {**scarce, "async_scheduling": True, **cached}, must_preempt=True),
         # A cache for 16 requests of max_model_len: every block of the first run stays cached for
         # the second (the default size, max_num_seqs requests' worth, would evict long prompts').
+        # Recurrent hybrids likewise keep 16 state checkpoints (one per prompt here) instead of
+        # max_num_seqs, which a second run in the same order would overwrite one by one.
         BatchVariant(
             "prefix-cached, twice",
-            {"max_num_seqs": 3, "max_num_batched_tokens": 5, "num_kv_blocks": 16 * -(-max_model_len // BLOCK_SIZE), **cached},
+            {"max_num_seqs": 3, "max_num_batched_tokens": 5, "num_kv_blocks": 16 * -(-max_model_len // BLOCK_SIZE),
+             "num_state_checkpoints": 16, **cached},  # fmt: skip
             twice=True,
         ),
     )

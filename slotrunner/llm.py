@@ -52,12 +52,14 @@ class LLM:
             quantized matrices load the same under every mode.
         enable_prefix_caching: start each request from the longest cached prefix of its tokens
             (full KV blocks keyed by their content; parallel samples share their prompt this
-            way). Default: on where the model's family can reuse KV blocks (decoders,
-            multimodal, encoder-decoder), off for recurrent hybrids, where True is refused.
+            way). Default: on for every in-tree family; recurrent hybrids also checkpoint their
+            recurrent state at block boundaries of prompts (kwargs `num_state_checkpoints`,
+            `state_checkpoint_interval`: docs/architecture.md) and hit only where one was kept.
         speculative_config: speculative decoding, vLLM's dict, e.g. {"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}: drafts
             verified exactly (outputs are token for token the same); synchronous scheduling only;
-            refused for recurrent hybrids.
+            refused for a family that cannot roll its state back (docs/capabilities.md; every
+            in-tree family can, recurrent hybrids through per-slot draft checkpoints).
         tensor_parallel_size (in kwargs): split the model over this many ranks, one process each
             (CPU ranks talk through gloo, GPU ranks through NCCL, one GPU per rank); the LLM
             starts ranks 1.. itself and `close()` stops them, or a launcher such as torchrun

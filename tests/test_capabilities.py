@@ -93,3 +93,15 @@ def test_rows_follow_the_flags():
     assert status["CUDA graphs"] == "yes"
     assert status["prefix caching"].startswith("refused") and status["speculative decoding"] == "refused"
     assert status["n > 1"] == "yes (prompt per sample)"
+
+    class Checkpointing(Probe):
+        shares_prefix_kv = True
+        checkpoints_state = True
+
+        def save_state_checkpoints(self, slots, entries):
+            pass
+
+    (_, cells), = capability_rows([Checkpointing])
+    status = dict(zip((f.name for f in FEATURES), cells))
+    assert status["prefix caching"] == "yes (default on; state checkpoints)"
+    assert status["n > 1"] == "yes (prompt shared after the first sample's prefill)"

@@ -53,3 +53,28 @@ def test_a_decoder_only_model_keeps_max_num_seqs(tiny_llama_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="slotrunner.builder"):
         llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
     assert llm.engine.config.max_num_seqs == 256 and "lowered" not in caplog.text
+
+
+def test_state_checkpoints_take_what_the_family_share_leaves(tmp_path, caplog):
+    """Recurrent hybrids' prefix-cache checkpoints (one slot's state each) default to one per
+    slot, fewer where the family's share of the budget left after the per-request pools holds
+    fewer: they never lower max_num_seqs, and the log says so."""
+    from slotrunner.builder import state_checkpoints_within
+    from slotrunner.conformance import build_case
+    from slotrunner.registry import tiny_config
+
+    assert state_checkpoints_within(1000, 300, 10, 256) == 20  # 500 - 300 left: 20 entries
+    assert state_checkpoints_within(1000, 100, 10, 8) == 8
+    assert state_checkpoints_within(1000, 500, 10, 8) == 1  # none fit: one, the KV sizing checks the rest
+    build_case(tiny_config("BambaForCausalLM"), tmp_path)
+    roomy = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=8).engine
+    assert roomy.config.num_state_checkpoints == 8
+    state = roomy.runner.model_state
+    per_slot = sum(p[:, 0].numel() * p.element_size() for p in state.pools)
+    pools = state.cache_bytes(roomy.config.dtype) - 8 * per_slot
+    # A budget whose family share holds the pools and 3 checkpoints.
+    budget = int((pools + 3.5 * per_slot) / _FAMILY_STATE_SHARE)
+    with caplog.at_level(logging.WARNING, logger="slotrunner.builder"):
+        tight = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=8, kv_cache_memory_bytes=budget).engine
+    assert tight.config.max_num_seqs == 8 and tight.config.num_state_checkpoints == 3
+    assert "3 recurrent-state checkpoints" in caplog.text

@@ -10,6 +10,7 @@ from slotrunner.core_runner.engine.block_hash import extend_block_hashes
 from slotrunner.core_runner.engine.block_manager import BlockManager
 from slotrunner.core_runner.engine.draft_gate import DraftGate
 from slotrunner.core_runner.engine.request import Request, RequestStatus
+from slotrunner.core_runner.engine.state_checkpoints import StateCheckpoints
 from slotrunner.core_runner.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
 
@@ -37,6 +38,8 @@ class Scheduler:
     cached full blocks that hold its first tokens (content hashes, `block_hash.py`) and starts
     with them computed; every scheduled request registers its full blocks of known tokens as the
     step that writes them is scheduled. Parallel samples (n > 1) are n requests that meet here.
+    A family with recurrent state (`config.num_state_checkpoints` > 0) also needs the state at
+    the end of the hit: see `StateCheckpoints` (state_checkpoints.py) and `_state_hit`.
     """
 
     def __init__(self, config: EngineConfig, prefix_caching: bool = False, async_scheduling: bool = False) -> None:
@@ -55,6 +58,11 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.block_size = config.block_size
         self.async_scheduling = async_scheduling
+        self.state_checkpoints = None
+        if prefix_caching and config.num_state_checkpoints:
+            self.state_checkpoints = StateCheckpoints(
+                config.num_state_checkpoints, config.state_checkpoint_interval, config.block_size
+            )
         # Positions past its scheduled tokens a request holds blocks for: a draft model writes
         # its proposals' KV there (spec_decode/draft_model.py).
         spec = config.speculative_config
@@ -103,6 +111,8 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block's hash: later requests recompute what they would have hit."""
         self.block_manager.reset_prefix_cache()
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.reset()
 
     def _remove(self, request: Request) -> None:
         """Drop a request that just got a finished status from every queue and free its blocks."""
@@ -122,7 +132,7 @@ class Scheduler:
         The blocks the step registered in the prefix cache may never have been written: the
         cache forgets every hash (a failed step is rare; recomputing is always right)."""
         self._finished_req_ids |= sched_out.finished_req_ids | sched_out.preempted_req_ids
-        self.block_manager.reset_prefix_cache()
+        self.reset_prefix_cache()
 
     def rollback(self, sched_out: SchedulerOutput) -> None:
         """Undo a step the runner never finished (interrupted), with no other step in flight.
@@ -194,6 +204,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
+            num_new = self._to_state_checkpoint(request, request.num_computed_tokens, num_new)
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
                 i += 1
                 continue
@@ -212,6 +223,7 @@ class Scheduler:
             request.num_scheduled_drafts = num_drafts
             # Hashes cover known tokens only: blocks that hold drafts are registered later.
             self._cache_blocks(request, request.num_computed_tokens + num_new)
+            self._checkpoint_state(request, request.num_computed_tokens, num_new, out)
             scheduled.append(request)
             budget -= num_new
             i += 1
@@ -221,8 +233,15 @@ class Scheduler:
             if request.num_pending:
                 break  # preempted while a step sampled for it: its tokens must be known first
             cached = self._find_cached(request)
+            state_checkpoint = None
+            if self.state_checkpoints is not None:
+                hit = self._state_hit(request, cached)
+                if hit is None:
+                    break  # a longer prefix of it is being checkpointed in this step: take it next step
+                cached, state_checkpoint = hit
             num_computed = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
+            num_new = self._to_state_checkpoint(request, num_computed, num_new)
             if not self.block_manager.can_grow(request.req_id, self._with_lookahead(num_computed + num_new), cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -245,15 +264,19 @@ class Scheduler:
                     family_inputs=request.family_inputs,
                     eos_token_ids=request.eos_token_ids,
                     bad_words_token_ids=request.bad_words_token_ids,
+                    state_checkpoint=state_checkpoint,
                 )
             )
             out.num_scheduled_tokens[request.req_id] = num_new
             # Registered now, before the next waiting request looks: it may take these blocks in
             # this very step, since every layer writes the whole batch's K/V before it attends.
             self._cache_blocks(request, num_computed + num_new)
+            self._checkpoint_state(request, num_computed, num_new, out)
             scheduled.append(request)
             budget -= num_new
 
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.end_step()
         for request in scheduled:
             request.num_computed_tokens += out.num_scheduled_tokens[request.req_id]
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_pending:
@@ -274,6 +297,38 @@ class Scheduler:
             return []
         self._hash_blocks(request, request.num_tokens)
         return self.block_manager.find_cached(request.block_hashes, (request.num_tokens - 1) // self.block_size)
+
+    # -- recurrent-state checkpoints (state_checkpoints.py) ----------------------------------
+
+    def _state_hit(self, request: Request, cached: list[int]) -> tuple[list[int], int | None] | None:
+        """The part of a cached chain a family with recurrent state can start from: the longest
+        prefix whose last block has a state checkpoint, and that checkpoint's entry. None: wait,
+        since the step being scheduled checkpoints a longer prefix of it (a sibling sample or a
+        request with the same start is computing it), which the next step can take whole."""
+        num_blocks, entry, longer_pending = self.state_checkpoints.longest_hit(request.block_hashes, len(cached))
+        if longer_pending:
+            return None
+        return cached[:num_blocks], entry
+
+    def _to_state_checkpoint(self, request: Request, start: int, num_new: int) -> int:
+        """Cut a chunk of `num_new` tokens from `start` at the request's next checkpoint
+        position: a recurrent state exists only at the end of a step's chunk."""
+        if self.state_checkpoints is None:
+            return num_new
+        position = self.state_checkpoints.next_position(start, request.num_tokens)
+        return num_new if position is None else min(num_new, position - start)
+
+    def _checkpoint_state(self, request: Request, start: int, num_new: int, out: SchedulerOutput) -> None:
+        """Have the runner save the slot's state after this step when its chunk ends at a
+        checkpoint position (its blocks up to there are hashed by `_cache_blocks`)."""
+        if self.state_checkpoints is None:
+            return
+        end = start + num_new
+        if self.state_checkpoints.next_position(start, request.num_tokens) != end:
+            return
+        entry = self.state_checkpoints.reserve(request.block_hashes[end // self.block_size - 1])
+        if entry is not None:
+            out.state_checkpoints[request.req_id] = entry
 
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
         key_spans = request.family_inputs.cache_key_spans() if request.family_inputs is not None else ()

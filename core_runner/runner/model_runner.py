@@ -128,6 +128,9 @@ class ModelRunner:
             ctx = ForwardContext(self.attn_backend, batch.attn_metadata(), family_attn)
             with torch.inference_mode(), forward_context(ctx):
                 hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
+        if sched.state_checkpoints:  # prefill chunks ending at a checkpoint position (prefix caching)
+            slots = [self.req_state.req_id_to_slot[r] for r in sched.state_checkpoints]
+            ms.save_state_checkpoints(slots, list(sched.state_checkpoints.values()))
         for observe in self._step_observers:
             observe(batch, hidden)
         self._executed = _ExecutedStep(batch, hidden)

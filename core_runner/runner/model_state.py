@@ -13,7 +13,9 @@ Hooks run in this order in a step:
     prepare_attn(batch)               (family attention metadata)
     prepare_inputs_embeds(batch)      (merged embeddings, or None)
     prepare_inputs(batch)             (typed extra model inputs)
-    -- forward, logits, sampling --
+    -- forward --
+    save_state_checkpoints(slots, entries)  (only with checkpoints_state, for prefix caching)
+    -- logits, sampling --
     postprocess_state(batch, ...)     (advance state by accepted tokens)
 
 Rules for every hook: never reorder or move persistent per-slot state (a step only gathers
@@ -77,10 +79,18 @@ class ModelState(abc.ABC):
     # hits, which is also how parallel samples (n > 1) share their prompt. True when
     # `add_request` rebuilds all other per-request state from NewRequestData alone, whatever
     # `num_computed_tokens` it arrives with, and when everything the KV depends on besides the
-    # tokens is in the request's `FamilyInputs.cache_key_spans`. Families with recurrent state
-    # set False: the engine then computes every prompt from token 0 (and refuses an explicit
-    # enable_prefix_caching=True).
+    # tokens is in the request's `FamilyInputs.cache_key_spans`. A family whose state summarises
+    # the tokens outside KV blocks sets False -- the engine then computes every prompt from token
+    # 0 and refuses an explicit enable_prefix_caching=True -- unless it checkpoints that state
+    # (`checkpoints_state`).
     shares_prefix_kv: ClassVar[bool] = True
+    # Whether the family's per-request state beyond KV blocks is checkpointed for prefix caching
+    # (recurrent state): the engine then keeps `config.num_state_checkpoints` checkpoints, each
+    # the whole state of a slot at a block boundary of a prompt, keyed by that block's hash
+    # (`core_runner/engine/state_checkpoints.py`). The family allocates them (counted in
+    # `cache_bytes`), fills them in `save_state_checkpoints` and restores one in `add_request`
+    # from `NewRequestData.state_checkpoint`. A hit then ends only where a checkpoint exists.
+    checkpoints_state: ClassVar[bool] = False
     # Whether decode steps may replay CUDA graphs. True only when, for a decode-only batch,
     # `prepare_inputs_embeds` returns None and `prepare_attn` / `prepare_inputs` return tensors
     # that live at the addresses `prepare_dummy_attn` / `prepare_dummy_inputs` gave at capture
@@ -113,6 +123,8 @@ class ModelState(abc.ABC):
         missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
         if missing:
             raise TypeError(f"{cls.__name__} subclasses ModelState but does not implement: {', '.join(missing)}")
+        if cls.checkpoints_state and cls.save_state_checkpoints is ModelState.save_state_checkpoints:
+            raise TypeError(f"{cls.__name__} sets checkpoints_state but does not implement save_state_checkpoints")
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
@@ -170,6 +182,14 @@ class ModelState(abc.ABC):
         """Called for warm-up and CUDA-graph capture: extra inputs of the right shapes, with no
         live requests behind them (default: none, as `prepare_inputs`)."""
         return ModelInputs()
+
+    def save_state_checkpoints(self, slots: list[int], entries: list[int]) -> None:
+        """Called after a forward, only for families with `checkpoints_state` and only when the
+        step ends some rows' chunks at checkpoint positions: copy the whole state of each of
+        `slots` into the state-cache entry at the same index of `entries` (on the device, no
+        host sync). An entry may hold another prefix's state until then: overwrite it. A family
+        with `checkpoints_state` must implement it (checked when the class is created)."""
+        raise NotImplementedError(f"{type(self).__name__} does not checkpoint its state (checkpoints_state is False)")
 
     def postprocess_state(self, batch: InputBatch, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> None:
         """Called after sampling. `num_sampled` [num_reqs] tokens were sampled per row, of which

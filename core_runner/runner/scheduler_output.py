@@ -27,6 +27,10 @@ class NewRequestData:
     family_inputs: FamilyInputs | None = None  # encoder inputs, media: see ModelState.process_prompt
     eos_token_ids: tuple[int, ...] = ()  # suppressed until min_tokens, unless ignore_eos
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    # Families that checkpoint their state (ModelState.checkpoints_state): the state-cache entry
+    # holding the state after the first `num_computed_tokens` tokens, to restore into the slot;
+    # None when nothing was computed (or the family keeps no state beyond KV blocks).
+    state_checkpoint: int | None = None
 
     @property
     def prefill_len(self) -> int:
@@ -51,6 +55,9 @@ class SchedulerOutput:
     # Requests whose slot must be freed before this step: finished, aborted or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> state-cache entry: after this step's forward, save the slot's recurrent state
+    # there (its chunk ends at a checkpoint position: engine/state_checkpoints.py).
+    state_checkpoints: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -72,20 +72,25 @@ def test_matches_transformers_alone_chunked_and_batched(cases, name):
     assert report.passed, f"{name}\n{report.table()}"
 
 
-def test_parallel_samples_recompute_the_prompt(cases):
-    """n > 1: forked samples cannot share the parent's recurrent state (shares_prefix_kv is
-    False), so each recomputes the prompt from a reset slot and equals the single request."""
-    llm = cases["qwen3_next"].make_llm(max_num_seqs=4)
+def test_parallel_samples_share_the_prompt(cases):
+    """n > 1 with prefix caching: samples 1.. restore the state sample 0 checkpointed after the
+    prompt's last full block, and each equals the single request with its seed."""
+    llm = cases["qwen3_next"].make_llm(max_num_seqs=4, enable_prefix_caching=True)
+    solo = cases["qwen3_next"].make_llm(max_num_seqs=1)
     prompt = {"prompt_token_ids": [(37 * i) % 900 + 5 for i in range(11)]}
     sp = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
     out = llm.generate(prompt, SamplingParams(n=3, seed=7, **sp), use_tqdm=False)[0]
+    assert llm.engine.scheduler.block_manager.num_cached_hits == 2 * 2, "samples 1, 2 did not take 2 blocks each"
     for i, sample in enumerate(out.outputs):
-        single = llm.generate(prompt, SamplingParams(seed=7 + i, **sp), use_tqdm=False)[0].outputs[0]
+        single = solo.generate(prompt, SamplingParams(seed=7 + i, **sp), use_tqdm=False)[0].outputs[0]
         assert sample.token_ids == single.token_ids, f"sample {i} differs from the single request with seed {7 + i}"
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples should differ"
 
 
-def test_prefix_caching_is_refused(cases):
-    """The recurrent state is not in KV blocks: a prefix-cache hit could not restore it."""
-    with pytest.raises(ValueError, match="recurrent hybrid"):
-        cases["qwen3_5"].make_llm(enable_prefix_caching=True)
+def test_prefix_caching_needs_state_checkpoints(cases):
+    """Prefix caching is on by default; without checkpoints of the recurrent state a hit could
+    not restore it, so asking for caching with none is refused and the default turns it off."""
+    assert cases["qwen3_5"].make_llm(enable_prefix_caching=None).config.enable_prefix_caching
+    with pytest.raises(ValueError, match="num_state_checkpoints=0"):
+        cases["qwen3_5"].make_llm(enable_prefix_caching=True, num_state_checkpoints=0)
+    assert not cases["qwen3_5"].make_llm(enable_prefix_caching=None, num_state_checkpoints=0).config.enable_prefix_caching

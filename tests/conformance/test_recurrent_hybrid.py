@@ -77,15 +77,17 @@ def test_matches_transformers_alone_chunked_and_batched(cases, name):
 
 
 @pytest.mark.parametrize("name", UNTIED)
-def test_parallel_samples_recompute_the_prompt(cases, name):
-    """n > 1: a forked sample cannot share its parent's recurrent state, so it recomputes the
-    prompt (shares_prefix_kv is False) from a reset slot; each sample still equals the single
-    request with its seed."""
-    llm = cases[name].make_llm(max_num_seqs=4)
+def test_parallel_samples_share_the_prompt(cases, name):
+    """n > 1 with prefix caching: samples 1.. wait for sample 0 to checkpoint the prompt's state
+    (after its last full block) and restore it with the cached KV blocks; each sample still
+    equals the single request with its seed, computed from token 0."""
+    llm = cases[name].make_llm(max_num_seqs=4, enable_prefix_caching=True)
+    solo = cases[name].make_llm(max_num_seqs=1)
     prompt = {"prompt_token_ids": [(31 * i) % 900 + 5 for i in range(9)]}
     sp = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
     out = llm.generate(prompt, SamplingParams(n=3, seed=100, **sp), use_tqdm=False)[0]
+    assert llm.engine.scheduler.block_manager.num_cached_hits == 2 * 2, f"{name}: samples 1, 2 did not take 2 blocks each"
     for i, sample in enumerate(out.outputs):
-        single = llm.generate(prompt, SamplingParams(seed=100 + i, **sp), use_tqdm=False)[0].outputs[0]
+        single = solo.generate(prompt, SamplingParams(seed=100 + i, **sp), use_tqdm=False)[0].outputs[0]
         assert sample.token_ids == single.token_ids, f"{name}: sample {i} differs from the single request with seed {100 + i}"
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples should differ"

@@ -1,8 +1,9 @@
 """ModelState.cache_bytes predicts what initialize_cache allocates, and the KV cache is sized
 from what is left.
 
-Guards against: a family's state pools (recurrent conv/SSM state, cross-attention caches) taking
-memory the KV cache was already given -- an out-of-memory error on a GPU at large max_num_seqs.
+Guards against: a family's state pools (recurrent conv/SSM state and its prefix-cache
+checkpoints, cross-attention caches) taking memory the KV cache was already given -- an
+out-of-memory error on a GPU at large max_num_seqs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from slotrunner.builder import default_num_kv_blocks
 def _allocated_state_bytes(state) -> int:
     tensors = list(getattr(state, "pools", []))
     tensors += [layer.cross_kv for layer in getattr(state, "cross_layers", [])]
+    state_cache = getattr(state, "state_cache", None)  # recurrent-state checkpoints for prefix caching
+    tensors += state_cache.entries if state_cache is not None else []
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -30,6 +33,8 @@ def test_cache_bytes_equal_what_initialize_cache_allocates(arch, tmp_path):
     predicted = state.cache_bytes(llm.config.dtype)
     assert predicted == _allocated_state_bytes(state)
     assert (predicted > 0) == (arch != "LlamaForCausalLM")
+    if arch == "BambaForCausalLM":  # prefix caching on by default: one checkpoint per slot
+        assert state.state_cache is not None and state.state_cache.num_entries == 5
 
 
 def test_kv_budget_leaves_room_for_the_family_state(tiny_llama_dir):

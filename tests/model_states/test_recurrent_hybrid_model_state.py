@@ -31,7 +31,7 @@ MAX_NUM_SEQS = 3
 
 def make_state(model: torch.nn.Module) -> RecurrentHybridModelState:
     # The ModelState reads only max_num_seqs and speculative_config from the engine config.
-    config = SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, speculative_config=None)
+    config = SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, speculative_config=None, num_state_checkpoints=0)
     state = RecurrentHybridModelState(config, model, torch.device("cpu"))
     state.initialize_cache(CacheSpec(8, 4, torch.float32, torch.device("cpu")))
     return state

@@ -49,7 +49,8 @@ def _layers() -> nn.ModuleList:
 
 
 def _state(model: nn.Module) -> RecurrentHybridModelState:
-    config = SimpleNamespace(max_num_seqs=4, speculative_config=SimpleNamespace(num_speculative_tokens=K))
+    spec = SimpleNamespace(num_speculative_tokens=K)
+    config = SimpleNamespace(max_num_seqs=4, speculative_config=spec, num_state_checkpoints=0)
     state = RecurrentHybridModelState(config, model, torch.device("cpu"))
     state.initialize_cache(CacheSpec(8, 4, torch.float32, torch.device("cpu")))
     return state

@@ -1,7 +1,8 @@
 """Errors a model author hits, each a message that names the thing to fix.
 
 Guards against: a second registration silently replacing the first (or failing without saying
-who holds the name); a ModelState missing a hook, or a model class missing compute_logits /
+who holds the name); a ModelState missing a hook (or checkpointing its state for prefix
+caching without saving it), or a model class missing compute_logits /
 load_weights, surfacing as an AttributeError inside a step; a lazily registered "module:Class"
 with a typo failing as a bare ModuleNotFoundError; a checkpoint tensor the model does not
 consume, or a weight the checkpoint lacks, reported without the mapping to fix; a broken plugin
@@ -159,6 +160,16 @@ def test_a_model_state_missing_a_hook_is_named_where_it_is_defined(tmp_path, mon
     registry.register_model("ForgetfulLlama", LlamaForCausalLM, "forgetful_state:ForgetfulState")
     with pytest.raises(TypeError, match="ForgetfulState subclasses ModelState but does not implement: add_request"):
         registry.resolve(LlamaConfig(architectures=["ForgetfulLlama"]))
+
+
+def test_a_model_state_that_checkpoints_state_without_saving_it_is_named_where_it_is_defined():
+    with pytest.raises(TypeError, match="Amnesiac sets checkpoints_state but does not implement save_state_checkpoints"):
+
+        class Amnesiac(ModelState):
+            checkpoints_state = True
+
+            def add_request(self, slot, new_request):
+                pass
 
 
 # -- weights ---------------------------------------------------------------------------------
