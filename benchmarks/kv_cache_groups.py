@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192, help="tokens each request reaches (prompt + output)")
     # Long enough that requests live far longer than the ~4 steps each takes to prefill: then the
     # number at once is bound by the KV cache, not by how fast the step budget admits them.
-    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--num-requests", type=int, default=None, help="default: twice what the cache can hold")
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
