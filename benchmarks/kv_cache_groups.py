@@ -94,7 +94,7 @@ def measure(model: torch.nn.Module, hybrid: bool, args: argparse.Namespace, num_
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     return dict(
-        groups=len(layout.groups), slots=layout.num_slots, num_blocks=num_blocks,
+        groups=len(layout.groups), tensors=layout.num_tensors, num_blocks=num_blocks,
         block_mib=layout.bytes_per_block(16, torch.bfloat16) / 2**20, decoding=most_decoding, running=most_running,
         preemptions=sched.num_preemptions, steps=steps, seconds=time.perf_counter() - start,
     )  # fmt: skip
@@ -114,7 +114,8 @@ def main() -> None:
     args = p.parse_args()
     print(f"KV budget {args.budget_gib:g} GiB bf16, block_size 16, {args.context}-token requests "
           f"({args.context - args.output_len} prompt + {args.output_len} out), {args.max_num_batched_tokens}-token steps")  # fmt: skip
-    print("| model shape | KV-cache groups | groups x slots | blocks | MiB / block | most decoding at once | preemptions | steps |")
+    print("| model shape | KV-cache groups | groups x tensors | blocks | MiB / block | most decoding at once "
+          "| preemptions | steps |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
         model = meta_model(SHAPES[name])
@@ -124,7 +125,7 @@ def main() -> None:
         num_requests = args.num_requests or max(8, 2 * sized_config(model, True, args).num_kv_blocks // (args.context // 16))
         for hybrid in (False, True):
             r = results[hybrid] = measure(model, hybrid, args, num_requests)
-            print(f"| {name} | {'on' if hybrid else 'off'} | {r['groups']} x {r['slots']} | {r['num_blocks']} | "
+            print(f"| {name} | {'on' if hybrid else 'off'} | {r['groups']} x {r['tensors']} | {r['num_blocks']} | "
                   f"{r['block_mib']:.2f} | {r['decoding']} | {r['preemptions']} | {r['steps']} |", flush=True)  # fmt: skip
         print(f"<!-- {name}: groups on hold {results[True]['decoding'] / results[False]['decoding']:.2f}x the requests -->")
 

@@ -146,9 +146,9 @@ class EngineConfig:
     # torch.float8_e4m3fn halves (bf16) the bytes attention reads (kv_cache_dtype="fp8").
     kv_cache_dtype: torch.dtype | None = None
     # KV-cache groups (core_runner/runner/kv_cache.py): each group's sliding window, None for
-    # full attention. One entry: every caching layer shares each block id (the default; the
-    # engine builder groups a model mixing sliding-window and full-attention layers unless
-    # disable_hybrid_kv_cache_manager). A group with a window frees the blocks it has passed.
+    # full attention; a group with a window frees the blocks it has passed. One entry (the
+    # default): all caching layers are one group. The engine builder splits a model mixing
+    # sliding-window and full-attention layers unless disable_hybrid_kv_cache_manager.
     kv_cache_windows: tuple[int | None, ...] = (None,)
 
     @property

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, SpeculativeConfig, blocks_to_hold, parse_dtype
+from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, EngineConfig, SpeculativeConfig, parse_dtype
 from slotrunner.core_runner.cpu.packed import should_pack
 from slotrunner.core_runner.engine.intake import IntakeContext
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
@@ -332,7 +332,7 @@ def default_num_kv_blocks(
 ) -> int:
     """KV-cache blocks for `config`: enough for max_num_seqs requests of max_model_len, within
     the device's budget (`kv_budget_bytes`) less `reserved_bytes` (the family state's share,
-    ModelState.cache_bytes). A block id costs a page of every layer slot of the model's KV-cache
+    ModelState.cache_bytes). A block id costs a page of every shared tensor of the model's KV-cache
     groups (`config.kv_cache_windows`, runner/kv_cache.py); a request holds one per group."""
     layout = kv_cache_layout(model, hybrid=len(config.kv_cache_windows) > 1)
     assert layout.windows == config.kv_cache_windows or len(layout.groups) == len(config.kv_cache_windows) == 1, (

@@ -227,7 +227,9 @@ class BatchVariant:
     twice: bool = False  # run the batch twice on one engine and check the second run (prefix-cache hits)
 
 
-def batch_variants(max_model_len: int = MAX_MODEL_LEN, kv_cache_windows: tuple[int | None, ...] = (None,)) -> tuple[BatchVariant, ...]:
+def batch_variants(
+    max_model_len: int = MAX_MODEL_LEN, kv_cache_windows: tuple[int | None, ...] = (None,)
+) -> tuple[BatchVariant, ...]:
     """All at once; a 5-token budget with 3 slots (chunked prefill, requests finishing and
     joining, slots reused); a KV cache of exactly one max_model_len request in 2-token blocks
     (in the model's KV-cache groups, `EngineConfig.kv_cache_windows`: a sliding-window group

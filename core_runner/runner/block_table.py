@@ -17,9 +17,10 @@ class BlockTables:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.device = device
         self.num_groups = num_groups
-        self.tables_np = np.zeros((num_groups, max_num_reqs, max_num_blocks_per_req), dtype=np.int32)  # [groups, slots, max_blocks]
+        shape = (num_groups, max_num_reqs, max_num_blocks_per_req)
+        self.tables_np = np.zeros(shape, dtype=np.int32)  # [groups, slots, max_blocks]
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)  # [slots], the same in every group
-        self.tables = torch.zeros(num_groups, max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(shape, dtype=torch.int32, device=device)  # [groups, slots, max_blocks]
         self.table_np, self.table = self.tables_np[0], self.tables[0]
         self._dirty: set[int] = set()
 

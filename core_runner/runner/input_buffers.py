@@ -34,7 +34,8 @@ class InputBuffers:
         self.num_rejected = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] always 0 until draft tokens exist
         self.seq_lens = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 0 on padding rows
         # Per KV-cache group (runner/kv_cache.py); `block_tables` / `slot_mapping` are group 0's.
-        self.group_block_tables = torch.zeros(num_kv_groups, max_num_reqs, max_num_blocks_per_req, **i32)  # [groups, max_num_reqs, max_blocks]
+        # [groups, max_num_reqs, max_blocks]
+        self.group_block_tables = torch.zeros(num_kv_groups, max_num_reqs, max_num_blocks_per_req, **i32)
         self.group_slot_mapping = torch.full((num_kv_groups, max_num_tokens), -1, **i64)  # [groups, max_num_tokens] -1 on padding
         self.block_tables = self.group_block_tables[0]  # [max_num_reqs, max_blocks]
         self.input_ids = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]

@@ -1,4 +1,4 @@
-"""The paged KV cache: layers grouped by what they cache, one tensor per layer slot, bound once.
+"""The paged KV cache: layers grouped by what they cache, tensors shared by the groups, bound once.
 
 Every `PagedCacheLayer` in the model declares its entries per token (`KVCacheSpec`: full
 attention's K and V per KV head, an MLA latent, ...) and how far back it reads (its sliding
@@ -10,12 +10,12 @@ is one group: every layer gets its own tensor and a block id means "this block o
 A model mixing full-attention and sliding-window layers with otherwise equal entries (Gemma 2/3,
 GPT-OSS) is split into groups of equal size G, each of one window: a request then holds one
 block list per group, and a sliding-window group's list drops the blocks its window has passed
-(core_runner/engine/block_manager.py). All groups draw block ids from one pool: tensor j
-("slot" j) is shared by the j-th layer of every group, so block b of group g is page b of the
-tensors of g's layers. A block id thus costs G layers' pages, whichever group holds it.
-G is the smallest group's layer count, or the largest when the counts are within 25% (vLLM's
-rule): Gemma 3 (5 sliding : 1 full) makes groups of its full layers' count; a group left short
-wastes its empty slots' pages.
+(core_runner/engine/block_manager.py). All groups draw block ids from one pool: shared KV
+tensor j holds the j-th layer of every group, so block b of group g is page b of the tensors of
+g's layers. A block id thus costs G layers' pages, whichever group holds it. G is the fewest
+layers sharing a window, or the most when the counts are within 25% (vLLM's rule): Gemma 3
+(5 sliding : 1 full) makes groups of its full layers' count; a group left short wastes the
+pages of the tensors it leaves unused.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class KVCacheGroup:
     """Layers whose block ids come from one block table per request."""
 
     sliding_window: int | None  # every layer's window; None: full attention (no block ever leaves early)
-    layers: tuple[PagedCacheLayer, ...]  # layer j of the group uses slot tensor j
+    layers: tuple[PagedCacheLayer, ...]  # layer j of the group uses shared tensor j
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,11 @@ class KVCacheLayout:
         return tuple(g.sliding_window for g in self.groups)
 
     @property
-    def num_slots(self) -> int:
+    def num_tensors(self) -> int:
         return max((len(g.layers) for g in self.groups), default=0)
 
-    def slot_specs(self) -> list[KVCacheSpec]:
-        """The spec of each slot tensor: that of the first group's layer there (groups of more
+    def tensor_specs(self) -> list[KVCacheSpec]:
+        """The spec of each shared tensor: that of the first group's layer there (groups of more
         than one share slots only when their layers' specs differ in the window alone)."""
         specs: list[KVCacheSpec] = []
         for g in self.groups:
@@ -84,16 +84,16 @@ class KVCacheLayout:
         return specs
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id costs: a page of every slot tensor (`dtype`: the KV-cache dtype,
+        """Bytes one block id costs: a page of every shared tensor (`dtype`: the KV-cache dtype,
         for specs that leave theirs open)."""
-        return sum(spec.bytes_per_block(block_size, dtype) for spec in self.slot_specs())
+        return sum(spec.bytes_per_block(block_size, dtype) for spec in self.tensor_specs())
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """Allocate the slot tensors and bind each layer to its slot and group; returns them.
+        """Allocate the shared tensors and bind each layer to its tensor and group; returns them.
         With a sliding-window group, NULL_BLOCK is zeroed in each."""
         caches = []
         zero_null = any(w is not None for w in self.windows)
-        for spec in self.slot_specs():
+        for spec in self.tensor_specs():
             # Uninitialised on purpose: every position is written before it is read (a row reads only
             # its first seq_len positions), and untouched pages of a large CPU cache cost nothing. A
             # sliding-window row's table still names blocks it freed, at positions its window
@@ -135,10 +135,10 @@ def kv_cache_layout(model: nn.Module, hybrid: bool = True) -> KVCacheLayout:
     return KVCacheLayout(tuple(groups))
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype, hybrid: bool = False) -> int:
-    """Bytes one block costs across all caching layers, from each layer's declared spec
-    (`dtype`: the KV-cache dtype, for specs that leave theirs open)."""
-    return kv_cache_layout(model, hybrid).bytes_per_block(block_size, dtype)
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all caching layers (one group), from each layer's declared
+    spec (`dtype`: the KV-cache dtype, for specs that leave theirs open)."""
+    return kv_cache_layout(model, hybrid=False).bytes_per_block(block_size, dtype)
 
 
 def allocate_kv_cache(

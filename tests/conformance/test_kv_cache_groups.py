@@ -102,7 +102,9 @@ def test_long_requests_preempting_each_other_equal_their_runs_alone(arch, tmp_pa
     case = _case(arch, tmp_path)
     windows = ARCHS[arch]
     prompts = [_long_prompt(1000, seed, length) for seed, length in enumerate([40, 23, 31, 9])]
-    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, seed=7 + i, max_tokens=16, ignore_eos=True) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, seed=7 + i, max_tokens=16, ignore_eos=True) for i in range(4)
+    ]
     variants = [v for v in batch_variants(case.max_model_len, windows) if v.must_preempt]
     freed = FreedBlocks()
     results = check_batch_invariance(case.make_llm, prompts, params, variants, on_engine=freed, max_model_len=case.max_model_len)

@@ -78,7 +78,7 @@ def _attention_stack(windows: list[int | None], head_dim: int = 8) -> nn.Module:
 
 def test_gemma3_pattern_groups_by_window_in_groups_of_the_full_layers_count():
     """Guards against groups that waste memory: Gemma 3's 5 sliding : 1 full in 12 layers makes 6
-    groups of 2 layers (2 slot tensors), so a block id costs 2 layers' pages, not 12; and
+    groups of 2 layers (2 shared tensors), so a block id costs 2 layers' pages, not 12; and
     against a layer bound to another group's table or to a tensor of another shape."""
     model = _attention_stack(([7] * 5 + [None]) * 2)
     layout = kv_cache_layout(model)
@@ -98,7 +98,7 @@ def test_near_equal_counts_pad_one_group_instead_of_splitting():
     """vLLM's 1.25 rule: 12 sliding + 13 full layers make two groups of 13 slots (one empty),
     not a group of 12 and a second full group of 1 padded to 12."""
     layout = kv_cache_layout(_attention_stack([5] * 12 + [None] * 13))
-    assert layout.windows == (None, 5) and layout.num_slots == 13
+    assert layout.windows == (None, 5) and layout.num_tensors == 13
 
 
 def test_one_group_when_off_uniform_or_unequal():
@@ -107,7 +107,7 @@ def test_one_group_when_off_uniform_or_unequal():
     blocks of a model that slides everywhere still leave), else None (every block kept)."""
     mixed = _attention_stack([7, None, 7, None])
     off = kv_cache_layout(mixed, hybrid=False)
-    assert off.windows == (None,) and off.num_slots == 4
+    assert off.windows == (None,) and off.num_tensors == 4
     assert off.bytes_per_block(4, torch.float32) == kv_bytes_per_block(mixed, 4, torch.float32)
     assert kv_cache_layout(_attention_stack([7, 7, 7])).windows == (7,)
     unequal = nn.ModuleList([*_attention_stack([7, 7]), *_attention_stack([None], head_dim=16)])
