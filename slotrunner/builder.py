@@ -212,7 +212,13 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         )
     # KV-cache groups: a draft model reads the target's block ids as one full-attention table.
     hybrid = not args.disable_hybrid_kv_cache_manager and draft_model is None
-    kv_windows = kv_cache_layout(nn_model, hybrid).windows if draft_model is None else (None,)
+    layout = kv_cache_layout(nn_model, hybrid)
+    kv_windows = layout.windows if draft_model is None else (None,)
+    if len(layout.groups) > 1:
+        logging.getLogger(__name__).info(
+            "KV-cache groups: %d of %d layers each, windows %s (None: full attention); "
+            "disable_hybrid_kv_cache_manager=True keeps one group", len(layout.groups), layout.num_tensors, kv_windows,
+        )
     config = EngineConfig(
         model=source.path,
         device=dev,
