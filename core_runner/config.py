@@ -36,6 +36,17 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def blocks_to_hold(windows: tuple[int | None, ...], block_size: int, num_tokens: int, chunk: int) -> int:
+    """Block ids one request of `num_tokens` tokens holds at most, over every KV-cache group,
+    when it computes up to `chunk` tokens a step: a full-attention group (window None) all of its
+    blocks, a sliding-window group of W those from its window's first block through the chunk's
+    last (engine/block_manager.py frees the others); plus NULL_BLOCK, reserved once a group has
+    a window."""
+    full = -(-num_tokens // block_size)
+    held = sum(full if w is None else min(full, -(-(w - 1 + chunk) // block_size) + 1) for w in windows)
+    return held + any(w is not None for w in windows)
+
+
 _SPEC_METHODS = ("ngram", "draft_model")
 # The keys each method reads (vLLM's names).
 _SPEC_KEYS = {
@@ -140,6 +151,11 @@ class EngineConfig:
     # The paged KV cache's dtype where a layer's spec leaves it open: None is `dtype`;
     # torch.float8_e4m3fn halves (bf16) the bytes attention reads (kv_cache_dtype="fp8").
     kv_cache_dtype: torch.dtype | None = None
+    # KV-cache groups (core_runner/runner/kv_cache.py): each group's sliding window, None for
+    # full attention; a group with a window frees the blocks it has passed. One entry (the
+    # default): all caching layers are one group. The engine builder splits a model mixing
+    # sliding-window and full-attention layers unless disable_hybrid_kv_cache_manager.
+    kv_cache_windows: tuple[int | None, ...] = (None,)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -158,10 +174,17 @@ class EngineConfig:
         n = self.num_state_checkpoints
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_state_checkpoints must be an int >= 0, got {n!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+        windows = self.kv_cache_windows
+        if not isinstance(windows, tuple) or not windows or any(
+            w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1) for w in windows
+        ):
+            raise ValueError(f"kv_cache_windows must be a non-empty tuple of positive ints or None, got {windows!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < self.blocks_per_request:
+            groups = f" in {len(windows)} KV-cache groups" if len(windows) > 1 else ""
             raise ValueError(
                 f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
-                f"request of max_model_len={self.max_model_len}: lower max_model_len or give the cache more memory"
+                f"request of max_model_len={self.max_model_len}, which needs {self.blocks_per_request} blocks{groups}: "
+                "lower max_model_len or give the cache more memory"
             )
         if self.async_scheduling is None:
             # Speculative decoding needs each step's accepted count before the next is scheduled.
@@ -174,6 +197,11 @@ class EngineConfig:
             )
         if not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
+
+    @property
+    def blocks_per_request(self) -> int:
+        """The fewest KV-cache blocks that hold one request of max_model_len (`blocks_to_hold`)."""
+        return blocks_to_hold(self.kv_cache_windows, self.block_size, self.max_model_len, self.max_num_batched_tokens)
 
     @property
     def max_num_blocks_per_req(self) -> int:

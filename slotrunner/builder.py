@@ -22,7 +22,7 @@ from slotrunner.core_runner.engine.intake import IntakeContext
 from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
 from slotrunner.core_runner.loader.hub import HubOptions, resolve_model_path
 from slotrunner.core_runner.loader.source import open_model, read_generation_config
-from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype, kv_bytes_per_block
+from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype, kv_cache_layout
 from slotrunner.core_runner.distributed.parallel_state import tensor_parallel_scope
 from slotrunner.draft_model import load_draft_model
 from slotrunner.models.layers.media_source import media_root
@@ -101,6 +101,11 @@ class EngineArgs:
     # "auto" (the model's dtype) or "fp8" / "fp8_e4m3": K/V stored as float8 e4m3 (scale 1, as
     # vLLM without calibrated scales), half the bytes of bf16; layers without fp8 kernels refuse it.
     kv_cache_dtype: str = "auto"
+    # KV-cache groups (vLLM's name): a model mixing sliding-window and full-attention layers
+    # (Gemma 2/3, GPT-OSS) keeps one block table per group and frees the sliding-window blocks
+    # its window has passed, so the same memory holds more long requests. True: one group, every
+    # layer keeps every block (a model whose layers all share one window still frees them).
+    disable_hybrid_kv_cache_manager: bool = False
     # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
     trust_remote_code: bool = False
     pipeline_parallel_size: int = 1
@@ -213,6 +218,15 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         draft_model = load_draft_model(
             speculative, source.tokenizer, text_config.vocab_size, max_model_len, dtype, dev, args.load_format, pack, args.seed, hub
         )
+    # KV-cache groups: a draft model reads the target's block ids as one full-attention table.
+    hybrid = not args.disable_hybrid_kv_cache_manager and draft_model is None
+    layout = kv_cache_layout(nn_model, hybrid)
+    kv_windows = layout.windows if draft_model is None else (None,)
+    if len(layout.groups) > 1:
+        logging.getLogger(__name__).info(
+            "KV-cache groups: %d of %d layers each, windows %s (None: full attention); "
+            "disable_hybrid_kv_cache_manager=True keeps one group", len(layout.groups), layout.num_tensors, kv_windows,
+        )
     config = EngineConfig(
         model=source.path,
         device=dev,
@@ -234,6 +248,7 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         state_checkpoint_interval=args.state_checkpoint_interval,
         speculative_config=speculative,
         kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, nn_model),
+        kv_cache_windows=kv_windows,
     )
     # The family's state (Mamba pools, cross-attention caches) comes out of the same memory as the
     # KV cache: build it once, ask its size, and give the KV cache what is left.
@@ -361,9 +376,14 @@ def default_num_kv_blocks(
 ) -> int:
     """KV-cache blocks for `config`: enough for max_num_seqs requests of max_model_len, within
     the device's budget (`kv_budget_bytes`) less `reserved_bytes` (the family state's share,
-    ModelState.cache_bytes)."""
-    per_block = kv_bytes_per_block(model, config.block_size, config.cache_dtype)
-    blocks_per_req = -(-config.max_model_len // config.block_size)
+    ModelState.cache_bytes). A block id costs a page of every shared tensor of the model's KV-cache
+    groups (`config.kv_cache_windows`, runner/kv_cache.py); a request holds one per group."""
+    layout = kv_cache_layout(model, hybrid=len(config.kv_cache_windows) > 1)
+    assert layout.windows == config.kv_cache_windows or len(layout.groups) == len(config.kv_cache_windows) == 1, (
+        f"the model's KV-cache groups {layout.windows} disagree with kv_cache_windows={config.kv_cache_windows}"
+    )
+    per_block = layout.bytes_per_block(config.block_size, config.cache_dtype)
+    blocks_per_req = config.blocks_per_request
     wanted = config.max_num_seqs * blocks_per_req
     budget = kv_budget_bytes(config, gpu_memory_utilization, kv_cache_memory_bytes) - reserved_bytes
     if budget < per_block * blocks_per_req:
@@ -430,8 +450,9 @@ def _check_engine_args(**args: Any) -> None:
     seed = args["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be an int (64-bit), got {seed!r}")
-    if not isinstance(args["enforce_eager"], bool):
-        raise ValueError(f"enforce_eager must be True or False, got {args['enforce_eager']!r}")
+    for name in ("enforce_eager", "disable_hybrid_kv_cache_manager"):
+        if not isinstance(args[name], bool):
+            raise ValueError(f"{name} must be True or False, got {args[name]!r}")
     if args["async_scheduling"] is not None and not isinstance(args["async_scheduling"], bool):
         raise ValueError(f"async_scheduling must be True, False or None, got {args['async_scheduling']!r}")
     sizes = args["cuda_graph_sizes"]

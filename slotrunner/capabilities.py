@@ -4,9 +4,10 @@ what depends on the architecture itself.
 Generated from the classes' declarations, never written by hand: `python -m slotrunner models`
 prints them, `docs/capabilities.md` holds them (a test checks they agree). A feature a family
 lacks is refused loudly by the engine builder or falls back with a log line; each entry says
-which. Per architecture: tensor parallelism (the model class declares `check_tensor_parallel`)
-and the fp8 KV cache (every caching layer's `KVCacheSpec.supports_fp8`), read off the model
-built on the meta device from the architecture's tiny config.
+which. Per architecture: tensor parallelism (the model class declares `check_tensor_parallel`),
+the fp8 KV cache (every caching layer's `KVCacheSpec.supports_fp8`) and the KV-cache groups
+(`kv_cache_layout`: the caching layers' windows), read off the model built on the meta device
+from the architecture's tiny config.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype
+from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype, kv_cache_layout
 from slotrunner.core_runner.runner.model_state import ModelState
 
 
@@ -92,7 +93,13 @@ def render_text(state_classes: Iterable[type[ModelState]]) -> str:
     return "\n".join([fmt(header), *map(fmt, rows)]) + "\n"
 
 
-ARCH_COLUMNS = ("architecture", "ModelState", "tensor parallel", "fp8 KV cache")
+ARCH_COLUMNS = ("architecture", "ModelState", "tensor parallel", "fp8 KV cache", "KV-cache groups")
+
+
+def _kv_cache_groups(windows: tuple[int | None, ...]) -> str:
+    if len(windows) > 1:
+        return "hybrid (full + sliding window)"
+    return "one" if windows[0] is None else "one (sliding window)"
 
 
 def architecture_row(architecture: str) -> list[str]:
@@ -109,7 +116,8 @@ def architecture_row(architecture: str) -> list[str]:
     except ValueError:
         fp8 = "refused"
     tp = "yes" if callable(getattr(arch.model_cls, "check_tensor_parallel", None)) else "refused"
-    return [architecture, arch.model_state_cls.__name__, tp, fp8]
+    groups = _kv_cache_groups(kv_cache_layout(model).windows)
+    return [architecture, arch.model_state_cls.__name__, tp, fp8, groups]
 
 
 def render_architectures_markdown(architectures: Iterable[str]) -> str:

@@ -227,13 +227,19 @@ class BatchVariant:
     twice: bool = False  # run the batch twice on one engine and check the second run (prefix-cache hits)
 
 
-def batch_variants(max_model_len: int = MAX_MODEL_LEN) -> tuple[BatchVariant, ...]:
+def batch_variants(
+    max_model_len: int = MAX_MODEL_LEN, kv_cache_windows: tuple[int | None, ...] = (None,)
+) -> tuple[BatchVariant, ...]:
     """All at once; a 5-token budget with 3 slots (chunked prefill, requests finishing and
-    joining, slots reused); a KV cache of exactly one max_model_len request in 2-token blocks,
-    so that concurrent requests run out of blocks and are preempted; and that again with async
-    scheduling (each step scheduled before the previous step's tokens are known), which the GPU
-    runs by default."""
-    scarce = {"max_num_seqs": 6, "max_num_batched_tokens": 16, "block_size": 2, "num_kv_blocks": -(-max_model_len // 2)}
+    joining, slots reused); a KV cache of exactly one max_model_len request in 2-token blocks
+    (in the model's KV-cache groups, `EngineConfig.kv_cache_windows`: a sliding-window group
+    needs only its window's blocks), so that concurrent requests run out of blocks and are
+    preempted; and that again with async scheduling (each step scheduled before the previous
+    step's tokens are known), which the GPU runs by default."""
+    from slotrunner.core_runner.config import blocks_to_hold
+
+    one_request = blocks_to_hold(kv_cache_windows, 2, max_model_len, 16)
+    scarce = {"max_num_seqs": 6, "max_num_batched_tokens": 16, "block_size": 2, "num_kv_blocks": one_request}
     # Prefix caching on where the family supports it (None: the engine's default), so a
     # re-admitted request takes its own cached blocks; the alone runs compute every position.
     cached = {"enable_prefix_caching": None}
@@ -290,8 +296,8 @@ def check_batch_invariance(
     requests together need more than the cache, so one is preempted; only if even that does not
     preempt does the variant fail. `floor` (a real checkpoint's measured float32 noise) widens
     the logits tolerance to NOISE_FACTOR x floor, as for the oracle checks."""
-    variants = batch_variants(max_model_len) if variants is None else variants
     solo = make_llm(max_num_seqs=1)
+    variants = batch_variants(max_model_len, solo.config.kv_cache_windows) if variants is None else variants
     alone = [run_batch(solo, [p], [sp])[0] for p, sp in zip(prompts, params)]
     order = list(range(len(prompts)))
     random.Random(0).shuffle(order)
@@ -519,7 +525,7 @@ def run_case(
     # as much as the oracle's float32 does, so the largest floor measured above applies.
     floor = max((r.floor for r in alone if r.floor is not None), default=None)
     report.checks += check_batch_invariance(
-        case.make_llm, case.batch_prompts, case.batch_params, batch_variants(case.max_model_len), atol, rtol, on_engine,
+        case.make_llm, case.batch_prompts, case.batch_params, None, atol, rtol, on_engine,
         case.max_model_len, floor,
     )
     return report

@@ -41,7 +41,7 @@ def test_docs_tables_are_the_generated_ones():
 
 @pytest.mark.parametrize("architecture", in_tree_architectures())
 def test_refused_tensor_parallel_is_refused(architecture):
-    name, state, tp, _ = architecture_row(architecture)
+    name, state, tp, *_ = architecture_row(architecture)
     arch = resolve(tiny_config(architecture), architecture)
     if tp == "refused":
         with pytest.raises(ValueError, match="does not run tensor-parallel"):

@@ -78,3 +78,31 @@ def test_state_checkpoints_take_what_the_family_share_leaves(tmp_path, caplog):
         tight = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=8, kv_cache_memory_bytes=budget).engine
     assert tight.config.max_num_seqs == 8 and tight.config.num_state_checkpoints == 3
     assert "3 recurrent-state checkpoints" in caplog.text
+
+
+def test_kv_cache_groups_size_the_cache_in_block_ids_of_their_layers(tmp_path):
+    """Guards against a grouped cache sized as if a block id held every layer (no memory gained)
+    or only some layers' pages counted (more memory than the budget), and against an explicit
+    num_kv_blocks too small for one request of max_model_len in the groups being accepted (the
+    request would wait forever). Tiny Gemma 3: 3 sliding : 1 full layer, groups of one layer."""
+    from slotrunner.conformance import build_case
+    from slotrunner.registry import tiny_config
+
+    build_case(tiny_config("Gemma3ForCausalLM"), tmp_path)
+    args = dict(device="cpu", max_model_len=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    off = LLM(str(tmp_path), **args, num_kv_blocks=16, disable_hybrid_kv_cache_manager=True)
+    all_layers = off.engine.runner.kv_layout.bytes_per_block(4, off.config.cache_dtype)  # 4 layers' pages
+    budget = 100 * all_layers
+    roomy = args | {"max_num_seqs": 64}  # the budget, not max_num_seqs requests' worth, decides
+    off = LLM(str(tmp_path), **roomy, kv_cache_memory_bytes=budget, disable_hybrid_kv_cache_manager=True)
+    on = LLM(str(tmp_path), **roomy, kv_cache_memory_bytes=budget)
+    assert off.config.kv_cache_windows == (None,) and on.config.kv_cache_windows == (None, 6, 6, 6)
+    assert off.config.num_kv_blocks == 100 and on.config.num_kv_blocks == 400, "a grouped block id is one layer's page"
+    assert sum(c.numel() * c.element_size() for c in on.engine.runner.kv_caches) == budget
+    needed = on.config.blocks_per_request
+    # The full group all 16 blocks; each sliding group its window and an 8-token chunk,
+    # ceil((6 - 1 + 8) / 4) + 1 = 5 blocks; and NULL_BLOCK.
+    assert needed == 16 + 3 * 5 + 1
+    with pytest.raises(ValueError, match=f"needs {needed} blocks in 4 KV-cache groups"):
+        LLM(str(tmp_path), **args, num_kv_blocks=needed - 1)
+    assert LLM(str(tmp_path), **args, num_kv_blocks=needed).config.num_kv_blocks == needed

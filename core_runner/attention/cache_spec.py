@@ -8,6 +8,10 @@ per layer and binds it as the layer's `kv_cache`; block-count sizing sums
 `spec.bytes_per_block` over the layers. Full attention declares K and V per KV head; multi-head
 latent attention (models/layers/mla_attention.py) one compressed latent plus a rotary key. The
 runner never looks at the kind: a new layout is a new spec, not a case in core_runner.
+
+A spec also says how far back the layer reads (`sliding_window`): layers with equal specs form a
+KV-cache group (runner/kv_cache.py) with its own block table per request, and a sliding-window
+group's blocks leave once every later query is past them (engine/block_manager.py).
 """
 
 from __future__ import annotations
@@ -34,12 +38,17 @@ class KVCacheSpec:
     # Whether the layer's kernels read this cache in float8 e4m3 (kv_cache_dtype="fp8"); a
     # layer that cannot makes the engine refuse fp8, naming its kind.
     supports_fp8: bool = False
+    # The layer's queries read only keys with q_pos - k_pos < sliding_window (AttentionSpec's
+    # convention); None: every earlier key. Blocks wholly before a request's window may be freed.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not self.shape_per_token or any(int(d) <= 0 for d in self.shape_per_token):
             raise ValueError(f"{self.kind} cache: shape per token {self.shape_per_token} must be non-empty and positive")
         if not 0 <= self.block_dim <= len(self.shape_per_token):
             raise ValueError(f"{self.kind} cache: block_dim {self.block_dim} outside shape {self.shape_per_token}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{self.kind} cache: sliding_window must be >= 1 or None, got {self.sliding_window}")
 
     def dtype_for(self, engine_dtype: torch.dtype) -> torch.dtype:
         return engine_dtype if self.dtype is None else self.dtype
@@ -59,6 +68,9 @@ class PagedCacheLayer(nn.Module, abc.ABC):
     `kv_cache` once, before the first forward."""
 
     kv_cache: torch.Tensor | None
+    # Which KV-cache group's block table this layer's slots and block ids come from; bound by the
+    # runner with `kv_cache` (0 while the model has one group).
+    kv_group: int = 0
 
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -18,6 +18,13 @@ class ForwardContext:
     backend: AttentionBackend
     attn: AttentionMetadata
     family_attn: FamilyAttnMetadata | None = None
+    # One metadata per KV-cache group when the model has several (runner/kv_cache.py): they differ
+    # only in block tables and slot mapping; `attn` is group 0's. Empty: `attn` serves every layer.
+    group_attn: tuple[AttentionMetadata, ...] = ()
+
+    def attn_of(self, kv_group: int) -> AttentionMetadata:
+        """The metadata of a layer bound to `kv_group` (PagedCacheLayer.kv_group)."""
+        return self.group_attn[kv_group] if self.group_attn else self.attn
 
 
 _current: ForwardContext | None = None

@@ -22,7 +22,8 @@ class Attention(PagedCacheLayer):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """K and V per KV head: the layout `kv_cache_shape` describes and every backend reads."""
-        return KVCacheSpec("kv", (2, self.spec.num_kv_heads, self.spec.head_dim), block_dim=1, supports_fp8=True)
+        s = self.spec
+        return KVCacheSpec("kv", (2, s.num_kv_heads, s.head_dim), block_dim=1, supports_fp8=True, sliding_window=s.sliding_window)
 
     def forward(
         self,
@@ -40,7 +41,7 @@ class Attention(PagedCacheLayer):
             k.view(-1, s.num_kv_heads, s.head_dim),
             v.view(-1, s.num_kv_heads, s.head_dim),
             self.kv_cache,
-            ctx.attn,
+            ctx.attn_of(self.kv_group),
             sinks=sinks,
         )
         return out.reshape(-1, s.num_heads * s.head_dim)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from slotrunner.core_runner.config import EngineConfig
+from slotrunner.core_runner.config import EngineConfig, blocks_to_hold
 from slotrunner.core_runner.engine.block_hash import extend_block_hashes
-from slotrunner.core_runner.engine.block_manager import BlockManager
+from slotrunner.core_runner.engine.block_manager import BlockManager, CachedPrefix
 from slotrunner.core_runner.engine.draft_gate import DraftGate
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.state_checkpoints import StateCheckpoints
@@ -40,13 +40,17 @@ class Scheduler:
     step that writes them is scheduled. Parallel samples (n > 1) are n requests that meet here.
     A family with recurrent state (`config.num_state_checkpoints` > 0) also needs the state at
     the end of the hit: see `StateCheckpoints` (state_checkpoints.py) and `_state_hit`.
+
+    KV-cache groups (`config.kv_cache_windows`): a request's blocks in each sliding-window group
+    that its next step's queries cannot see are freed before the step grows it, so growth,
+    admission and preemption count what each group really needs.
     """
 
     def __init__(self, config: EngineConfig, prefix_caching: bool = False, async_scheduling: bool = False) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.kv_cache_windows)
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # admission order; each holds a runner slot
         self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -160,7 +164,8 @@ class Scheduler:
         """Why nothing can be scheduled, for the error that reports it."""
         if self.waiting and not self.running:
             head = self.waiting[0]
-            blocks = -(-head.num_tokens // self.block_manager.block_size)
+            bm = self.block_manager
+            blocks = blocks_to_hold(bm.windows, bm.block_size, head.num_tokens, self.max_num_batched_tokens)
             return (
                 f"request {head.req_id!r} waits with {head.num_tokens} tokens needing {blocks} KV blocks; "
                 f"{self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} are free"
@@ -215,6 +220,8 @@ class Scheduler:
                 # written too; rejected ones are overwritten later, update() rolls back).
                 num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(self.max_model_len))
                 num_new += num_drafts
+            # Blocks its window has passed go back first: this step's growth may reuse them.
+            self.block_manager.free_outside_window(request.req_id, request.num_computed_tokens)
             new_block_ids = self._grow_or_preempt(request, self._with_lookahead(request.num_computed_tokens + num_new), out)
             if new_block_ids is None:
                 break  # it preempted itself, so it was the last running request
@@ -234,18 +241,19 @@ class Scheduler:
                 break  # preempted while a step sampled for it: its tokens must be known first
             cached = self._find_cached(request)
             state_checkpoint = None
-            if self.state_checkpoints is not None:
+            if self.state_checkpoints is not None and cached is not None:
                 hit = self._state_hit(request, cached)
                 if hit is None:
                     break  # a longer prefix of it is being checkpointed in this step: take it next step
                 cached, state_checkpoint = hit
-            num_computed = len(cached) * self.block_size
+            num_computed = 0 if cached is None else cached.num_blocks * self.block_size
             num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
             num_new = self._to_state_checkpoint(request, num_computed, num_new)
             if not self.block_manager.can_grow(request.req_id, self._with_lookahead(num_computed + num_new), cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.block_manager.take_cached(request.req_id, cached)
+            if cached is not None:
+                self.block_manager.take_cached(request.req_id, cached)
             self.block_manager.grow(request.req_id, self._with_lookahead(num_computed + num_new))
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:  # first admission: what the user's prompt found cached
@@ -290,25 +298,29 @@ class Scheduler:
         """Tokens to hold blocks for when a step computes up to `num_tokens`."""
         return min(num_tokens + self.num_lookahead_tokens, self.max_model_len)
 
-    def _find_cached(self, request: Request) -> list[int]:
+    def _find_cached(self, request: Request) -> CachedPrefix | None:
         """The cached blocks a request being admitted starts from: the longest cached chain of
         its full blocks, leaving at least one token to compute (it must produce logits)."""
         if not self.prefix_caching or not request.cacheable:
-            return []
+            return None
         self._hash_blocks(request, request.num_tokens)
         return self.block_manager.find_cached(request.block_hashes, (request.num_tokens - 1) // self.block_size)
 
     # -- recurrent-state checkpoints (state_checkpoints.py) ----------------------------------
 
-    def _state_hit(self, request: Request, cached: list[int]) -> tuple[list[int], int | None] | None:
-        """The part of a cached chain a family with recurrent state can start from: the longest
+    def _state_hit(self, request: Request, cached: CachedPrefix) -> tuple[CachedPrefix, int | None] | None:
+        """The part of a cached prefix a family with recurrent state can start from: the longest
         prefix whose last block has a state checkpoint, and that checkpoint's entry. None: wait,
         since the step being scheduled checkpoints a longer prefix of it (a sibling sample or a
         request with the same start is computing it), which the next step can take whole."""
-        num_blocks, entry, longer_pending = self.state_checkpoints.longest_hit(request.block_hashes, len(cached))
+        num_blocks, entry, longer_pending = self.state_checkpoints.longest_hit(request.block_hashes, cached.num_blocks)
         if longer_pending:
             return None
-        return cached[:num_blocks], entry
+        if num_blocks < cached.num_blocks:  # every group's blocks cut at the checkpoint
+            cached = self.block_manager.find_cached(request.block_hashes, num_blocks)
+            if cached.num_blocks != num_blocks:  # a sliding window's blocks before the cut are gone
+                return self.block_manager.find_cached(request.block_hashes, 0), None
+        return cached, entry
 
     def _to_state_checkpoint(self, request: Request, start: int, num_new: int) -> int:
         """Cut a chunk of `num_new` tokens from `start` at the request's next checkpoint
@@ -342,15 +354,16 @@ class Scheduler:
         self._hash_blocks(request, num_tokens)
         self.block_manager.cache(request.req_id, request.block_hashes[: num_tokens // self.block_size])
 
-    def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[int] | None:
+    def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[list[int]] | None:
         """Grow `request` to hold `num_tokens` tokens, preempting from the tail of `running`
-        until the blocks fit. Returns the new block ids, or None if `request` itself was preempted.
+        until the blocks fit. Returns the new block ids per group, or None if `request` itself was
+        preempted.
 
         Victims come from the tail, which this step has not scheduled yet (the loop in
         `schedule` walks from the head), so no scheduled request is ever preempted.
         """
         if self.block_manager.num_blocks_to_grow(request.req_id, num_tokens) == 0:
-            return []  # most decode steps: the last block still has room
+            return [[] for _ in self.block_manager.windows]  # most decode steps: the last block still has room
         while not self.block_manager.can_grow(request.req_id, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)

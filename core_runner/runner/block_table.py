@@ -7,41 +7,55 @@ import torch
 
 
 class BlockTables:
-    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device) -> None:
+    """One table per KV-cache group (core_runner/runner/kv_cache.py): row `slot` of table g lists
+    the request's block ids of group g in sequence order. `table` / `table_np` are group 0's."""
+
+    def __init__(
+        self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         self.block_size = block_size
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.device = device
-        self.table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)  # [slots, max_blocks]
-        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)  # [slots]
-        self.table = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device)
+        self.num_groups = num_groups
+        shape = (num_groups, max_num_reqs, max_num_blocks_per_req)
+        self.tables_np = np.zeros(shape, dtype=np.int32)  # [groups, slots, max_blocks]
+        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)  # [slots], the same in every group
+        self.tables = torch.zeros(shape, dtype=torch.int32, device=device)  # [groups, slots, max_blocks]
+        self.table_np, self.table = self.tables_np[0], self.tables[0]
         self._dirty: set[int] = set()
 
-    def reset(self, slot: int, block_ids: list[int]) -> None:
+    def reset(self, slot: int, block_ids: list[list[int]]) -> None:
         self.num_blocks_np[slot] = 0
         self.append(slot, block_ids)
 
-    def append(self, slot: int, block_ids: list[int]) -> None:
-        """Stage new blocks for `slot`; they reach the device table in `commit()`."""
-        if not block_ids:
+    def append(self, slot: int, block_ids: list[list[int]]) -> None:
+        """Stage each group's new blocks for `slot` (one list per group, all of one length);
+        they reach the device tables in `commit()`."""
+        assert len(block_ids) == self.num_groups, f"slot {slot}: {len(block_ids)} block lists for {self.num_groups} groups"
+        num_new = len(block_ids[0])
+        if not num_new:
             return
         start = int(self.num_blocks_np[slot])
-        end = start + len(block_ids)
+        end = start + num_new
         assert end <= self.max_num_blocks_per_req, f"slot {slot}: {end} blocks exceed max_num_blocks_per_req"
-        self.table_np[slot, start:end] = block_ids
+        for g, ids in enumerate(block_ids):
+            assert len(ids) == num_new, f"slot {slot}: group {g} grows by {len(ids)} blocks, group 0 by {num_new}"
+            self.tables_np[g, slot, start:end] = ids
         self.num_blocks_np[slot] = end
         self._dirty.add(slot)
 
     def commit(self) -> None:
-        """Copy the staged rows to the device table: one copy per step, only of changed rows."""
+        """Copy the staged rows to the device tables: one copy per step, only of changed rows."""
         if not self._dirty:
             return
         rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
         self._dirty.clear()
-        if self.table.device.type == "cpu":
-            self.table.numpy()[rows] = self.table_np[rows]
+        if self.tables.device.type == "cpu":
+            self.tables.numpy()[:, rows] = self.tables_np[:, rows]
         else:  # index_copy_: unlike indexed assignment it never waits for the device
             rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
-            self.table.index_copy_(0, rows_t, torch.from_numpy(self.table_np[rows]).to(self.device, non_blocking=True))
+            staged = torch.from_numpy(self.tables_np[:, rows]).to(self.device, non_blocking=True)
+            self.tables.index_copy_(1, rows_t, staged)
 
     def gather(self, idx_mapping: torch.Tensor) -> torch.Tensor:  # [num_reqs] -> [num_reqs, max_blocks]
         return self.table.index_select(0, idx_mapping)

@@ -47,28 +47,32 @@ class CudaGraphs:
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def _metadata(self, n: int) -> AttentionMetadata:
-        """Metadata over the first n rows/tokens of the persistent buffers. Host-side fields are
-        upper bounds (the captured kernels read the real lengths from the buffers)."""
+    def _metadata(self, n: int) -> tuple[AttentionMetadata, ...]:
+        """Metadata over the first n rows/tokens of the persistent buffers, per KV-cache group.
+        Host-side fields are upper bounds (the captured kernels read the real lengths from the
+        buffers)."""
         b = self.buffers
-        return AttentionMetadata(
-            num_reqs=n,
-            num_tokens=n,
-            query_start_loc=b.query_start_loc[: n + 1],
-            query_start_loc_np=np.arange(n + 1),
-            seq_lens=b.seq_lens[:n],
-            seq_lens_np=np.full(n, self.max_model_len),
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            block_tables=b.block_tables[:n],
-            slot_mapping=b.slot_mapping[:n],
+        return tuple(
+            AttentionMetadata(
+                num_reqs=n,
+                num_tokens=n,
+                query_start_loc=b.query_start_loc[: n + 1],
+                query_start_loc_np=np.arange(n + 1),
+                seq_lens=b.seq_lens[:n],
+                seq_lens_np=np.full(n, self.max_model_len),
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                block_tables=b.group_block_tables[g, :n],
+                slot_mapping=b.group_slot_mapping[g, :n],
+            )
+            for g in range(b.group_block_tables.shape[0])
         )
 
-    def _forward(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, n: int, metas: tuple[AttentionMetadata, ...]) -> torch.Tensor:
         b = self.buffers
         extra = self.model_state.prepare_dummy_inputs(n, n)
         family_attn = self.model_state.prepare_dummy_attn(n)
-        with forward_context(ForwardContext(self.backend, meta, family_attn)):
+        with forward_context(ForwardContext(self.backend, metas[0], family_attn, metas if len(metas) > 1 else ())):
             return self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())
 
     @torch.inference_mode()
@@ -78,7 +82,7 @@ class CudaGraphs:
         b = self.buffers
         b.query_start_loc.zero_()
         b.seq_lens.zero_()
-        b.slot_mapping.fill_(-1)
+        b.group_slot_mapping.fill_(-1)
         b.input_ids.zero_()
         b.positions.zero_()
         pool = torch.cuda.graph_pool_handle()

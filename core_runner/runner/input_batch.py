@@ -36,8 +36,11 @@ class InputBatch:
     logits_indices: torch.Tensor  # [num_reqs] int64, row of each request's last query token
     sample_mask_np: np.ndarray  # [num_reqs] bool, the row's prefill is complete: it samples a token
     num_sampled: torch.Tensor  # [num_reqs] int32, sample_mask_np on the device
-    block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
-    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV-cache slot of each query token
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32 (KV-cache group 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV-cache slot of each query token (group 0)
+    # The same per KV-cache group (core_runner/runner/kv_cache.py); index 0 is the two above.
+    group_block_tables: torch.Tensor  # [num_groups, num_reqs, max_num_blocks_per_req] int32
+    group_slot_mapping: torch.Tensor  # [num_groups, num_tokens] int64
     # CUDA-graph padding: the tensors above are the first num_reqs / num_tokens entries of
     # `buffers`, whose entries up to the padded sizes are valid empty rows / skipped tokens.
     num_reqs_padded: int
@@ -63,8 +66,13 @@ class InputBatch:
     def max_seq_len(self) -> int:
         return int(self.seq_lens_np.max()) if self.num_reqs else 0
 
-    def attn_metadata(self) -> AttentionMetadata:
-        """The common attention metadata of this step (what every backend reads)."""
+    @property
+    def num_kv_groups(self) -> int:
+        return self.group_block_tables.shape[0]
+
+    def attn_metadata(self, kv_group: int = 0) -> AttentionMetadata:
+        """The common attention metadata of this step (what every backend reads), for the
+        layers of one KV-cache group."""
         return AttentionMetadata(
             num_reqs=self.num_reqs,
             num_tokens=self.num_tokens,
@@ -74,6 +82,6 @@ class InputBatch:
             seq_lens_np=self.seq_lens_np,
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
-            block_tables=self.block_tables,
-            slot_mapping=self.slot_mapping,
+            block_tables=self.group_block_tables[kv_group],
+            slot_mapping=self.group_slot_mapping[kv_group],
         )

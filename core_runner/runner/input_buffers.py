@@ -14,7 +14,13 @@ import torch
 
 class InputBuffers:
     def __init__(
-        self, max_num_reqs: int, max_num_tokens: int, max_num_blocks_per_req: int, device: torch.device, max_draft: int = 0
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_num_blocks_per_req: int,
+        device: torch.device,
+        max_draft: int = 0,
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_draft = max_draft
@@ -27,10 +33,14 @@ class InputBuffers:
         self.num_sampled = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 1 if the row samples
         self.num_rejected = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] always 0 until draft tokens exist
         self.seq_lens = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 0 on padding rows
-        self.block_tables = torch.zeros(max_num_reqs, max_num_blocks_per_req, **i32)  # [max_num_reqs, max_blocks]
+        # Per KV-cache group (runner/kv_cache.py); `block_tables` / `slot_mapping` are group 0's.
+        # [groups, max_num_reqs, max_blocks]
+        self.group_block_tables = torch.zeros(num_kv_groups, max_num_reqs, max_num_blocks_per_req, **i32)
+        self.group_slot_mapping = torch.full((num_kv_groups, max_num_tokens), -1, **i64)  # [groups, max_num_tokens] -1 on padding
+        self.block_tables = self.group_block_tables[0]  # [max_num_reqs, max_blocks]
         self.input_ids = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
         self.positions = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
-        self.slot_mapping = torch.full((max_num_tokens,), -1, **i64)  # [max_num_tokens] -1 on padding tokens
+        self.slot_mapping = self.group_slot_mapping[0]  # [max_num_tokens] -1 on padding tokens
         # One logits row per batch row, plus one per draft (speculative decoding), rows in order.
         self.logits_indices = torch.zeros(max_num_reqs * (1 + max_draft), **i64)  # [max_num_reqs * (1 + max_draft)]
         self.num_draft = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] drafts scheduled per row

@@ -24,7 +24,7 @@ from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
-from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache
+from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, kv_cache_layout
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState
@@ -63,23 +63,30 @@ class ModelRunner:
             f"{type(model_state).__name__} cannot roll back rejected drafts (the engine builder refuses this)"
         )
         self.req_state = RequestState(config.max_num_seqs, config.max_model_len, self.device, max_draft)
+        # KV-cache groups: the builder chose them (config.kv_cache_windows) from this same model.
+        self.kv_layout = kv_cache_layout(model, hybrid=len(config.kv_cache_windows) > 1)
+        num_groups = len(self.kv_layout.groups)
+        assert num_groups == len(config.kv_cache_windows), (
+            f"the model's {num_groups} KV-cache groups disagree with kv_cache_windows={config.kv_cache_windows}"
+        )
         self.block_tables = BlockTables(
-            config.max_num_seqs, config.max_num_blocks_per_req, config.block_size, self.device
+            config.max_num_seqs, config.max_num_blocks_per_req, config.block_size, self.device, num_groups
         )
         self.sampling_states = SamplingStates(config.max_num_seqs, config.vocab_size, self.device)
         self.sampler = Sampler()
         self.attn_backend = select_attn_backend(self.device)
         self.input_buffers = InputBuffers(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_blocks_per_req, self.device, max_draft
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_num_blocks_per_req, self.device, max_draft, num_groups
         )
         # Drafts the speculator proposed per batch row of the last step (only counts reach the host).
         self._next_num_draft = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
-        self.kv_caches = allocate_kv_cache(model, config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
+        self.kv_caches = self.kv_layout.allocate(config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
         )
         if draft_model is not None:
             # Speculative decoding with a draft model: its own cache, indexed by the same block ids.
+            assert config.kv_cache_windows == (None,), "a draft model reads the target's block ids: one full-attention group"
             allocate_kv_cache(draft_model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
         self.speculator: Speculator | None = None if spec is None else build_speculator(config, self.attn_backend, draft_model)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -125,7 +132,8 @@ class ModelRunner:
             assert inputs_embeds is None, f"{type(ms).__name__} supports CUDA graphs but returned inputs_embeds for a decode step"
             hidden = self.cuda_graphs.run(batch)
         else:
-            ctx = ForwardContext(self.attn_backend, batch.attn_metadata(), family_attn)
+            metas = tuple(batch.attn_metadata(g) for g in range(batch.num_kv_groups))
+            ctx = ForwardContext(self.attn_backend, metas[0], family_attn, metas if len(metas) > 1 else ())
             with torch.inference_mode(), forward_context(ctx):
                 hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds, **extra.as_kwargs())
         if sched.state_checkpoints:  # prefill chunks ending at a checkpoint position (prefix caching)

@@ -38,7 +38,8 @@ def prepare_inputs(
     num_tokens_padded = num_tokens if num_tokens_padded is None else num_tokens_padded
     if buffers is None:  # a one-off batch (tests): buffers of exactly this size
         buffers = InputBuffers(
-            num_reqs_padded, num_tokens_padded, block_tables.max_num_blocks_per_req, state.device, state.draft_tokens.shape[1]
+            num_reqs_padded, num_tokens_padded, block_tables.max_num_blocks_per_req, state.device, state.draft_tokens.shape[1],
+            block_tables.num_groups,
         )
     # A row samples when this step brings its KV cache up to every token it has: the next
     # token is then unknown. A prefill chunk that stops short samples nothing.
@@ -54,11 +55,13 @@ def prepare_inputs(
         idx_mapping, b.query_start_loc, num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
     )
     ik.prepare_seq_lens(b.query_start_loc, num_computed, b.seq_lens, num_reqs_padded)
-    ik.compute_slot_mapping(
-        idx_mapping, b.query_start_loc, b.positions, block_tables.table, block_tables.block_size, b.slot_mapping, num_tokens_padded
-    )
     max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
-    ik.gather_block_tables(idx_mapping, block_tables.table, b.block_tables, num_reqs_padded, max_blocks)
+    for g in range(block_tables.num_groups):  # each KV-cache group's slots and table rows
+        ik.compute_slot_mapping(
+            idx_mapping, b.query_start_loc, b.positions, block_tables.tables[g], block_tables.block_size,
+            b.group_slot_mapping[g], num_tokens_padded,
+        )  # fmt: skip
+        ik.gather_block_tables(idx_mapping, block_tables.tables[g], b.group_block_tables[g], num_reqs_padded, max_blocks)
     cu_num_logits_np = None
     if speculative:
         assert int(num_draft_np.max(initial=0)) <= state.draft_tokens.shape[1], "more drafts scheduled than proposed"
@@ -91,6 +94,8 @@ def prepare_inputs(
         num_sampled=b.num_sampled[:num_reqs],
         block_tables=b.block_tables[:num_reqs],
         slot_mapping=b.slot_mapping[:num_tokens],
+        group_block_tables=b.group_block_tables[:, :num_reqs],
+        group_slot_mapping=b.group_slot_mapping[:, :num_tokens],
         num_reqs_padded=num_reqs_padded,
         num_tokens_padded=num_tokens_padded,
         buffers=b,

@@ -14,13 +14,15 @@ class NewRequestData:
 
     `prefill_token_ids` is the prompt plus, after a preemption, the tokens generated before it
     (prefill_len >= prompt_len); the first `num_computed_tokens` of them are already in the KV
-    blocks it arrives with (prefix-cache hits), the rest the runner computes.
+    blocks it arrives with (prefix-cache hits), the rest the runner computes. `block_ids` has one
+    list per KV-cache group (core_runner/runner/kv_cache.py); a sliding-window group's list has
+    NULL_BLOCK where its window has passed.
     """
 
     req_id: str
     prompt_len: int
     prefill_token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group, in sequence order
     num_computed_tokens: int
     sampling_params: SamplingParams
     seed: int
@@ -42,7 +44,7 @@ class CachedRequestData:
     """A request already in the runner that is scheduled again this step."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV-cache group, appended to its table row
     num_computed_tokens: int
 
 

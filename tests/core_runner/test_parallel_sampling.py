@@ -93,3 +93,36 @@ def test_without_prefix_caching_samples_recompute_and_agree(tiny_llama_dir):
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert counter.count == 3 * 10 + 3 * 4
     assert b.num_cached_tokens == 0
+
+
+def test_samples_share_a_prompt_past_the_window_in_kv_cache_groups(tmp_path):
+    """KV-cache groups (tiny Gemma 3: a window of 6 beside full attention): siblings admitted
+    in the same step take sample 0's full-attention blocks and only the sliding-window blocks
+    their first query's window reads (positions before it get NULL_BLOCK), so they compute
+    just their last token and still equal seeded single requests -- also chunked in a cache of
+    36 blocks (one 64-token request needs 32), where samples are preempted and re-admitted."""
+    from slotrunner.conformance import build_case
+    from slotrunner.registry import tiny_config
+
+    build_case(tiny_config("Gemma3ForCausalLM", tie_word_embeddings=False), tmp_path)
+    prompt = {"prompt_token_ids": [(31 * i) % 900 + 5 for i in range(21)]}
+    sp = dict(temperature=1.0, top_k=50, max_tokens=MAX_TOKENS, ignore_eos=True)
+    args = dict(device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    llm = LLM(str(tmp_path), **args)
+    assert len(llm.config.kv_cache_windows) == 4
+    counter = TokenCounter(llm.engine.runner.model)
+    try:
+        out = llm.generate(prompt, SamplingParams(n=N, seed=100, **sp), use_tqdm=False)[0]
+        forwarded = counter.count
+    finally:
+        counter.close()
+    assert forwarded == 21 + (N - 1) * 1 + N * (MAX_TOKENS - 1), "siblings recomputed the shared prompt"
+    singles = [llm.generate(prompt, SamplingParams(seed=100 + i, **sp), use_tqdm=False)[0].outputs[0] for i in range(N)]
+    assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+    tight = LLM(str(tmp_path), **(args | {"max_num_batched_tokens": 8}), num_kv_blocks=36)
+    again = tight.generate([prompt] * 3, SamplingParams(n=N, seed=100, **sp), use_tqdm=False)
+    assert all([c.token_ids for c in o.outputs] == [s.token_ids for s in singles] for o in again)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for engine in (llm, tight):
+        bm = engine.engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks

@@ -115,6 +115,43 @@ def test_same_tokens_with_and_without_speculation(llama_dir, baseline, engine_ar
         assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
 
+def test_sliding_window_groups_keep_every_block_a_rollback_needs(tmp_path):
+    """KV-cache groups (Gemma 3: a window of 6 beside full attention) under speculation: the
+    blocks a sliding-window group frees before a step must never be read again, even when the
+    step's drafts are rejected and the request recomputes from the first rejected position
+    (freed blocks are overwritten at once here, as a reuse would); so the tokens equal those
+    without speculation, chunked and preempting in a cache of 45 blocks (one request of 96
+    tokens needs 41), while blocks do leave. Prefix caching is off: a freed block keeps no
+    content anyone may find."""
+    build_case(tiny_config("Gemma3ForCausalLM", tie_word_embeddings=False), tmp_path)
+    args = dict(
+        device="cpu", max_model_len=96, block_size=4, max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=45,
+        enable_prefix_caching=False,
+    )
+    prompts, params = make_requests()
+    baseline = LLM(str(tmp_path), **args).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), **args, speculative_config=NGRAM)
+    assert len(llm.config.kv_cache_windows) == 4
+    bm = llm.engine.scheduler.block_manager
+    freed, free_outside_window = [], bm.free_outside_window
+
+    def poisoned(req_id: str, num_computed: int) -> int:  # a freed block is overwritten at once, as by a reuse
+        before = set(bm.held_block_ids(req_id))
+        freed.append(free_outside_window(req_id, num_computed))
+        gone = sorted(before - set(bm.held_block_ids(req_id)))
+        for cache in llm.engine.runner.kv_caches:
+            cache[:, gone] = 1e3
+        return freed[-1]
+
+    bm.free_outside_window = poisoned
+    seen = record_acceptance(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == token_ids(baseline)
+    assert any(0 <= a < d for d, a in seen), "some drafts were rejected"
+    assert sum(freed) > 0 and llm.engine.scheduler.num_preemptions > 0
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_stops_inside_accepted_runs(llama_dir):
     """max_tokens and stop token ids cut exactly where decoding one token per step would,
     also when they fall inside a step's accepted drafts."""

@@ -6,7 +6,8 @@ wrong slot, the binary search over query_start_loc landing on the wrong row when
 (no queries) sit between real ones, an online-softmax rescale bug that shows only across several
 key tiles, the sliding window off by one or a window start that skips needed tiles, soft cap or
 bias applied in the wrong order, the bias distance unclamped, padded head dims (40) leaking into
-the dot products, padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
+the dot products, a sliding-window row reading the freed blocks its table names before its
+window (KV-cache groups), padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
 last V element of the K half) or left with non-finite outputs, attention sinks left out of the
 softmax's running sum, and a row's output changing with the other rows of its batch.
 
@@ -206,6 +207,30 @@ def check_batch_invariance() -> None:
             outs = run_rows(spec, q, k, v, cache, meta, bias, case.tiles, keep)
             for r, o in zip(keep, outs):
                 assert torch.equal(o, full[r]), f"[{case.name}] row {r} in rows {keep} differs from the full batch"
+
+
+def check_freed_blocks_before_the_window_are_ignored() -> None:
+    """Run in the interpreter subprocess: with KV-cache groups, a sliding-window row's table
+    names freed blocks before its window (reused by other requests, or NULL_BLOCK). Pointing
+    those entries at a block of large values must change neither the Triton output (its first
+    key tile may start before the window) nor the reference's (it gathers every position)."""
+    case = Case("window 5, blocks before it freed", ((0, 9), (12, 1), (30, 12), (17, 3), (44, 1)), window=5)
+    spec, q, k, v, cache, meta, bias, _ = build(case)
+    expected = TorchRefBackend().forward(spec, q, k, v, cache.clone(), meta, bias)
+    garbage = cache.shape[1]  # one more block, full of values no row may read
+    poisoned = torch.cat([cache, torch.full_like(cache[:, :1], 1e3)], dim=1)
+    tables = meta.block_tables.clone()
+    for r, (cached, _) in enumerate(case.rows):
+        tables[r, : max(0, cached - case.window + 1) // case.block_size] = garbage  # freed: wholly before the window
+    assert (tables == garbage).sum() >= 8, "the case frees blocks"
+    freed = dataclasses.replace(meta, block_tables=tables)
+    for backend in (TritonBackend(case.tiles), TorchRefBackend()):
+        out = backend.forward(spec, q, k, v, poisoned.clone(), freed, bias)
+        torch.testing.assert_close(out, expected, atol=FP32_TOL, rtol=FP32_TOL, msg=lambda m: f"{backend.name}: {m}")
+
+
+def test_triton_and_reference_ignore_freed_blocks_before_the_window(run_interpreted):
+    run_interpreted(check_freed_blocks_before_the_window_are_ignored)
 
 
 def test_triton_matches_reference(run_interpreted):

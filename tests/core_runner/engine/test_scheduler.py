@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotrunner.core_runner.config import EngineConfig
+from slotrunner.core_runner.config import EngineConfig, blocks_to_hold
+from slotrunner.core_runner.engine.block_manager import NULL_BLOCK
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
 from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
@@ -23,7 +24,7 @@ from slotrunner.sampling_params import SamplingParams
 TOKEN_BASE = 1000  # the fake model samples TOKEN_BASE + (position of the new token)
 
 
-def make_config(**overrides: int) -> EngineConfig:
+def make_config(**overrides: object) -> EngineConfig:
     kwargs = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=64, vocab_size=2000)
     kwargs.update(overrides)
     return EngineConfig(model="fake", device=torch.device("cpu"), dtype=torch.float32, **kwargs)
@@ -50,8 +51,14 @@ def expected_output(prompt_len: int, num_tokens: int) -> list[int]:
 @dataclass
 class _Slot:
     tokens: list[int]
-    blocks: list[int]
+    blocks: list[list[int]]  # per KV-cache group: the runner's table row
     num_computed: int = 0
+
+    def live_blocks(self, windows: tuple[int | None, ...], block_size: int) -> list[int]:
+        """The blocks its next query may read: all of a full-attention group's, a sliding-window
+        group's from its window's first block (the table keeps freed ids before it)."""
+        first = [0 if w is None else max(0, self.num_computed - w + 1) // block_size for w in windows]
+        return [b for g, lst in enumerate(self.blocks) for b in lst[first[g] :]]
 
 
 @dataclass
@@ -70,24 +77,26 @@ class FakeRunner:
         for new in out.new_reqs:
             assert new.req_id not in self.slots, f"{new.req_id!r} admitted twice"
             assert new.num_computed_tokens == 0 and new.prefill_len >= new.prompt_len
-            self.slots[new.req_id] = _Slot(list(new.prefill_token_ids), list(new.block_ids))
+            self.slots[new.req_id] = _Slot(list(new.prefill_token_ids), [list(ids) for ids in new.block_ids])
         assert len(self.slots) <= cfg.max_num_seqs, "more live requests than slots"
         for cached in out.cached_reqs:
             slot = self.slots[cached.req_id]
             assert cached.num_computed_tokens == slot.num_computed, "stale num_computed_tokens"
-            slot.blocks += cached.new_block_ids
+            for lst, new_ids in zip(slot.blocks, cached.new_block_ids, strict=True):
+                lst += new_ids
         order = [c.req_id for c in out.cached_reqs] + [n.req_id for n in out.new_reqs]
         assert list(out.num_scheduled_tokens) == order, "batch order must be cached then new"
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
-        all_blocks = [b for s in self.slots.values() for b in s.blocks]
-        assert len(all_blocks) == len(set(all_blocks)), "a KV block is shared by two slots"
+        all_blocks = [b for s in self.slots.values() for b in s.live_blocks(cfg.kv_cache_windows, cfg.block_size)]
+        assert len(all_blocks) == len(set(all_blocks)), "a KV block is shared by two slots (or groups)"
+        assert NULL_BLOCK not in all_blocks or cfg.kv_cache_windows == (None,), "a query's window reads NULL_BLOCK"
 
         sampled: list[list[int]] = []
         for req_id, n in out.num_scheduled_tokens.items():
             slot = self.slots[req_id]
             end = slot.num_computed + n
             assert 0 < n and end <= len(slot.tokens), "scheduled tokens the request does not have"
-            assert len(slot.blocks) * cfg.block_size >= end, "KV blocks do not cover the scheduled tokens"
+            assert all(len(lst) * cfg.block_size >= end for lst in slot.blocks), "KV blocks do not cover the scheduled tokens"
             slot.num_computed = end
             if end == len(slot.tokens):
                 token = TOKEN_BASE + len(slot.tokens)
@@ -275,18 +284,23 @@ _op = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(_op, min_size=8, max_size=40), st.integers(4, 16), st.integers(1, 4), st.sampled_from([4, 8]))
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(_op, min_size=8, max_size=40), st.integers(4, 16), st.integers(1, 4), st.sampled_from([4, 8]),
+    st.sampled_from([(None,), (None, 6), (5,), (None, 9, 9)]),
+)
 def test_random_workload_frees_everything(
-    ops: list[tuple[str, int, int, int]], budget: int, max_seqs: int, block_size: int
+    ops: list[tuple[str, int, int, int]], budget: int, max_seqs: int, block_size: int, windows: tuple[int | None, ...]
 ) -> None:
     """Guards against leaked blocks or slots and stuck requests over any mix of arrivals, aborts
-    (also mid-step) and steps, with blocks scarce enough to force preemption. Every finished
-    request's output must be exactly the fake model's sequence (preemption changes nothing)."""
+    (also mid-step) and steps, with blocks scarce enough to force preemption, for each kind of
+    KV-cache groups (full attention, full + sliding window, a window alone, two sliding groups).
+    Every finished request's output must be exactly the fake model's sequence (preemption
+    changes nothing), and no block a query's window reads is another slot's."""
     # The cache holds exactly one request of max_model_len: any two long requests collide.
     cfg = make_config(
-        max_model_len=32, block_size=block_size, num_kv_blocks=32 // block_size,
-        max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+        max_model_len=32, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+        kv_cache_windows=windows, num_kv_blocks=blocks_to_hold(windows, block_size, 32, budget),
     )
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     requests: list[Request] = []
@@ -295,13 +309,15 @@ def test_random_workload_frees_everything(
         out = sched.schedule()
         runner_out = runner.execute(out)
         assert set(runner.slots) == {r.req_id for r in sched.running}
-        for r in sched.running:
-            assert runner.slots[r.req_id].blocks == sched.block_manager.block_ids(r.req_id)
+        for r in sched.running:  # the runner's rows equal the scheduler's, but where a window freed a block
+            for ours, theirs in zip(runner.slots[r.req_id].blocks, sched.block_manager.block_ids(r.req_id), strict=True):
+                assert len(ours) == len(theirs) and all(t in (o, NULL_BLOCK) for o, t in zip(ours, theirs))
         if abort_idx is not None and requests:
             sched.abort_request(requests[abort_idx % len(requests)].req_id)
         sched.update(out, runner_out)
         bm = sched.block_manager
-        assert bm.num_used_blocks == sum(len(bm.block_ids(r.req_id)) for r in sched.running)
+        assert bm.num_used_blocks == sum(len(bm.held_block_ids(r.req_id)) for r in sched.running)
+        bm.check_invariants()
 
     for kind, a, b, c in ops:
         if kind == "add":
@@ -320,7 +336,7 @@ def test_random_workload_frees_everything(
         checked_step()
     assert not sched.has_unfinished_requests(), "requests are stuck"
     runner.execute(sched.schedule())  # deliver the last finished_req_ids
-    assert not runner.slots and sched.block_manager.num_free_blocks == cfg.num_kv_blocks
+    assert not runner.slots and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     for r in requests:
         assert r.status.finished
         assert r.output_token_ids == expected_output(len(r.prompt_token_ids), len(r.output_token_ids))
@@ -377,3 +393,25 @@ def test_failed_step_lists_its_slot_frees_again() -> None:
     sched.abort_request("b")  # the engine fails the step's requests ...
     sched.release_step_slots(out)  # ... whose frees the runner never applied
     assert sched.schedule().finished_req_ids == {"a", "b"}
+
+
+def test_a_sliding_window_group_holds_only_its_window_while_decoding() -> None:
+    """Guards against sliding-window blocks that are never given back (a long request would hold
+    its whole length, as with full attention) and against a request losing blocks its window
+    still reads. A window of 6 in 4-token blocks: from any position the next query reads at most
+    ceil(5 / 4) + 1 = 3 blocks, so a request decoding to 60 tokens holds <= 3 after every
+    step, where a full-attention group holds all 15; the output is unchanged."""
+    used: dict[tuple[int | None, ...], list[int]] = {}
+    for windows in [(None,), (6,)]:
+        cfg = make_config(max_num_batched_tokens=8, kv_cache_windows=windows, num_kv_blocks=20)
+        sched, runner = Scheduler(cfg), FakeRunner(cfg)
+        request = make_request("a", 8, max_tokens=52)
+        sched.add_request(request)
+        used[windows] = []
+        while sched.has_unfinished_requests():
+            step(sched, runner)
+            used[windows].append(sched.block_manager.num_used_blocks)
+            sched.block_manager.check_invariants()
+        assert request.output_token_ids == expected_output(8, 52)
+    assert max(used[(None,)]) == 15
+    assert max(used[(6,)]) <= 3 and used[(6,)][-1] == 0

@@ -155,7 +155,7 @@ def test_without_any_checkpoint_of_a_cached_chain_the_prompt_is_recomputed():
     _finish(scheduler, "a", PROMPT)  # each checkpoint overwrites the one before: only a's after 24 stays
     other = PROMPT[:18] + [5, 6, 7, 8, 9]
     kv_chain = scheduler.block_manager.find_cached(extend_block_hashes([], other, len(other), BLOCK), 5)
-    assert len(kv_chain) == 4, "its first 4 blocks' KV is cached..."
+    assert kv_chain.num_blocks == 4, "its first 4 blocks' KV is cached..."
     assert _finish(scheduler, "b", other) == 0, "...but no state after them is: it computes from token 0"
 
 

@@ -27,7 +27,7 @@ def setup():
     blocks = {"a": [5, 2, 9], "b": [1], "c": [3]}
     for rid, toks in reqs.items():
         slot = state.add(NewRequestData(rid, len(toks), toks, blocks[rid], 0, SamplingParams(), 0))
-        tables.reset(slot, blocks[rid])
+        tables.reset(slot, [blocks[rid]])
     tables.commit()
     return state, tables, reqs, blocks
 
