@@ -169,7 +169,8 @@ def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
     with n-gram speculative decoding: the drafts' verification reads the same gathered logits on
     every rank, and the accepted counts reach rank 1's host tables too."""
     build_case(tiny_config("GptOssForCausalLM", tie_word_embeddings=False), tmp_path)
-    engine = ENGINE | {"speculative_config": SPECULATIVE}
+    grouped = ENGINE | {"num_kv_blocks": 24}  # two KV-cache groups: one request needs 15 block ids
+    engine = grouped | {"speculative_config": SPECULATIVE}
     prompts = ALONE + [REPEATING]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,7 +186,7 @@ def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
     ours = json.loads(outs[0][0].split("OUT ", 1)[1].split("\n", 1)[0])
     assert int(outs[0][0].split("ACCEPTED ", 1)[1].split()[0]) > 0, "no draft was accepted: nothing tested"
     assert "OUT" not in outs[1][0]  # rank 1 ran no code after LLM(...)
-    one_rank_moe = LLM(str(tmp_path), **ENGINE)  # plain decoding: drafts change no token
+    one_rank_moe = LLM(str(tmp_path), **grouped)  # plain decoding: drafts change no token
     ref = one_rank_moe.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=2), use_tqdm=False)
     for (ids, logprobs), r in zip(ours, ref):
         assert ids == list(r.outputs[0].token_ids)
