@@ -3,7 +3,9 @@
 `LLM(..., tensor_parallel_size=2)` makes this process rank 0 and spawns rank 1 (a tiny Llama);
 a second run starts both ranks as a launcher (torchrun) would, through RANK / WORLD_SIZE /
 MASTER_* (a tiny GPT-OSS: experts with biases split over the ranks, per-head attention sinks,
-attention biases, sliding windows).
+attention biases, sliding windows). Later tests each start their own engine: Bamba, T5 and the
+DeepSeek family (multi-head latent attention split by head over a latent cache every rank keeps
+whole).
 
 Guards against: a sharded forward that differs from the single-device one (a head or MLP row
 computed by the wrong rank, a missing all-reduce, partial sums added twice, logits gathered in
@@ -343,12 +345,16 @@ def test_deepseek_splits_its_attention_heads_and_keeps_the_whole_latent_on_every
                 assert abs(la[t].logprob - hf[step, t].item()) <= LOGITS_ATOL
 
 
-def test_deepseek_shapes_it_cannot_run_are_refused_before_starting_ranks(tmp_path):
+def test_deepseek_shapes_it_cannot_run_are_refused_before_starting_ranks(tmp_path, monkeypatch):
     """Heads that do not divide, and an fp8 latent cache (the MLA kernels read the model's dtype),
-    raise in this process: no rank is started, no process group is left."""
+    raise in this process before any rank is started (not in every rank after loading)."""
     build_case(tiny_config("DeepseekV2ForCausalLM"), tmp_path)
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started before the refusal")
+
+    monkeypatch.setattr("slotrunner.builder.join_tensor_parallel", no_ranks)
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         LLM(str(tmp_path), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8': this model's mla_latent cache has no fp8 kernels"):
         LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, kv_cache_dtype="fp8")
-    assert not torch.distributed.is_initialized()
