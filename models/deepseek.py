@@ -25,9 +25,10 @@ skipped when it does not; generation does not run them (no MTP speculator yet), 
 attention declares its latent cache like every layer, so the runner allocates it (one layer's
 worth more per block) where an MTP draft would write.
 
-Tensor parallelism is not implemented for these models (no `check_tensor_parallel`: the
-engine refuses tensor_parallel_size > 1); fp8 KV caches are refused (the MLA kernels read the
-model's dtype).
+Tensor parallelism splits attention by head (`DeepseekAttention`; the latent cache is whole on
+every rank), holds n_routed_experts / N whole experts per rank with the router replicated
+(`SparseMoE` under TP), and splits the shared experts and the dense layers' MLP by rows like
+Llama's. fp8 KV caches are refused (the MLA kernels read the model's dtype).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.linear import Linear, VocabEmbedding
 from slotrunner.models.layers.mla_attention import MLAAttention
 from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.parallel_linear import column_linear, query_heads, row_linear
 from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding
 from slotrunner.models.llama import LlamaArgs, LlamaMLP
 from slotrunner.models.mixtral import MoeDecoderLayer
@@ -103,34 +106,42 @@ class MLAArgs:
 
 
 class DeepseekAttention(nn.Module):
+    """Multi-head latent attention, split by head under tensor parallelism (as vLLM splits it):
+    q_proj / q_b_proj and kv_b_proj are column-parallel (each rank's rows are its heads' rows),
+    o_proj row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every
+    rank computes the whole latent and rope key and caches them for its own heads."""
+
     def __init__(self, a: MLAArgs, layer_idx: int) -> None:
         super().__init__()
         self.a = a
+        # MLA is MQA over the latent: one "KV head", which every rank keeps whole.
+        self.num_local_heads = query_heads(a.num_heads, 1).size
         qk_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
         if a.q_lora_rank is None:
-            self.q_proj = Linear(a.hidden_size, a.num_heads * qk_head_dim, bias=False)
+            self.q_proj = column_linear(a.hidden_size, a.num_heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.rms_norm_eps)
-            self.q_b_proj = Linear(a.q_lora_rank, a.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = column_linear(a.q_lora_rank, a.num_heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=a.attention_bias)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps)
-        self.kv_b_proj = Linear(a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
-        self.o_proj = Linear(a.num_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
+        self.kv_b_proj = column_linear(a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.o_proj = row_linear(a.num_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
         self.rotary_emb = RotaryEmbedding(a.qk_rope_head_dim, a.max_position, a.rope)
         self.attn = MLAAttention(
-            a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.scale, layer_idx
+            self.num_local_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.scale, layer_idx
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         a = self.a
         q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(q.shape[0], a.num_heads, -1)  # [num_tokens, heads, nope + rope]
+        q = q.view(q.shape[0], self.num_local_heads, -1)  # [num_tokens, local heads, nope + rope]
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())  # [num_tokens, rank]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-        o = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight)  # [num_tokens, heads, v]
+        # kv_b_proj.weight: [local heads * (nope + v), rank], this rank's heads' W_UK / W_UV.
+        o = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight)  # [num_tokens, local heads, v]
         return self.o_proj(o.flatten(1))
 
 
@@ -167,6 +178,20 @@ class DeepseekV2ForCausalLM(CausalLM):
         "up_proj.weight": ("w_in", 1),
         "down_proj.weight": ("w_out", 0),
     }
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when a layer cannot be split over `world_size` ranks (called before any
+        rank is started): the attention heads, the routed experts (whole ones per rank), the
+        shared experts' and the dense layers' MLP rows."""
+        c = hf_config
+        check_head_split(c.num_attention_heads, 1, world_size)  # one latent "KV head", on every rank
+        even_shard(c.n_routed_experts, 0, world_size, "n_routed_experts")
+        if c.n_shared_experts:
+            shared = c.moe_intermediate_size * c.n_shared_experts
+            even_shard(shared, 0, world_size, "moe_intermediate_size * n_shared_experts")
+        if c.first_k_dense_replace:
+            even_shard(c.intermediate_size, 0, world_size, "intermediate_size")
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

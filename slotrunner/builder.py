@@ -208,6 +208,11 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
     check_tensor_parallel(arch.model_cls, arch.model_state_cls.family, arch.architecture, hf_config, tp_size)
     if speculative is not None and speculative.method == "draft_model" and tp_size > 1:  # before any rank starts
         raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1")
+    if tp_size > 1 and args.kv_cache_dtype != "auto":
+        # Checked again on the loaded model below; here before any rank starts, from the layers'
+        # cache specs on the meta device (shapes only, nothing allocated).
+        with torch.device("meta"):
+            _kv_cache_dtype(args.kv_cache_dtype, arch.model_cls(hf_config))
     launches.append(launch := join_tensor_parallel(args, dev))  # rank 0 starts the other ranks here
     dev = launch.device
     with tensor_parallel_scope(launch.tp):  # the layers keep this rank's shard

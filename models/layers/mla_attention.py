@@ -14,6 +14,9 @@ the other rows of its batch):
   no device value on the host.
 - several query tokens (a prefill chunk, speculative drafts): the row's cached latents,
   including any cached prefix, are expanded into per-head K/V and attended causally (SDPA).
+
+Under tensor parallelism the layer is built with the rank's heads and is handed their rows of
+`kv_b_proj`; the latent cache is the same on every rank (there is no KV head to split).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from slotrunner.models.layers.mla_decode import mla_decode, write_latent
 class MLAAttention(PagedCacheLayer):
     def __init__(
         self,
-        num_heads: int,
+        num_heads: int,  # this rank's heads
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
         v_head_dim: int,
@@ -50,6 +53,8 @@ class MLAAttention(PagedCacheLayer):
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, rank + rope], bound by the runner
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        # Not divided by tensor parallelism: `num_heads` is this rank's share of the heads, but
+        # every head reads the whole latent and rope key, so each rank caches all of them.
         return KVCacheSpec("mla_latent", (self.rank + self.rope,))
 
     def forward(

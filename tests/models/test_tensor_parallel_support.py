@@ -17,6 +17,7 @@ from slotrunner.registry.table import IN_TREE
 SUPPORTED = {
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
     "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
     "BartForConditionalGeneration", "WhisperForConditionalGeneration", "T5ForConditionalGeneration",
@@ -39,6 +40,10 @@ def test_two_ranks_fit_the_tiny_configs(architecture):
      ("Gemma3ForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
      ("Gemma3ForCausalLM", {"intermediate_size": 130}, 4, "intermediate_size=130 is not divisible"),
      ("Qwen3MoeForCausalLM", {"num_experts": 5}, 2, "num_experts=5 is not divisible"),
+     ("DeepseekV2ForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+     ("DeepseekV2ForCausalLM", {"intermediate_size": 129}, 2, "intermediate_size=129 is not divisible"),
+     ("DeepseekV3ForCausalLM", {"n_routed_experts": 18}, 4, "n_routed_experts=18 is not divisible"),
+     ("DeepseekV3ForCausalLM", {"moe_intermediate_size": 9}, 2, r"moe_intermediate_size \* n_shared_experts=9 is not"),
      ("LlavaForConditionalGeneration", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
      ("Mamba2ForCausalLM", {"n_groups": 2}, 4, "mamba n_groups=2 must be 1 .* or divisible by tensor_parallel_size=4"),
      ("BambaForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
