@@ -18,6 +18,10 @@ Checkpoint names follow transformers: `model.layers.{i}.linear_attn.*` or `.self
 `.mlp.gate.weight`, `.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight` (or the stacked
 `gate_up_proj` / `down_proj`), `.mlp.shared_expert.*`, `.mlp.shared_expert_gate.weight`;
 multi-token-prediction heads (`mtp.*`) are not used and skipped.
+
+Tensor parallelism: the delta-nets split by key head (gated_delta_net/parallel.py), the gated
+attention by query and KV head (a head's gate rows with it), MLPs and shared experts by row, the
+routed experts whole over the ranks; the routers and `shared_expert_gate` stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.core_runner.attention.layer import Attention
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.fused_moe import ExpertActivation
 from slotrunner.models.layers.gated_delta_net.layer import GatedDeltaNet, GatedDeltaNetArgs
+from slotrunner.models.layers.gated_delta_net.parallel import check_delta_net_split
 from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.moe import RouterSpec, TopKRouter, fused_experts, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
@@ -126,6 +132,20 @@ class Qwen3NextForCausalLM(CausalLM):
         "up_proj.weight": ("w_in", 1),
         "down_proj.weight": ("w_out", 0),
     }
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the attention heads, the delta-nets' key or value heads, the MLPs or
+        the experts cannot be split over `world_size` ranks (attention and delta-nets split by
+        head, MLPs and shared experts by row, each rank holds num_experts / world_size experts)."""
+        c = hf_config
+        args = LlamaArgs.from_hf(_WithDefaults(c, intermediate_size=0))
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        check_delta_net_split(c.linear_num_key_heads, c.linear_num_value_heads, world_size)
+        even_shard(args.intermediate_size, 0, world_size, "intermediate_size")
+        if getattr(c, "num_experts", 0):
+            even_shard(c.num_experts, 0, world_size, "num_experts")
+            even_shard(c.shared_expert_intermediate_size, 0, world_size, "shared_expert_intermediate_size")
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

@@ -10,7 +10,8 @@ ModelState: the conv window [conv_dim, conv_kernel - 1] (model dtype) and the ma
 
 Projections as the checkpoints store them: Qwen3-Next fuses `in_proj_qkvz` and `in_proj_ba`,
 grouped per key head ([q | k | v of its value heads | z of its value heads], [b | a]); Qwen3.5
-has `in_proj_qkv` (q, k, v back to back), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+has `in_proj_qkv` (q, k, v back to back), `in_proj_z`, `in_proj_b`, `in_proj_a`. Under tensor
+parallelism each rank builds and runs the layer for its heads only (`parallel.py`).
 """
 
 from __future__ import annotations
