@@ -18,6 +18,10 @@ Checkpoint names follow transformers: `model.layers.{i}.linear_attn.*` or `.self
 `.mlp.gate.weight`, `.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight` (or the stacked
 `gate_up_proj` / `down_proj`), `.mlp.shared_expert.*`, `.mlp.shared_expert_gate.weight`;
 multi-token-prediction heads (`mtp.*`) are not used and skipped.
+
+Tensor parallelism: the delta-nets split by key head (gated_delta_net/parallel.py), the gated
+attention by query and KV head (a head's gate rows with it), MLPs and shared experts by row, the
+routed experts whole over the ranks; the routers and `shared_expert_gate` stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.core_runner.attention.layer import Attention
+from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.fused_moe import ExpertActivation
 from slotrunner.models.layers.gated_delta_net.layer import GatedDeltaNet, GatedDeltaNetArgs
-from slotrunner.models.layers.linear import Linear, MergedLinear
-from slotrunner.models.layers.moe import FusedExperts, RouterSpec, TopKRouter, stack_per_expert
+from slotrunner.models.layers.gated_delta_net.parallel import check_delta_net_split
+from slotrunner.models.layers.linear import Linear
+from slotrunner.models.layers.moe import RouterSpec, TopKRouter, fused_experts, stack_per_expert
 from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.parallel_linear import qkv_linear, rank_spec, row_linear
 from slotrunner.models.layers.rotary import RotaryEmbedding
 from slotrunner.models.llama import LlamaArgs, LlamaMLP
 from slotrunner.models.weights import GATE_UP_SHARDS, QKV_SHARDS
@@ -50,16 +57,17 @@ class GatedAttention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
         super().__init__()
         self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
         bias = args.attention_bias
+        spec = AttentionSpec(args.num_heads, args.num_kv_heads, args.head_dim, scale=args.head_dim**-0.5)
         # q_proj rows: per head, head_dim query rows then head_dim gate rows.
-        self.qkv_proj = MergedLinear(args.hidden_size, {"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size}, bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=bias)
+        self.qkv_proj = qkv_linear(args.hidden_size, spec, bias, q_rows_per_head=2)
+        self.o_proj = row_linear(args.num_heads * args.head_dim, args.hidden_size, bias=bias)
+        spec = rank_spec(spec)  # under tensor parallelism: this rank's heads, and KV cache for them
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, unit_offset=True)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.max_position, args.rope)
-        spec = AttentionSpec(args.num_heads, args.num_kv_heads, args.head_dim, scale=args.head_dim**-0.5)
         self.attn = Attention(spec, layer_idx)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
@@ -80,9 +88,9 @@ class SharedExpertMoE(nn.Module):
     def __init__(self, args: LlamaArgs, spec: RouterSpec, moe_intermediate: int, shared_intermediate: int) -> None:
         super().__init__()
         self.gate = TopKRouter(args.hidden_size, spec)
-        self.experts = FusedExperts(spec.num_experts, args.hidden_size, moe_intermediate, ExpertActivation(args.hidden_act))
+        self.experts = fused_experts(spec.num_experts, args.hidden_size, moe_intermediate, ExpertActivation(args.hidden_act))
         self.shared_expert = LlamaMLP(dataclasses.replace(args, intermediate_size=shared_intermediate, mlp_bias=False))
-        self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)  # whole on every rank, as the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         topk_weights, topk_ids = self.gate(x)
@@ -124,6 +132,20 @@ class Qwen3NextForCausalLM(CausalLM):
         "up_proj.weight": ("w_in", 1),
         "down_proj.weight": ("w_out", 0),
     }
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: object, world_size: int) -> None:
+        """ValueError when the attention heads, the delta-nets' key or value heads, the MLPs or
+        the experts cannot be split over `world_size` ranks (attention and delta-nets split by
+        head, MLPs and shared experts by row, each rank holds num_experts / world_size experts)."""
+        c = hf_config
+        args = LlamaArgs.from_hf(_WithDefaults(c, intermediate_size=0))
+        check_head_split(args.num_heads, args.num_kv_heads, world_size)
+        check_delta_net_split(c.linear_num_key_heads, c.linear_num_value_heads, world_size)
+        even_shard(args.intermediate_size, 0, world_size, "intermediate_size")
+        if getattr(c, "num_experts", 0):
+            even_shard(c.num_experts, 0, world_size, "num_experts")
+            even_shard(c.shared_expert_intermediate_size, 0, world_size, "shared_expert_intermediate_size")
 
     def __init__(self, hf_config: object) -> None:
         c = hf_config

@@ -3,9 +3,9 @@
 `LLM(..., tensor_parallel_size=2)` makes this process rank 0 and spawns rank 1 (a tiny Llama);
 a second run starts both ranks as a launcher (torchrun) would, through RANK / WORLD_SIZE /
 MASTER_* (a tiny GPT-OSS: experts with biases split over the ranks, per-head attention sinks,
-attention biases, sliding windows). Later tests each start their own engine: Bamba, T5 and the
-DeepSeek family (multi-head latent attention split by head over a latent cache every rank keeps
-whole).
+attention biases, sliding windows). The recurrent hybrids (Bamba; Qwen3-Next and Qwen3.5's
+gated delta-nets), T5 and the DeepSeek family (multi-head latent attention split by head over a
+latent cache every rank keeps whole) run in engines of their own after those close.
 
 Guards against: a sharded forward that differs from the single-device one (a head or MLP row
 computed by the wrong rank, a missing all-reduce, partial sums added twice, logits gathered in
@@ -134,8 +134,11 @@ def test_rank_zero_holds_half_of_the_model_and_of_the_kv_cache(one_rank, two_ran
     assert [tuple(c.shape) for c in ours.kv_caches] == [(2, 12, 4, 1, 16)] * 2
 
 
-@pytest.mark.parametrize("architecture, family", [("Qwen3NextForCausalLM", "recurrent hybrid")])
+@pytest.mark.parametrize("architecture, family", [("GPT2LMHeadModel", "default decoder")])
 def test_a_family_without_sharded_layers_is_refused_naming_it(architecture, family, tmp_path):
+    """Every in-tree architecture shards; the example plugin's GPT-2 declares no
+    `check_tensor_parallel`, so it stands for an architecture that does not."""
+    pytest.importorskip("slotrunner_example_plugin", reason="the example plugin (scripts/test.sh installs it)")
     build_case(tiny_config(architecture), tmp_path)
     with pytest.raises(ValueError, match=f"tensor_parallel_size=2: {architecture} \\({family} family\\) does not run"):
         LLM(str(tmp_path), device="cpu", tensor_parallel_size=2)
@@ -251,6 +254,43 @@ def test_a_recurrent_hybrid_splits_its_mamba_heads_and_their_state(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_a_gated_delta_net_hybrid_splits_its_heads_and_their_state(architecture, tmp_path):
+    """Qwen3-Next (fused projections grouped per key head), Qwen3.5 (separate ones, dense MLPs),
+    Qwen3.5-MoE: each rank keeps one of the two key heads, its two value heads and their conv
+    window and matrix state, half the gated attention's heads, 4 of the 8 experts. One mixed
+    batch with n-gram speculative decoding: the rank's state carried across chunks, restored from
+    a prefix-cache checkpoint, rebuilt after preemption and rolled back past rejected drafts."""
+    hf_model = build_case(tiny_config(architecture, tie_word_embeddings=False), tmp_path)
+    one_rank = LLM(str(tmp_path), **ENGINE)
+    # A prompt, its own continuation, the prompt again: the n-gram speculator drafts that
+    # continuation, which the tiny random model accepts at least in part (a repeated pattern it does not).
+    seed = REPEATING[:4]
+    echo = seed + list(one_rank.generate({"prompt_token_ids": seed}, _greedy(), use_tqdm=False)[0].outputs[0].token_ids)
+    echo += seed
+    prompts = [{"prompt_token_ids": p} for p in [*BATCH, echo]]
+    params = _greedy(logprobs=2)
+    ref = one_rank.generate(prompts, params, use_tqdm=False)  # plain decoding: drafts change no token
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE, speculative_config=SPECULATIVE)
+    try:
+        ours = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0, "the batch must preempt to test it"
+    finally:
+        llm.close()
+    assert any(o.num_cached_tokens for o in ours), "the shared prefix must hit the prefix cache"
+    assert sum(o.metrics.num_accepted_tokens for o in ours) > 0, "no draft was accepted: nothing tested"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        ids, prompt = list(a.outputs[0].token_ids), prompts[i]["prompt_token_ids"]
+        assert ids == list(b.outputs[0].token_ids)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)
+        # Greedy as transformers decodes, checked in one forward: its logits over prompt + ids pick
+        # each of ids (or a near-tie) -- cheaper than its generate, with its slow reference kernels.
+        hf_ref = hf_logits(hf_model, prompt + ids)
+        picked = hf_ref[len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert compare_greedy(f"request {i}", ids, picked, hf_ref, len(prompt)).passed
 
 
 def test_an_encoder_decoder_splits_its_decoder_and_replicates_its_encoder(tmp_path):

@@ -147,14 +147,17 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor) -> None:
 # -- factories: plain layers at tensor_parallel_size 1, sharded ones above -----------------------
 
 
-def qkv_linear(hidden_size: int, spec: AttentionSpec, bias: bool) -> MergedLinear:
-    """The fused q/k/v projection of `spec`'s heads (whole, not this rank's: see `rank_spec`)."""
+def qkv_linear(hidden_size: int, spec: AttentionSpec, bias: bool, q_rows_per_head: int = 1) -> MergedLinear:
+    """The fused q/k/v projection of `spec`'s heads (whole, not this rank's: see `rank_spec`).
+    `q_rows_per_head` head_dim blocks per query head in q's rows: 2 where q_proj also yields a
+    per-head output gate (Qwen3-Next), which must stay on the rank of its head."""
     tp, d = current_tp(), spec.head_dim
+    dq = q_rows_per_head * d
     if tp.world_size == 1:
-        q, kv = spec.num_heads * d, spec.num_kv_heads * d
+        q, kv = spec.num_heads * dq, spec.num_kv_heads * d
         return MergedLinear(hidden_size, {"q": q, "k": kv, "v": kv}, bias=bias)
     heads = head_shard(spec.num_heads, spec.num_kv_heads, tp.rank, tp.world_size)
-    q = Shard(heads.q.start * d, heads.q.size * d, spec.num_heads * d)
+    q = Shard(heads.q.start * dq, heads.q.size * dq, spec.num_heads * dq)
     kv = Shard(heads.kv.start * d, heads.kv.size * d, spec.num_kv_heads * d)
     return MergedColumnParallelLinear(hidden_size, {"q": q, "k": kv, "v": kv}, bias, tp)
 

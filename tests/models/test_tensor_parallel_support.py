@@ -20,6 +20,7 @@ SUPPORTED = {
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
     "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
     "BartForConditionalGeneration", "WhisperForConditionalGeneration", "T5ForConditionalGeneration",
 }  # fmt: skip
 
@@ -47,6 +48,12 @@ def test_two_ranks_fit_the_tiny_configs(architecture):
      ("LlavaForConditionalGeneration", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
      ("Mamba2ForCausalLM", {"n_groups": 2}, 4, "mamba n_groups=2 must be 1 .* or divisible by tensor_parallel_size=4"),
      ("BambaForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+     ("Qwen3_5ForCausalLM", {}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+     ("Qwen3NextForCausalLM", {"linear_num_key_heads": 1}, 2, "linear_num_key_heads=1 is not divisible"),
+     ("Qwen3_5MoeForCausalLM", {"linear_num_value_heads": 6, "linear_num_key_heads": 6}, 4,
+      "linear_num_key_heads=6 is not divisible by tensor_parallel_size=4"),
+     ("Qwen3_5MoeForCausalLM", {"num_experts": 5}, 2, "num_experts=5 is not divisible"),
+     ("Qwen3NextForCausalLM", {"shared_expert_intermediate_size": 49}, 2, "shared_expert_intermediate_size=49 is not"),
      ("WhisperForConditionalGeneration", {}, 3, "decoder_attention_heads=4 is not divisible by tensor_parallel_size=3")],
 )  # fmt: skip
 def test_shapes_that_do_not_split_are_refused(architecture, overrides, size, message):

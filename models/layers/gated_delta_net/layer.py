@@ -10,7 +10,8 @@ ModelState: the conv window [conv_dim, conv_kernel - 1] (model dtype) and the ma
 
 Projections as the checkpoints store them: Qwen3-Next fuses `in_proj_qkvz` and `in_proj_ba`,
 grouped per key head ([q | k | v of its value heads | z of its value heads], [b | a]); Qwen3.5
-has `in_proj_qkv` (q, k, v back to back), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+has `in_proj_qkv` (q, k, v back to back), `in_proj_z`, `in_proj_b`, `in_proj_a`. Under tensor
+parallelism each rank builds and runs the layer for its heads only (`parallel.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.core_runner.attention.forward_context import get_forward_context
+from slotrunner.models.layers.gated_delta_net import parallel
 from slotrunner.models.layers.gated_delta_net.chunk import chunk_gated_delta_rule
 from slotrunner.models.layers.gated_delta_net.recurrent import recurrent_gated_delta_rule
-from slotrunner.models.layers.linear import Linear
 from slotrunner.models.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from slotrunner.models.layers.parallel_linear import ShardedWeights, column_linear, row_linear
 from slotrunner.models.layers.recurrent_metadata import RecurrentMetadata
 from slotrunner.models.layers.recurrent_state import RecurrentLayer, RecurrentStateSpec, StateTensorSpec
 
@@ -99,29 +101,40 @@ class GatedHeadNorm(nn.Module):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(RecurrentLayer):
+class GatedDeltaNet(RecurrentLayer, ShardedWeights):
     def __init__(self, args: GatedDeltaNetArgs, layer_idx: int) -> None:
         super().__init__()
-        self.args = args
+        # Under tensor parallelism this rank's heads: `self.args` holds its sizes, so the state
+        # spec and the forward see only them (gated_delta_net/parallel.py); all of them otherwise.
+        shards = parallel.delta_net_shards(args.num_k_heads, args.num_v_heads)
+        self.v_heads = shards.v_heads
+        self.args = parallel.rank_args(args, shards)
         self.layer_idx = layer_idx
-        a = args
+        a = args  # the whole layer's sizes: the factories narrow them to the rank's
         if a.fused_projections:
-            self.in_proj_qkvz = Linear(a.hidden_size, 2 * a.key_dim + 2 * a.value_dim, bias=False)
-            self.in_proj_ba = Linear(a.hidden_size, 2 * a.num_v_heads, bias=False)
+            per_k = a.num_v_heads // a.num_k_heads
+            self.in_proj_qkvz = parallel.grouped_linear(a, 2 * a.head_k_dim + 2 * per_k * a.head_v_dim)
+            self.in_proj_ba = parallel.grouped_linear(a, 2 * per_k)
         else:
-            self.in_proj_qkv = Linear(a.hidden_size, a.conv_dim, bias=False)
-            self.in_proj_z = Linear(a.hidden_size, a.value_dim, bias=False)
-            self.in_proj_b = Linear(a.hidden_size, a.num_v_heads, bias=False)
-            self.in_proj_a = Linear(a.hidden_size, a.num_v_heads, bias=False)
+            self.in_proj_qkv = parallel.qkv_in_proj(a, shards)
+            self.in_proj_z = column_linear(a.hidden_size, a.value_dim, bias=False)
+            self.in_proj_b = column_linear(a.hidden_size, a.num_v_heads, bias=False)
+            self.in_proj_a = column_linear(a.hidden_size, a.num_v_heads, bias=False)
         # Holds the depthwise taps under the checkpoint's name; the forward uses the kernels.
-        self.conv1d = nn.Conv1d(a.conv_dim, a.conv_dim, a.conv_kernel, groups=a.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(a.num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(a.num_v_heads))
-        self.norm = GatedHeadNorm(a.head_v_dim, a.norm_eps)
-        self.out_proj = Linear(a.value_dim, a.hidden_size, bias=False)
+        self.conv1d = parallel.conv1d(a, shards)
+        self.dt_bias = nn.Parameter(torch.ones(self.args.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.args.num_v_heads))
+        self.norm = GatedHeadNorm(a.head_v_dim, a.norm_eps)  # one head's width: whole on every rank
+        self.out_proj = row_linear(a.value_dim, a.hidden_size, bias=False)
         # Per-slot pools, bound by the recurrent-state ModelState (bind_state).
         self.conv_state: torch.Tensor | None = None  # [max_num_seqs, conv_dim, conv_kernel - 1]
         self.recurrent_state: torch.Tensor | None = None  # [max_num_seqs, num_v_heads, head_k_dim, head_v_dim] float32
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        """dt_bias, A_log: one value per value head, this rank's heads kept."""
+        param = getattr(self, param_name)
+        with torch.no_grad():
+            param.copy_(self.v_heads.narrow(tensor, 0))
 
     def state_spec(self) -> RecurrentStateSpec:
         a = self.args
