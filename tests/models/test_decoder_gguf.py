@@ -124,6 +124,19 @@ def test_qwen2_pre_tokenizer_splits_like_qwen(tmp_path):
     assert pieces == ["It", "'S", " ", "2", "0", "2", "4", " ok", "!!\n\n", " ", " x"]
 
 
+def test_gpt4o_pre_tokenizer_splits_like_o200k():
+    """`tokenizer.ggml.pre = gpt-4o` (GPT-OSS files; llama.cpp's GPT4O pre-type): o200k's rules --
+    a word splits before an inner capital and keeps its contraction (any case), digits go three
+    at a time, "/" and newlines stay with the punctuation before them. Qwen2's rules would
+    split digits one by one and contractions off."""
+    from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["gpt-4o"][0]), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("It'S 2024 HelloWorld!!\n\n  a//\nb")]
+    assert pieces == ["It'S", " ", "202", "4", " Hello", "World", "!!\n\n", " ", " a", "//\n", "b"]
+
+
 def copy_gguf(path, out, add) -> object:
     """A copy of the `llama` file at `path` with what `add(writer)` adds (metadata or tensors)."""
     writer = gguf.GGUFWriter(str(out), "llama")
