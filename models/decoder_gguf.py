@@ -1,4 +1,4 @@
-"""GGUF files of the Llama-style decoders besides Llama itself: Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3.
+"""GGUF files of the Llama-style decoders besides Llama itself: Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, GPT-OSS.
 
 Each `general.architecture` is a table of llama.cpp's conventions (convert_hf_to_gguf.py and
 gguf-py's tensor_mapping.py, read backwards): the tensor names, the metadata keys, the HF config
@@ -9,10 +9,10 @@ scale 1/sqrt(head_dim), Gemma 3's local RoPE base 10000 and its five local layer
 global. The weights come through `GGUFCheckpoint` (`llama_gguf.py`), the tokenizer through
 `gguf_tokenizer.py`.
 
-A Qwen3-MoE file stores each projection of a layer's experts as one [num_experts, ...] tensor;
-the checkpoint yields them expert by expert, as Hugging Face checkpoints store them.
-Not read: files with LongRoPE factor tensors (Phi-3 128k), other mixture-of-experts files
-(`qwen2moe`, `gpt-oss`, Mixtral as `llama`): say so, naming the file.
+A Qwen3-MoE or GPT-OSS file stores each projection of a layer's experts as one [num_experts, ...]
+tensor (GPT-OSS's in MXFP4, biases beside them); the checkpoint yields them expert by expert,
+dequantized, as Qwen3-MoE's Hugging Face checkpoints store them.
+Not read: other mixture-of-experts files (`qwen2moe`, Mixtral as `llama`): say so, naming the file.
 """
 
 from __future__ import annotations
@@ -62,6 +62,21 @@ _EXPERTS = {
     "ffn_up_exps": "mlp.experts.*.up_proj",
     "ffn_down_exps": "mlp.experts.*.down_proj",
 }
+# GPT-OSS: a norm before attention and one after; attention sinks; a router with a bias; each
+# projection of the experts stacked, with a bias per expert (the converter splits HF's
+# interleaved gate/up into gate and up, and transposes the stacks to [experts, out, in])
+_GPT_OSS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    **_ATTENTION,
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
+}
+# HF parameters that are no module's `weight`; llama.cpp's converter appends ".weight" to their names
+_BARE_PARAMETERS = frozenset({"self_attn.sinks"})
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 Metadata = Callable[..., Any]  # get(key, default=<required>) -> value of "{arch}.{key}"
@@ -143,6 +158,36 @@ def _phi3(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def _gpt_oss(get: Metadata, base: Mapping[str, Any]) -> dict[str, Any]:
+    # What the file does not say, llama.cpp fixes in code: sliding-window layers alternate with
+    # full ones, the first sliding (`set_swa_pattern(2)`), and the clamped SwiGLU's alpha 1.702 and
+    # limit 7.0 (GptOssConfig's defaults). YaRN's correction range is not rounded (`truncate`
+    # False, as every GPT-OSS checkpoint has it; llama.cpp rounds it, a departure from the model).
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "yarn":
+        raise ValueError(f"gpt-oss files scale RoPE with YaRN; this one has rope.scaling.type={scaling!r}")
+    for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier", "attn_factor"):
+        if get(f"rope.scaling.{key}", None) is not None:
+            raise ValueError(f"gpt-oss.rope.scaling.{key} is not supported (GPT-OSS's converter writes none)")
+    yarn = {
+        "rope_type": "yarn",
+        "factor": float(get("rope.scaling.factor")),
+        "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),  # llama.cpp's defaults
+        "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
+        "truncate": False,
+    }
+    layers = base["num_hidden_layers"]
+    return {
+        "rope_parameters": base["rope_parameters"] | yarn,
+        "num_local_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "intermediate_size": get("expert_feed_forward_length", base["intermediate_size"]),
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+    }
+
+
 # Phi-3 128k files: LongRoPE's two factor sets as tensors (llama.cpp's Phi3MiniModel converter).
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -180,6 +225,7 @@ CONVENTIONS: dict[str, Conventions] = {
     "qwen3moe": Conventions(
         "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {**_PRE_POST_NORMS, **_ATTENTION, **_QK_NORMS, **_EXPERTS}, _qwen3moe
     ),
+    "gpt-oss": Conventions("GptOssForCausalLM", "GptOssConfig", _GPT_OSS, _gpt_oss),
 }
 
 
@@ -216,7 +262,9 @@ def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
         stem, _, suffix = gguf_name.rpartition(".")
         layer = _LAYER_TENSOR.fullmatch(gguf_name)
         if layer and layer.group(2) in conv.layer_names:
-            names[f"model.layers.{layer.group(1)}.{conv.layer_names[layer.group(2)]}.{suffix}"] = gguf_name
+            hf = conv.layer_names[layer.group(2)]
+            bare = hf in _BARE_PARAMETERS and suffix == "weight"
+            names[f"model.layers.{layer.group(1)}.{hf}" + ("" if bare else f".{suffix}")] = gguf_name
         elif stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
             names[f"{_GLOBAL_NAMES[stem]}.{suffix}"] = gguf_name
         else:
@@ -227,8 +275,10 @@ def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
         hint = ""
         if any(n.startswith("rope_factors") for n in unknown):
             hint = " (LongRoPE factor tensors are read for phi3 only)"
+        elif any("ffn_gate_up_exps." in n for n in unknown):
+            hint = " (experts with gate and up fused in one stack are not read yet; convert with them apart)"
         elif any("_exps." in n for n in unknown):
-            hint = " (mixture-of-experts tensors: read for qwen3moe only)"
+            hint = " (mixture-of-experts tensors: read for qwen3moe and gpt-oss only)"
         raise ValueError(f"{path}: tensors with no {conv.architecture} equivalent: {', '.join(unknown[:8])}{hint}.")
     if "model.embed_tokens.weight" not in names:
         raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete {arch} model.")
@@ -252,7 +302,7 @@ def _config(gguf: GGUFFile, conv: Conventions, hf_names: Mapping[str, str], path
     head_dim = get("attention.key_length", hidden_size // max(num_heads, 1))
     if get("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: {arch}.attention.value_length differs from key_length; not supported.")
-    if arch != "gemma3" and get("rope.scaling.type", "none") != "none":
+    if arch not in ("gemma3", "gpt-oss") and get("rope.scaling.type", "none") != "none":
         raise ValueError(f"{path}: RoPE scaling {get('rope.scaling.type')!r} is not supported yet.")
     if arch != "phi3" and get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial rotary (rope.dimension_count != head_dim) is not supported for {arch}.")
@@ -304,21 +354,24 @@ def _check_shapes(config: Any, shapes: Mapping[str, tuple[int, ...]], path: str)
         "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
         "mlp.gate_up_proj": (2 * inter, hidden),
     }  # fmt: skip
-    experts, expert_inter = getattr(config, "num_experts", 0), getattr(config, "moe_intermediate_size", 0)
+    experts, expert_inter = getattr(config, "num_experts", 0), getattr(config, "moe_intermediate_size", inter)
     per_name |= {
-        "mlp.gate": (experts, hidden), "mlp.experts.*.gate_proj": (experts, expert_inter, hidden),
+        "mlp.gate": (experts, hidden), "mlp.router": (experts, hidden), "self_attn.sinks": (config.num_attention_heads,),
+        "mlp.experts.*.gate_proj": (experts, expert_inter, hidden),
         "mlp.experts.*.up_proj": (experts, expert_inter, hidden), "mlp.experts.*.down_proj": (experts, hidden, expert_inter),
     }  # fmt: skip
     globals_ = {"model.embed_tokens": (config.vocab_size, hidden), "model.norm": (hidden,), "lm_head": (config.vocab_size, hidden)}
     problems = []
     for name, shape in shapes.items():
         stem, suffix = name.rsplit(".", 1)
+        if suffix not in ("weight", "bias"):  # a bare parameter (sinks): its own shape
+            stem, suffix = name, "weight"
         layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
         if layer and int(layer.group(1)) >= config.num_hidden_layers:
             problems.append(f"{name} is beyond block_count={config.num_hidden_layers}")
             continue
         expected = per_name[layer.group(2)] if layer else globals_[stem]
-        expected = expected[:1] if suffix == "bias" else expected
+        expected = expected[:-1] if suffix == "bias" else expected  # one value per output row (of each expert)
         if tuple(shape) != expected:
             problems.append(f"{name} has shape {tuple(shape)}, expected {expected}")
     for i in range(config.num_hidden_layers):

@@ -12,18 +12,21 @@ Checkpoint names (bf16 checkpoints; MXFP4-quantized experts are refused): `mlp.r
 bias`; `mlp.experts.gate_up_proj` [experts, hidden, 2 * inter] with gate and up *interleaved*
 along the last dim and `gate_up_proj_bias` [experts, 2 * inter] likewise; `mlp.experts.down_proj`
 [experts, inter, hidden], `down_proj_bias` [experts, hidden]. The loader transposes to
-[out, in] and de-interleaves to [gate | up].
+[out, in] and de-interleaves to [gate | up]. GGUF files (`decoder_gguf.py`) come expert by
+expert instead, as `mlp.experts.{e}.gate_proj / up_proj / down_proj` `.weight` [out, in] and
+`.bias`, which are stacked here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from slotrunner.models.causal_lm import CausalLM
-from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE
+from slotrunner.models.layers.moe import ExpertActivation, RouterSpec, SparseMoE, stack_per_expert
 from slotrunner.models.layers.parallel_linear import ShardedWeights, query_heads
 from slotrunner.models.llama import LlamaArgs, LlamaAttention
 from slotrunner.models.mixtral import MixtralForCausalLM
@@ -57,6 +60,12 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] (g0 u0 g
 
 
 class GptOssForCausalLM(MixtralForCausalLM):
+    # per-expert names (GGUF files): parameter, and slot in the gated w_in / b_in (gate, then up)
+    expert_names: ClassVar[dict[str, tuple[str, int]]] = {
+        "gate_proj.weight": ("w_in", 0), "up_proj.weight": ("w_in", 1), "down_proj.weight": ("w_out", 0),
+        "gate_proj.bias": ("b_in", 0), "up_proj.bias": ("b_in", 1), "down_proj.bias": ("b_out", 0),
+    }  # fmt: skip
+
     def __init__(self, hf_config: object) -> None:
         quant = getattr(hf_config, "quantization_config", None)
         if quant:
@@ -90,4 +99,4 @@ class GptOssForCausalLM(MixtralForCausalLM):
                     name = f"{head}.mlp.experts.b_out"
                 yield name, tensor
 
-        return CausalLM.load_weights(self, renamed())
+        return CausalLM.load_weights(self, stack_per_expert(renamed(), ".mlp.experts.", self.expert_names, self.num_experts))

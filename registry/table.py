@@ -68,5 +68,5 @@ IN_TREE: dict[str, ArchEntry] = {
 # ("module:function(gguf_file, path, dtype, pack=False)"), kept next to the model it feeds.
 GGUF_READERS: dict[str, str] = {
     "llama": f"{_M}.llama_gguf:read_llama_gguf",  # also Mistral: llama.cpp writes it as `llama`
-    **{arch: f"{_M}.decoder_gguf:read_decoder_gguf" for arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")},
+    **{arch: f"{_M}.decoder_gguf:read_decoder_gguf" for arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss")},
 }

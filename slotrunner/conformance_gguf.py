@@ -58,7 +58,14 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
 
     from slotrunner.core_runner.loader.gguf_file import open_gguf
 
-    rope_tensors = [name for name in _ROPE_SCALING_TENSORS if name in open_gguf(str(path)).tensors]
+    gguf_file = open_gguf(str(path))
+    if gguf_file.metadata.get("general.architecture") == "gpt-oss":
+        raise ConformanceError(
+            f"{path}: transformers' GGUF loader is no oracle for llama.cpp's gpt-oss files (transformers "
+            f"{transformers.__version__} fails on their rope.scaling.* metadata, and loads neither the attention sinks "
+            "nor the experts); check the Hugging Face checkpoint the file was made from instead"
+        )
+    rope_tensors = [name for name in _ROPE_SCALING_TENSORS if name in gguf_file.tensors]
     if rope_tensors:
         raise ConformanceError(
             f"{path}: the file scales RoPE with {', '.join(rope_tensors)} (Llama 3.1 / Phi-3 128k style), which "
@@ -89,7 +96,7 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
 # transformers model_type -> GGUF general.architecture (Mistral is written as `llama`, named so)
 GGUF_ARCHITECTURES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-    "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+    "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss",
 }  # fmt: skip
 
 
@@ -134,6 +141,27 @@ def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> Any:
     return np.array(divisors, dtype=np.float32)
 
 
+def _gpt_oss_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """GPT-OSS's tensors as llama.cpp's GptOssModel converter renames and reshapes them
+    (`modify_tensors`), or None for a tensor it keeps as gguf-py's name map says: the sinks get
+    ".weight"; the expert stacks ([experts, in, out]) are transposed to [experts, out, in] and
+    HF's interleaved gate/up (g0 u0 g1 u1 ...) split into gate and up, biases alike."""
+    block = f"blk.{name.split('.')[2]}" if name.startswith("model.layers.") else ""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "sinks":
+        return [(f"{block}.attn_sinks.weight", tensor)]
+    if leaf == "gate_up_proj":
+        both = tensor.transpose(-1, -2)  # [experts, 2 x ff, hidden], rows interleaved
+        return [(f"{block}.ffn_gate_exps.weight", both[:, ::2]), (f"{block}.ffn_up_exps.weight", both[:, 1::2])]
+    if leaf == "gate_up_proj_bias":
+        return [(f"{block}.ffn_gate_exps.bias", tensor[..., ::2]), (f"{block}.ffn_up_exps.bias", tensor[..., 1::2])]
+    if leaf == "down_proj":
+        return [(f"{block}.ffn_down_exps.weight", tensor.transpose(-1, -2))]
+    if leaf == "down_proj_bias":
+        return [(f"{block}.ffn_down_exps.bias", tensor)]
+    return None
+
+
 def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32") -> Path:
     """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
     does: gguf-py's tensor names, Q/K rows interleaved for `llama` (and Llama 3.1-style RoPE
@@ -142,7 +170,8 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     SentencePiece (`"llama"`, what Gemma and Phi-3 files carry). Tensors stay float32 (so
     transformers' GGUF loader and slotrunner's reader both see exactly the model's weights),
     or the 2-D matrices are quantized to `matrix_type` ("Q8_0", "Q4_0", ... what gguf-py
-    quantizes) as a quantized file stores them."""
+    quantizes) as a quantized file stores them. GPT-OSS's experts are always MXFP4, as every
+    GPT-OSS file has them (the converter repacks the released MXFP4 weights as they are)."""
     import gguf
     import numpy as np
 
@@ -184,6 +213,15 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters, and TextModel's YaRN keys
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+        writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
     if config.model_type == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -191,7 +229,7 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
         writer.add_sliding_window(config.sliding_window)
     if tokenizer == "gpt2":
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
+        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
         writer.add_token_list(_byte_level_vocab(config.vocab_size))
         writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
         writer.add_token_merges([])
@@ -213,6 +251,16 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     shift = 1.0 if arch.startswith("gemma") else 0.0
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        renamed = _gpt_oss_tensors(name, tensor.detach().float()) if arch == "gpt-oss" else None
+        for gguf_name, data in renamed or ():
+            values = data.contiguous().numpy()
+            if values.ndim == 3:  # the experts
+                mxfp4 = gguf.GGMLQuantizationType.MXFP4
+                writer.add_tensor(gguf_name, gguf.quants.quantize(values, mxfp4), raw_dtype=mxfp4)
+            else:
+                writer.add_tensor(gguf_name, values)
+        if renamed is not None:
             continue
         if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 x ff, hidden]: llama.cpp keeps gate, up apart
             gate, up = tensor.detach().float().chunk(2, dim=1)

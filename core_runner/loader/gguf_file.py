@@ -33,6 +33,7 @@ SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset(
         "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
         "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+        "MXFP4",  # GPT-OSS experts; every value is a power of two times a 4-bit float, exact in float32
     )
     if hasattr(GGMLQuantizationType, name)
 )  # fmt: skip

@@ -34,6 +34,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's o200k (GPT-OSS's files: llama.cpp's GPT4O pre-type): words keep their case-split
+# prefix and contraction, up to three digits a token, "/" and newlines stay with punctuation
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _ONE_DIGIT_SPLIT = r"\p{N}"
 # what llama.cpp uses when tokenizer.ggml.pre is "default" or absent (older files)
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -50,6 +57,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama-v3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
+    "gpt-4o": (_O200K_SPLIT,),
 }
 
 

@@ -13,6 +13,10 @@ keys read from the wrong place, a tokenizer kind or pre-tokenizer a family's fil
 transformers' GGUF loader fills what its mapping does not read with its config defaults
 (Qwen3's head_dim 128, Gemma's query_pre_attn_scalar 256 and soft caps 50 / 30, full rotary for
 Phi-3), so the tiny configs take those values: then both readers must agree.
+
+GPT-OSS files are the exception: transformers' GGUF loader cannot read them (see the tests at
+the end), so their oracle is the Hugging Face model the file was written from, with its
+experts rounded to MXFP4 as the file stores them.
 """
 
 from __future__ import annotations
@@ -124,17 +128,34 @@ def test_qwen2_pre_tokenizer_splits_like_qwen(tmp_path):
     assert pieces == ["It", "'S", " ", "2", "0", "2", "4", " ok", "!!\n\n", " ", " x"]
 
 
-def copy_gguf(path, out, add) -> object:
-    """A copy of the `llama` file at `path` with what `add(writer)` adds (metadata or tensors)."""
-    writer = gguf.GGUFWriter(str(out), "llama")
+def test_gpt4o_pre_tokenizer_splits_like_o200k():
+    """`tokenizer.ggml.pre = gpt-4o` (GPT-OSS files; llama.cpp's GPT4O pre-type): o200k's rules --
+    a word splits before an inner capital and keeps its contraction (any case), digits go three
+    at a time, "/" and newlines stay with the punctuation before them. Qwen2's rules would
+    split digits one by one and contractions off."""
+    from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["gpt-4o"][0]), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("It'S 2024 HelloWorld!!\n\n  a//\nb")]
+    assert pieces == ["It'S", " ", "202", "4", " Hello", "World", "!!\n\n", " ", " a", "//\n", "b"]
+
+
+def copy_gguf(path, out, add, arch="llama", drop=()) -> object:
+    """A copy of the `arch` file at `path` without the metadata keys `drop` and with what
+    `add(writer)` adds (metadata or tensors); quantized tensors are copied as their blocks."""
+    writer = gguf.GGUFWriter(str(out), arch)
     reader = gguf.GGUFReader(str(path))
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in drop:
             continue
         writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
     add(writer)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data.reshape([int(d) for d in reversed(tensor.shape)]))
+        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, tensor.data.reshape([int(d) for d in reversed(tensor.shape)]))
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -157,22 +178,23 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe") as e:
+    with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, gpt-oss, llama, phi3, qwen2, qwen3, qwen3moe") as e:
         read_gguf(tmp_path / "x.gguf", torch.float32)
     assert "transformers' GGUF loader does not read it either" in str(e.value)
 
 
-@pytest.mark.parametrize("architecture", CASES)
+@pytest.mark.parametrize("architecture", [*CASES, "GptOssForCausalLM"])
 def test_quantized_file_runs_packed_like_dequantized(architecture, tmp_path):
     """A Q8_0 file (how users' files come) keeps its matrices packed on CPU -- fused QKV and
-    gate/up (Phi-3), sandwich norms (Gemma), experts (Qwen3-MoE) included -- and gives the
-    tokens and logprobs of the same file dequantized."""
+    gate/up (Phi-3), sandwich norms (Gemma), experts (Qwen3-MoE), biased attention and router
+    beside MXFP4 experts (GPT-OSS) included -- and gives the tokens and logprobs of the same file
+    dequantized."""
     from slotrunner import SamplingParams
     from slotrunner.core_runner.cpu.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
         pytest.skip(str(native_unavailable_reason()))
-    config = tiny_config(architecture, **CASES[architecture])
+    config = tiny_config(architecture, **CASES.get(architecture, {}))
     config.architectures = [architecture]
     path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "q8.gguf", matrix_type="Q8_0")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -250,3 +272,130 @@ def test_phi3_longrope_file_runs_like_the_checkpoint_it_came_from(tmp_path):
               quantized_weights="dequantized")  # fmt: skip
     report = check_case(llm, original, PROMPTS[:1], max_tokens=4)
     assert report.passed, report.table()
+
+
+# -- GPT-OSS: transformers' GGUF loader cannot read its files, so the oracle is the HF model ---
+
+
+def gpt_oss_file(tmp_path):
+    """A tiny GPT-OSS (sliding window 6 on layer 0, full attention on layer 1, YaRN) written as
+    llama.cpp's converter writes it, experts in MXFP4; and the model it came from."""
+    config = tiny_config("GptOssForCausalLM")
+    config.architectures = ["GptOssForCausalLM"]
+    original = build_case(config, tmp_path / "hf")
+    return original, write_gguf(original, tmp_path / "gpt-oss.gguf")
+
+
+def gpt_oss_held(original, path):
+    """`original` with the experts the file holds: its MXFP4 blocks dequantized by gguf-py (not
+    by slotrunner's reader) and put back in HF's layout ([experts, in, out], gate and up
+    interleaved). Every other tensor is stored as float32, so it is the original's."""
+    import copy
+
+    held = copy.deepcopy(original)
+    stored = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        stored[t.name] = torch.from_numpy(values.copy())
+    with torch.no_grad():
+        for i, layer in enumerate(held.model.layers):
+            gate, up = stored[f"blk.{i}.ffn_gate_exps.weight"], stored[f"blk.{i}.ffn_up_exps.weight"]  # [E, ff, hidden]
+            layer.mlp.experts.gate_up_proj.copy_(torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2))
+            layer.mlp.experts.down_proj.copy_(stored[f"blk.{i}.ffn_down_exps.weight"].transpose(1, 2))
+    return held
+
+
+def gpt_oss_per_expert(state_dict):
+    """A GPT-OSS state dict under the per-expert names slotrunner's GGUF reader yields."""
+    out = {}
+    for name, tensor in state_dict.items():
+        head, _, leaf = name.rpartition(".experts.")
+        if leaf in ("gate_up_proj", "gate_up_proj_bias"):  # [E, hidden, 2 x ff] / [E, 2 x ff], interleaved
+            both, kind = (tensor.transpose(1, 2), "weight") if leaf == "gate_up_proj" else (tensor, "bias")
+            for e in range(both.shape[0]):
+                out[f"{head}.experts.{e}.gate_proj.{kind}"] = both[e, 0::2]
+                out[f"{head}.experts.{e}.up_proj.{kind}"] = both[e, 1::2]
+        elif leaf == "down_proj":  # [E, ff, hidden]
+            out.update((f"{head}.experts.{e}.down_proj.weight", t.T) for e, t in enumerate(tensor))
+        elif leaf == "down_proj_bias":
+            out.update((f"{head}.experts.{e}.down_proj.bias", t) for e, t in enumerate(tensor))
+        else:
+            out[name] = tensor
+    return out
+
+
+def test_gpt_oss_file_runs_like_the_model_it_holds(tmp_path):
+    """A GPT-OSS file read back: every tensor equal to the model the file holds (sinks, biased
+    router and experts, gate/up de-interleaved the converter's way, MXFP4 experts dequantized
+    exactly), the config the HF model had (YaRN from the rope.scaling keys, the sliding window
+    and llama.cpp's alternating layer pattern), and its logits at every position and greedy
+    tokens. transformers' GGUF loader cannot read these files, so the oracle is the HF model the
+    file was written from, with its experts rounded to MXFP4 as the file stores them."""
+    original, path = gpt_oss_file(tmp_path)
+    held = gpt_oss_held(original, path)
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(held.state_dict()[gate_up], original.state_dict()[gate_up])  # MXFP4 did round
+    torch.testing.assert_close(held.state_dict()[gate_up], original.state_dict()[gate_up], atol=0.02, rtol=0.3)
+
+    checkpoint = read_gguf(path, torch.float32)
+    config, expected = checkpoint.config, original.config
+    assert config.architectures == ["GptOssForCausalLM"]
+    for field in ("layer_types", "sliding_window", "rope_parameters", "num_local_experts", "num_experts_per_tok",
+                  "intermediate_size", "head_dim", "num_key_value_heads", "swiglu_limit", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(config, field) == getattr(expected, field), field
+    weights = dict(checkpoint.weights())
+    reference = gpt_oss_per_expert(held.state_dict())
+    assert set(weights) == set(reference)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
+    tokenizer = checkpoint.tokenizer  # byte-level BPE, pre gpt-4o
+    assert tokenizer.decode(tokenizer("It's 2024 ok").input_ids) == "It's 2024 ok"
+
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, block_size=4, enable_prefix_caching=False,
+              quantized_weights="dequantized")  # fmt: skip
+    report = check_case(llm, held, PROMPTS, max_tokens=4)
+    assert report.passed, report.table()
+
+
+def test_transformers_is_no_oracle_for_gpt_oss_files(tmp_path):
+    """transformers' GGUF loader fails on llama.cpp's gpt-oss files (it reads their
+    rope.scaling.* values from the wrong field part), so `conformance --model x.gguf` must say so
+    rather than crash or compare against it. Should a transformers release read them, the
+    first check fails: then make it the oracle of these files."""
+    import transformers
+
+    from slotrunner.conformance_oracle import ConformanceError
+
+    _, path = gpt_oss_file(tmp_path)
+    with pytest.raises(Exception):
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    with pytest.raises(ConformanceError, match="no oracle for llama.cpp's gpt-oss files"):
+        load_gguf_oracle(path, "GptOssForCausalLM")
+
+
+_GPT_OSS_MALFORMED = {
+    "linear RoPE scaling": (("gpt-oss.rope.scaling.type",), lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                            "gpt-oss files scale RoPE with YaRN; this one has rope.scaling.type='linear'"),
+    "no sliding window": (("gpt-oss.attention.sliding_window",), lambda w: None,
+                          "required metadata gpt-oss.attention.sliding_window is missing"),
+    "fewer experts than stored": (("gpt-oss.expert_count",), lambda w: w.add_expert_count(4),
+                                  r"experts\.\*\.gate_proj\.weight has shape \(8, 32, 64\), expected \(4, 32, 64\)"),
+    "YaRN attention factor": ((), lambda w: w.add_rope_scaling_yarn_attn_factor(2.0),
+                              "gpt-oss.rope.scaling.yarn_attn_factor is not supported"),
+    "gate and up fused": ((), lambda w: w.add_tensor("blk.0.ffn_gate_up_exps.weight", torch.zeros(8, 64, 64).numpy()),
+                          "blk.0.ffn_gate_up_exps.weight .*gate and up fused in one stack are not read yet"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _GPT_OSS_MALFORMED)
+def test_malformed_gpt_oss_file_is_refused(case, tmp_path):
+    """What the reader cannot run as the file means is refused, naming the file and the key or
+    tensor: another RoPE scaling than YaRN, a missing window, metadata that disagrees with the
+    expert stacks, YaRN keys whose llama.cpp meaning differs from transformers' parameters,
+    gate and up experts in one stack (a newer converter option)."""
+    drop, add, message = _GPT_OSS_MALFORMED[case]
+    _, path = gpt_oss_file(tmp_path)
+    bad = copy_gguf(path, tmp_path / "bad.gguf", add, arch="gpt-oss", drop=drop)
+    with pytest.raises(ValueError, match=message) as e:
+        read_gguf(bad, torch.float32)
+    assert "bad.gguf" in str(e.value)
