@@ -32,17 +32,21 @@ class TokenCounter:
         self.handle.remove()
 
 
+def generate_counting(llm, prompt, params):
+    """The request's output and how many tokens the model forwarded for it."""
+    counter = TokenCounter(llm.engine.runner.model)
+    try:
+        return llm.generate(prompt, params, use_tqdm=False)[0], counter.count
+    finally:
+        counter.close()
+
+
 @pytest.mark.parametrize("prompt_len", [9, 8], ids=["partial-last-block", "full-blocks"])
 def test_n_samples_equal_seeded_single_requests_and_share_the_prefill(llm, prompt_len):
     prompt = {"prompt_token_ids": [(31 * i) % 900 + 5 for i in range(prompt_len)]}
     sp = dict(temperature=1.0, top_k=50, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     llm.reset_prefix_cache()
-    counter = TokenCounter(llm.engine.runner.model)
-    try:
-        out = llm.generate(prompt, SamplingParams(n=N, seed=100, **sp), use_tqdm=False)[0]
-        forwarded = counter.count
-    finally:
-        counter.close()
+    out, forwarded = generate_counting(llm, prompt, SamplingParams(n=N, seed=100, **sp))
     assert [c.index for c in out.outputs] == list(range(N))
     # Samples 1..N-1 take sample 0's full blocks, leaving at least one token to compute.
     shared = min(prompt_len // 4, (prompt_len - 1) // 4) * 4
@@ -110,12 +114,7 @@ def test_samples_share_a_prompt_past_the_window_in_kv_cache_groups(tmp_path):
     args = dict(device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     llm = LLM(str(tmp_path), **args)
     assert len(llm.config.kv_cache_windows) == 4
-    counter = TokenCounter(llm.engine.runner.model)
-    try:
-        out = llm.generate(prompt, SamplingParams(n=N, seed=100, **sp), use_tqdm=False)[0]
-        forwarded = counter.count
-    finally:
-        counter.close()
+    out, forwarded = generate_counting(llm, prompt, SamplingParams(n=N, seed=100, **sp))
     assert forwarded == 21 + (N - 1) * 1 + N * (MAX_TOKENS - 1), "siblings recomputed the shared prompt"
     singles = [llm.generate(prompt, SamplingParams(seed=100 + i, **sp), use_tqdm=False)[0].outputs[0] for i in range(N)]
     assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
