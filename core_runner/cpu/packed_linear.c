@@ -304,7 +304,46 @@ static inline int64_t chunk_rows(int64_t K) {
     return rows > 4 ? rows : 4;
 }
 
+#if PAIRED
+/* Decode tiles for 5..8 input rows on AVX-512: two weight rows' dequantized blocks side by side
+ * in one 512-bit register, so each FMA advances both (R accumulators, each half accumulating
+ * exactly as the AVX2 R x 1 tile does: the same bits, half the FMAs; 1.15-1.2x at 8 rows. At 4
+ * rows the AVX2 4 x 2 tile measured as fast, so the pairs start at 5). */
+#define DEFINE_PAIR_ROWS_TILE(FMT, R)                                                             \
+    static void FMT##_ptile_##R(const float *x, int64_t K, const uint8_t *qs, const float *d,     \
+                                const float *m, int64_t n0, const float *bias, float *y, int64_t N) { \
+        __m512 acc[R];                                                                            \
+        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                 \
+        const int64_t nb = K / BLOCK;                                                             \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            vec wa[4], wb[4];                                                                     \
+            __m512 w[4];                                                                          \
+            FMT##_block(qs, d, m, n0, nb, b, wa);                                                 \
+            FMT##_block(qs, d, m, n0 + 1, nb, b, wb);                                             \
+            for (int j = 0; j < 4; j++) w[j] = _mm512_insertf32x8(_mm512_castps256_ps512(wa[j]), wb[j], 1); \
+            const float *xb = x + b * BLOCK;                                                      \
+            for (int i = 0; i < R; i++)                                                           \
+                for (int j = 0; j < 4; j++)                                                       \
+                    acc[i] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(xb + i * K + 8 * j)), w[j], acc[i]); \
+        }                                                                                         \
+        for (int i = 0; i < R; i++) {                                                             \
+            y[i * N + n0] = hsum(_mm512_castps512_ps256(acc[i])) + (bias ? bias[n0] : 0.0f);      \
+            y[i * N + n0 + 1] = hsum(_mm512_extractf32x8_ps(acc[i], 1)) + (bias ? bias[n0 + 1] : 0.0f); \
+        }                                                                                         \
+    }
+#define DEFINE_PAIR_ROWS(FMT)                                                                     \
+    DEFINE_PAIR_ROWS_TILE(FMT, 5) DEFINE_PAIR_ROWS_TILE(FMT, 6)                                   \
+    DEFINE_PAIR_ROWS_TILE(FMT, 7) DEFINE_PAIR_ROWS_TILE(FMT, 8)                                   \
+    static const tile_fn FMT##_ptiles[MAX_ROWS + 1] = {0, 0, 0, 0, 0, FMT##_ptile_5,              \
+                                                       FMT##_ptile_6, FMT##_ptile_7, FMT##_ptile_8};
+#define PAIR_ROWS_MIN 5
+#else
+#define DEFINE_PAIR_ROWS(FMT) static const tile_fn FMT##_ptiles[MAX_ROWS + 1] = {0};
+#define PAIR_ROWS_MIN (MAX_ROWS + 1)
+#endif
+
 #define DEFINE_FORMAT(FMT)                                                                        \
+    DEFINE_PAIR_ROWS(FMT)                                                                         \
     DEFINE_TILE(FMT, 1, 8) DEFINE_TILE(FMT, 1, 4) DEFINE_TILE(FMT, 1, 2) DEFINE_TILE(FMT, 1, 1)   \
     DEFINE_TILE(FMT, 2, 4) DEFINE_TILE(FMT, 2, 2) DEFINE_TILE(FMT, 2, 1)                          \
     DEFINE_TILE(FMT, 3, 2) DEFINE_TILE(FMT, 3, 1) DEFINE_TILE(FMT, 4, 2) DEFINE_TILE(FMT, 4, 1)   \
@@ -361,6 +400,9 @@ static inline int64_t chunk_rows(int64_t K) {
             for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {                                        \
                 const int64_t rows = M - i0 < MAX_ROWS ? M - i0 : MAX_ROWS;                       \
                 int64_t n = s * 16;                                                               \
+                if (rows >= PAIR_ROWS_MIN)                                                        \
+                    for (; n + 2 <= n_end; n += 2)                                                \
+                        FMT##_ptiles[rows](x + i0 * K, K, qs, d, m, n, bias, y + i0 * N, N);      \
                 for (int lc = 3; lc >= 0; lc--) {                                                 \
                     const int cols = 1 << lc;                                                     \
                     if (cols > tile_cols(rows)) continue;                                         \
