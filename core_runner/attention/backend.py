@@ -28,7 +28,7 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class FamilyAttnMetadata:
     """Base for family attention metadata that the common attention metadata lacks
-    (cross-attention lengths, Mamba prefill flags, state indices). A family's ModelState builds it
+    (cross-attention lengths, recurrent-state prefill flags and indices). A family's ModelState builds it
     in `prepare_attn`; the family's layers read it from the forward context as `ctx.family_attn`."""
 
 

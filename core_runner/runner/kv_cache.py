@@ -7,14 +7,13 @@ change here.
 
 KV-cache groups (vLLM's hybrid KV-cache manager). A model whose layers all cache the same way
 is one group: every layer gets its own tensor and a block id means "this block of every layer".
-A model mixing full-attention and sliding-window layers with otherwise equal entries (Gemma 2/3,
-GPT-OSS) is split into groups of equal size G, each of one window: a request then holds one
+A model mixing full-attention and sliding-window layers with otherwise equal entries is split into groups of equal size G, each of one window: a request then holds one
 block list per group, and a sliding-window group's list drops the blocks its window has passed
 (core_runner/engine/block_manager.py). All groups draw block ids from one pool: shared KV
 tensor j holds the j-th layer of every group, so block b of group g is page b of the tensors of
 g's layers. A block id thus costs G layers' pages, whichever group holds it. G is the fewest
-layers sharing a window, or the most when the counts are within 25% (vLLM's rule): Gemma 3
-(5 sliding : 1 full) makes groups of its full layers' count; a group left short wastes the
+layers sharing a window, or the most when the counts are within 25% (vLLM's rule): 5 sliding
+layers to 1 full make groups of the full layers' count; a group left short wastes the
 pages of the tensors it leaves unused.
 """
 
@@ -111,8 +110,8 @@ class KVCacheLayout:
 
 def kv_cache_layout(model: nn.Module, hybrid: bool = True) -> KVCacheLayout:
     """Group the model's caching layers. `hybrid=False` (vLLM's disable_hybrid_kv_cache_manager)
-    keeps one group: its window is the layers' common window if they share one (Mistral: blocks
-    still leave the window), else None (sliding-window layers then hold every block)."""
+    keeps one group: its window is the layers' common window if they share one (blocks still
+    leave the window), else None (sliding-window layers then hold every block)."""
     layers = cache_layers(model)
     specs = [layer.kv_cache_spec() for layer in layers]
     windows = {s.sliding_window for s in specs}

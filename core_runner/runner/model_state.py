@@ -1,7 +1,7 @@
 """The ModelState contract: the hooks the common runner calls for family-specific state.
 
 The runner owns what every architecture has (token history, lengths, block tables, sampling
-state). Whatever one family needs beyond that -- recurrent state pools (Mamba and gated delta-net hybrids), encoder
+state). Whatever one family needs beyond that -- per-slot recurrent state pools (recurrent hybrids), encoder
 outputs and cross-attention caches (encoder-decoders), media embeddings and M-RoPE deltas
 (multimodal) -- lives in a ModelState subclass, indexed by the request's stable slot.
 
