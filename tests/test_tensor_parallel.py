@@ -237,15 +237,11 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):
     assert not torch.distributed.is_initialized()
 
 
-def test_a_recurrent_hybrid_splits_its_mamba_heads_and_their_state(tmp_path):
-    """After the fixture's engine closed (one process group per process). Bamba: Mamba2 mixers (one B/C group, so the gated norm spans the ranks) between attention
-    layers; chunked prefill carries each rank's conv window and SSM state across chunks."""
-    build_case(tiny_config("BambaForCausalLM", tie_word_embeddings=False), tmp_path)
-    engine = ENGINE | {"max_num_batched_tokens": 7, "max_num_seqs": 2}
-    prompts = [{"prompt_token_ids": p} for p in ALONE]
+def _two_ranks_equal_one(directory, engine: dict, prompts: list) -> None:
+    """Greedy ids and logprobs of TP=2 equal TP=1's for `prompts` (the TP=2 engine is closed)."""
     params = _greedy(logprobs=2)
-    ref = LLM(str(tmp_path), **engine).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **engine)
+    ref = LLM(str(directory), **engine).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(directory), tensor_parallel_size=2, **engine)
     try:
         ours = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -254,6 +250,15 @@ def test_a_recurrent_hybrid_splits_its_mamba_heads_and_their_state(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)
+
+
+def test_a_recurrent_hybrid_splits_its_mamba_heads_and_their_state(tmp_path):
+    """After the fixture's engine closed (one process group per process). Bamba: Mamba2 mixers (one B/C group, so the gated norm spans the ranks) between attention
+    layers; chunked prefill carries each rank's conv window and SSM state across chunks."""
+    build_case(tiny_config("BambaForCausalLM", tie_word_embeddings=False), tmp_path)
+    engine = ENGINE | {"max_num_batched_tokens": 7, "max_num_seqs": 2}
+    prompts = [{"prompt_token_ids": p} for p in ALONE]
+    _two_ranks_equal_one(tmp_path, engine, prompts)
 
 
 @pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
@@ -300,17 +305,7 @@ def test_an_encoder_decoder_splits_its_decoder_and_replicates_its_encoder(tmp_pa
     engine = ENGINE | {"max_num_batched_tokens": 7, "max_num_seqs": 2, "enable_prefix_caching": False}
     prompts = [{"encoder_prompt": {"prompt_token_ids": p[:12]}, "decoder_prompt": {"prompt_token_ids": p[12:]}}
                for p in ALONE]  # fmt: skip
-    params = _greedy(logprobs=2)
-    ref = LLM(str(tmp_path), **engine).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **engine)
-    try:
-        ours = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.close()
-    for a, b in zip(ours, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) <= LOGITS_ATOL for t in la)
+    _two_ranks_equal_one(tmp_path, engine, prompts)
 
 
 # DeepSeek multi-head latent attention: the tiny configs' 4 heads, 2 per rank.
