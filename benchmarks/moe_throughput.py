@@ -11,6 +11,7 @@ batches of `--hf-batch` requests, left-padded.
     python benchmarks/moe_throughput.py                         # both systems
     python benchmarks/moe_throughput.py --peers none            # slotrunner alone
     python benchmarks/moe_throughput.py --num-layers 8          # a shallower model, same layer shape
+    python benchmarks/moe_throughput.py --shape deepseek-v2-lite  # MLA + 64 experts top-6, 27 layers
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -38,9 +39,28 @@ def qwen3_30b_a3b_config(num_layers: int) -> dict:
     )  # fmt: skip
 
 
+def deepseek_v2_lite_config(num_layers: int) -> dict:
+    """DeepSeek-V2-Lite: multi-head latent attention (no q LoRA, latent 512 + rotary 64), the
+    first layer dense, then 64 routed experts of 1408 top-6 plus 2 shared experts; YaRN."""
+    return dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=num_layers, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, head_dim=64, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=dict(type="yarn", rope_type="yarn", factor=40.0, beta_fast=32, beta_slow=1,
+        mscale=0.707, mscale_all_dim=0.707, original_max_position_embeddings=4096), tie_word_embeddings=False,
+        hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=100000, eos_token_id=100001,
+    )  # fmt: skip
+
+
+SHAPES = {"qwen3-30b-a3b": (qwen3_30b_a3b_config, 48), "deepseek-v2-lite": (deepseek_v2_lite_config, 27)}
+
+
 def workload(n: int, in_len: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 151000, in_len).tolist() for _ in range(n)]
+    return [rng.integers(0, 100000, in_len).tolist() for _ in range(n)]
 
 
 def run_slotrunner(model_dir: str, prompts: list[list[int]], out_len: int, args) -> dict:
@@ -88,7 +108,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=48)
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--num-layers", type=int, default=None, help="default: the shape's own depth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -99,8 +120,10 @@ def main() -> None:
     args = p.parse_args()
 
     prompts = workload(args.num_requests, args.input_len, args.seed)
-    cfg = qwen3_30b_a3b_config(args.num_layers)
-    print(f"MoE workload: {args.num_requests} requests x {args.input_len} in / {args.output_len} out; Qwen3-30B-A3B "
+    make_config, depth = SHAPES[args.shape]
+    args.num_layers = args.num_layers or depth
+    cfg = make_config(args.num_layers)
+    print(f"MoE workload: {args.num_requests} requests x {args.input_len} in / {args.output_len} out; {args.shape} "
           f"shape, {args.num_layers} layers, bf16, {torch.cuda.get_device_name()}; torch {torch.__version__}")
     print(f"{'system':<36} {'seconds':>9} {'out tok/s':>10} {'slotrunner x':>13}", flush=True)
     rows = []

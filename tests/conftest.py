@@ -71,3 +71,28 @@ def run_interpreted():
         return proc.stdout
 
     return run
+
+
+@pytest.fixture
+def run_decode_steps_without_sync():
+    """A function that runs decode-only engine steps on CUDA with any host-device sync raising
+    (`torch.cuda.set_sync_debug_mode("error")`); returns how many ran."""
+    import torch
+
+    def run(engine, steps: int) -> int:
+        """Run `steps` decode-only steps with any host-device sync raising; returns how many ran."""
+        checked = 0
+        for _ in range(steps):
+            sched = engine.scheduler.schedule()
+            assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                engine.runner.execute_model(sched)
+                pending = engine.runner.sample_tokens()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            engine.scheduler.update(sched, pending.get())
+            checked += 1
+        return checked
+
+    return run

@@ -28,6 +28,10 @@ ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3For
 ARCHS += ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 # DeepSeek: the latent cache write and the absorbed MLA decode kernel compiled, bf16 latents.
 ARCHS += ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Mixture-of-experts: the fused MoE kernel compiled (sorted tokens, grouped GEMMs), sinks.
+ARCHS += ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+# Recurrent hybrids: the compiled Mamba2 scan / state update and gated delta-net kernels.
+ARCHS += ("BambaForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -324,3 +324,17 @@ def test_gpu_graphs_equal_eager(case):
         runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert runs[True] == runs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_step_does_not_sync(case, run_decode_steps_without_sync):
+    """Decode-only steps of a multimodal model (media already merged in the prefills, M-RoPE
+    positions advanced on the device) never synchronize with the host."""
+    llm = LLM(str(case.directory), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=4)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, r in enumerate(case.requests):
+        engine.add_request(f"r{i}", r.prompt, sp)
+    for _ in range(3):  # every prompt prefilled (with its media) before the checked steps
+        engine.step()
+    assert run_decode_steps_without_sync(engine, 5) == 5

@@ -43,7 +43,7 @@ def test_graphs_equal_eager(qwen3_dir, dtype):
     assert _run(qwen3_dir, dtype, enforce_eager=False) == _run(qwen3_dir, dtype, enforce_eager=True)
 
 
-def test_decode_step_does_not_sync(qwen3_dir):
+def test_decode_step_does_not_sync(qwen3_dir, run_decode_steps_without_sync):
     llm = LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=16)
     engine = llm.engine
     sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)
@@ -52,23 +52,6 @@ def test_decode_step_does_not_sync(qwen3_dir):
     for _ in range(3):  # prefill steps may sync (prompt tables); decode steps must not
         engine.step()
     assert run_decode_steps_without_sync(engine, 10) == 10
-
-
-def run_decode_steps_without_sync(engine, steps: int) -> int:
-    """Run `steps` decode-only steps with any host-device sync raising; returns how many ran."""
-    checked = 0
-    for _ in range(steps):
-        sched = engine.scheduler.schedule()
-        assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            engine.runner.execute_model(sched)
-            pending = engine.runner.sample_tokens()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        engine.scheduler.update(sched, pending.get())
-        checked += 1
-    return checked
 
 
 def test_whisper_graphs_equal_eager(tmp_path):
@@ -96,7 +79,7 @@ def test_whisper_graphs_equal_eager(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"])
-def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_path):
+def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_path, run_decode_steps_without_sync):
     """Recurrent hybrids replay decode graphs: the rows' state indices are rewritten in the
     captured buffer, padding rows advance the scratch slot; the decode step never syncs (the
     MoE of GraniteMoeHybrid and the state-update kernels included)."""

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU checks and figures of one sitting on one H200, in one command: the GPU tests, then the
+# benchmarks, each under its own time limit so that one failure or overrun does not cost the rest.
+# Logs go to $OUT (default ./gpu_out): tests.log, bench.log, env.txt. The end of the output is a
+# summary: each step's exit code and seconds, and each benchmark's table.
+#
+#   bash benchmarks/gpu_suite.sh                     # every step, in this order
+#   bash benchmarks/gpu_suite.sh tests throughput    # some steps
+#
+# Steps: tests, throughput, fp8, hybrid, multimodal, spec, qwen3next, deepseek, latency, overhead,
+# prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests throughput fp8 hybrid multimodal spec qwen3next deepseek latency overhead prefix)
+
+GPU_TESTS=(
+  tests/conformance/test_decoders_gpu.py
+  tests/conformance/test_multimodal.py::test_gpu_graphs_equal_eager
+  tests/conformance/test_multimodal.py::test_gpu_decode_step_does_not_sync
+  tests/core_runner/runner/test_cuda_graphs.py
+  tests/core_runner/runner/test_features_gpu.py
+  tests/core_runner/runner/test_input_kernels.py
+  tests/core_runner/attention
+  tests/core_runner/sample/test_gumbel_kernel.py
+  tests/core_runner/spec_decode
+  tests/models/layers
+  tests/models/test_deepseek.py::test_cuda_graphs_equal_eager
+)
+
+summary=()
+run_step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*" >>"$out/bench.log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$out/bench.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc, $((SECONDS - t0)) s" >>"$out/bench.log"
+  summary+=("$name: rc=$rc, $((SECONDS - t0)) s")
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)'
+  git log -1 --format='commit %H %s' 2>/dev/null
+} >"$out/env.txt" 2>&1
+
+for s in "${steps[@]}"; do
+  case $s in
+    tests)
+      t0=$SECONDS
+      timeout 420 python3 -m pytest -q -n 6 --timeout 300 -p no:cacheprovider "${GPU_TESTS[@]}" >"$out/tests.log" 2>&1
+      summary+=("tests: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests.log")") ;;
+    suite)
+      t0=$SECONDS
+      OMP_NUM_THREADS=1 timeout 400 python3 -m pytest -q -n 14 --timeout 300 -p no:cacheprovider tests >"$out/suite.log" 2>&1
+      summary+=("suite: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/suite.log")") ;;
+    throughput) run_step throughput 150 python3 benchmarks/throughput.py --peers none ;;
+    fp8) run_step fp8 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 ;;
+    hybrid)
+      run_step hybrid 180 python3 benchmarks/mamba_throughput.py --device cuda
+      run_step hybrid-llama-yardstick 90 python3 benchmarks/mamba_throughput.py --device cuda --shape llama --skip-hf ;;
+    multimodal) run_step multimodal 240 python3 benchmarks/multimodal_throughput.py --device cuda ;;
+    spec)
+      run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128
+      run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same ;;
+    qwen3next) run_step qwen3next 300 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 12 ;;
+    deepseek) run_step deepseek 400 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite ;;
+    latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
+    overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
+    prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
+    *) summary+=("$s: unknown step") ;;
+  esac
+done
+
+echo "--- tables"
+grep -v -E '^(\[|WARNING|INFO|  warnings|  /|$)' "$out/bench.log" 2>/dev/null | grep -E '^(===|[A-Za-z0-9 ].*[0-9])' | tail -n 120
+echo "--- tests"
+grep -E '^(FAILED|ERROR)' "$out/tests.log" 2>/dev/null | head -40
+echo "--- summary"
+printf '%s\n' "${summary[@]}"
