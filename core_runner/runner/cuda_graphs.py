@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
+from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, FamilyAttnMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
-from slotrunner.core_runner.runner.model_state import ModelState
+from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
 
 class CudaGraphs:
     def __init__(
@@ -41,6 +41,7 @@ class CudaGraphs:
         self.max_model_len = max_model_len
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # [size, hidden] the graph's output
+        self._inputs: dict[int, tuple] = {}  # the family inputs each graph captured
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured size a decode batch of `num_reqs` rows replays at, or None (eager)."""
@@ -68,10 +69,17 @@ class CudaGraphs:
             for g in range(b.group_block_tables.shape[0])
         )
 
-    def _forward(self, n: int, metas: tuple[AttentionMetadata, ...]) -> torch.Tensor:
+    def _dummy_inputs(self, n: int) -> tuple[ModelInputs, FamilyAttnMetadata | None]:
+        """The family's inputs for a capture at n rows. Called outside the capture: the dummy
+        hooks write persistent buffers (padding rows' slots, say), and a write recorded in the
+        graph would run again at every replay, after the step's own prepare_attn /
+        prepare_inputs, and undo them."""
+        return self.model_state.prepare_dummy_inputs(n, n), self.model_state.prepare_dummy_attn(n)
+
+    def _forward(
+        self, n: int, metas: tuple[AttentionMetadata, ...], extra: ModelInputs, family_attn: FamilyAttnMetadata | None
+    ) -> torch.Tensor:
         b = self.buffers
-        extra = self.model_state.prepare_dummy_inputs(n, n)
-        family_attn = self.model_state.prepare_dummy_attn(n)
         with forward_context(ForwardContext(self.backend, metas[0], family_attn, metas if len(metas) > 1 else ())):
             return self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())
 
@@ -88,12 +96,14 @@ class CudaGraphs:
         pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
             meta = self._metadata(n)
-            self._forward(n, meta)  # warm-up: compiles the kernels outside the capture
+            self._forward(n, meta, *self._dummy_inputs(n))  # warm-up: compiles the kernels outside the capture
+            inputs = self._dummy_inputs(n)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(n, meta)
-            self._graphs[n], self._outputs[n] = graph, out
+                out = self._forward(n, meta, *inputs)
+            # The graph reads these tensors at replay: they must outlive it.
+            self._graphs[n], self._outputs[n], self._inputs[n] = graph, out, inputs
         torch.cuda.synchronize()
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]

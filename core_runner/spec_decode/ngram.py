@@ -83,20 +83,21 @@ if HAS_TRITON:
         best = -1
         best_n = 0
         for i in tl.static_range(MAX_N - MIN_N + 1):
-            n: tl.constexpr = MAX_N - i
+            # n-gram length MAX_N - i, spelled out: a constexpr name cannot be rebound per
+            # unrolled iteration when compiled.
             found = -1
-            num_starts = length - n  # start s is an earlier occurrence with a token after it
+            num_starts = length - (MAX_N - i)  # start s is an earlier occurrence with a token after it
             for start in range(0, num_starts, BLOCK):
                 s = start + tl.arange(0, BLOCK)
                 ok = s < num_starts
-                for t in tl.static_range(n):
-                    want = tl.load(hist + length - n + t)
+                for t in tl.static_range(MAX_N - i):
+                    want = tl.load(hist + length - (MAX_N - i) + t)
                     got = tl.load(hist + s + t, mask=ok, other=-1)
                     ok = ok & (got == want)
                 found = tl.maximum(found, tl.max(tl.where(ok, s, -1), axis=0))
             take = (best < 0) & (found >= 0)
             best = tl.where(take, found, best)
-            best_n = tl.where(take, n, best_n)
+            best_n = tl.where(take, MAX_N - i, best_n)
         first = best + best_n
         count = tl.where(best >= 0, tl.minimum(length - first, K), 0)
         j = tl.arange(0, K_BLOCK)

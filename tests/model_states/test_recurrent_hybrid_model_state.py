@@ -148,11 +148,11 @@ class ReplayedDecode(CudaGraphs):
     of attention is the decoder's, tested on the GPU)."""
 
     def capture(self) -> None:
-        self.captured = {n: (self.model_state.prepare_dummy_attn(n), self.model_state.prepare_dummy_inputs(n, n)) for n in self.sizes}
+        self.captured = {n: self._dummy_inputs(n) for n in self.sizes}
 
     def run(self, batch) -> torch.Tensor:
         n, b = batch.num_reqs_padded, self.buffers
-        family_attn, extra = self.captured[n]
+        extra, family_attn = self.captured[n]
         real = batch.attn_metadata()
         with torch.inference_mode(), forward_context(ForwardContext(RealRowsAttention(self.backend, real), real, family_attn)):
             hidden = self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())

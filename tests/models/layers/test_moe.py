@@ -73,7 +73,11 @@ def test_router_matches_transformers(name):
     ours = TopKRouter(config.hidden_size, spec, **kwargs)
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(37, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    _, hf_weights, hf_ids = hf(x)
+    # (logits, weights, ids) in most versions; transformers 5.17's Granite router returns
+    # (weights, ids, logits): tell them apart by dtype and shape.
+    out = [t for t in hf(x) if t.shape == (x.shape[0], spec.top_k)]
+    hf_ids = next(t for t in out if not t.is_floating_point())
+    hf_weights = next(t for t in out if t.is_floating_point())
     weights, ids = ours(x)
     # Same experts with the same weights, in any order of the k slots.
     hf_order, order = hf_ids.argsort(dim=-1), ids.argsort(dim=-1)
