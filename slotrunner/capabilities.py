@@ -53,7 +53,10 @@ def _parallel_samples(cls: type[ModelState]) -> str:
 
 
 def _speculative(cls: type[ModelState]) -> str:
-    return "yes (sync scheduling)" if cls.supports_speculative_rollback else "refused"
+    if not cls.supports_speculative_rollback:
+        return "refused"
+    graphs = cls.supports_cuda_graphs and cls.cuda_graphs_with_drafts
+    return "yes (sync scheduling; draft steps replay CUDA graphs)" if graphs else "yes (sync scheduling; draft steps eager)"
 
 
 FEATURES: tuple[Feature, ...] = (

@@ -96,3 +96,56 @@ def run_decode_steps_without_sync():
         return checked
 
     return run
+
+
+class RealRowsAttention:
+    """The attention backend on a padded replay: the real rows through the reference backend
+    with the step's own metadata (it plans from host-side lengths), padding rows' outputs zero
+    and their K/V unwritten -- what the Triton backend does for slot -1."""
+
+    def __init__(self, inner, meta) -> None:
+        self.inner, self.meta = inner, meta
+
+    def forward(self, spec, q, k, v, kv_cache, meta, **kwargs):
+        import torch
+
+        r = self.meta.num_tokens
+        out = torch.zeros_like(q)
+        out[:r] = self.inner.forward(spec, q[:r], k[:r], v[:r], kv_cache, self.meta, **kwargs)
+        return out
+
+
+@pytest.fixture
+def replayed_decode():
+    """A `CudaGraphs` that does on the CPU what a replay does to the family: the family metadata
+    and inputs are taken once per (rows, tokens a row) at "capture" (`prepare_dummy_attn` /
+    `prepare_dummy_inputs`), and every padded step it serves runs the model over the padded
+    buffers with those same objects -- the state must have rewritten them in place. Attention:
+    `RealRowsAttention` (graph safety of attention itself is tested on the GPU). Counts
+    `replays` (per tokens a row) and `padded` steps."""
+    from collections import Counter
+
+    import torch
+
+    from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+    from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
+
+    class ReplayedDecode(CudaGraphs):
+        def capture(self) -> None:
+            keys = [(n, 1) for n in self.sizes] + [(n, self.draft_query_len) for n in self.draft_sizes]
+            self.captured = {(n, q): self._dummy_inputs(n, q) for n, q in keys}
+            self.replays, self.padded = Counter(), 0
+
+        def run(self, batch) -> torch.Tensor:
+            n, b = batch.num_reqs_padded, self.buffers
+            q = batch.num_tokens_padded // n
+            extra, family_attn = self.captured[n, q]
+            real = batch.attn_metadata()
+            ctx = ForwardContext(RealRowsAttention(self.backend, real), real, family_attn)
+            with torch.inference_mode(), forward_context(ctx):
+                hidden = self.model(b.input_ids[: n * q], b.positions[: n * q], inputs_embeds=None, **extra.as_kwargs())
+            self.replays[q] += 1
+            self.padded += n > batch.num_reqs
+            return hidden[: batch.num_tokens]
+
+    return ReplayedDecode

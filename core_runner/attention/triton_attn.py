@@ -73,7 +73,9 @@ if HAS_TRITON:
         d = y - f
         odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
         r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * quantum
-        return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
+        # x's sign bit on r: -0.0 stays -0.0 (a negation compiles to 0 - r, which gives +0.0)
+        sign = x.to(tl.int32, bitcast=True) & -2147483648
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _write_kv_kernel(

@@ -6,6 +6,12 @@ Every input the graph reads lives in InputBuffers, whose addresses never change,
 sees the step the input-preparation ops just wrote. Prefill and mixed steps, and batches larger
 than the largest captured size, run eagerly. Only the model forward is captured; logits and
 sampling run eagerly after it.
+
+With speculative decoding (`draft_query_len` = 1 + num_speculative_tokens), decode steps whose
+rows carry drafts are captured too, at `draft_query_len` tokens per row: a row with fewer drafts
+leaves the rest of its tokens as padding (the kernels read each row's real query length from
+the buffers; host-side sizes are upper bounds), so one graph per batch size serves any mix of
+draft counts.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class CudaGraphs:
         buffers: InputBuffers,
         capture_sizes: tuple[int, ...],
         max_model_len: int,
+        draft_query_len: int = 1,  # > 1: also capture decode steps with drafts, at this many tokens a row
     ) -> None:
         self.model = model
         self.model_state = model_state
@@ -38,50 +45,57 @@ class CudaGraphs:
         self.buffers = buffers
         limit = min(buffers.max_num_reqs, buffers.max_num_tokens)
         self.sizes = sorted({s for s in capture_sizes if 1 <= s <= limit})
+        self.draft_query_len = draft_query_len
+        q = draft_query_len
+        self.draft_sizes = [s for s in self.sizes if s * q <= buffers.max_num_tokens] if q > 1 else []
         self.max_model_len = max_model_len
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # [size, hidden] the graph's output
-        self._inputs: dict[int, tuple] = {}  # the family inputs each graph captured
+        # Keyed by (rows, tokens a row): the graph, its output [rows * tokens, hidden], and the
+        # family inputs it captured.
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._inputs: dict[tuple[int, int], tuple] = {}
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The captured size a decode batch of `num_reqs` rows replays at, or None (eager)."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def padded_size(self, num_reqs: int, query_len: int = 1) -> int | None:
+        """The captured size a decode batch of `num_reqs` rows replays at, or None (eager):
+        rows of one token, or with drafts (`query_len` = `draft_query_len`)."""
+        sizes = self.sizes if query_len == 1 else self.draft_sizes if query_len == self.draft_query_len else []
+        i = bisect.bisect_left(sizes, num_reqs)
+        return sizes[i] if i < len(sizes) else None
 
-    def _metadata(self, n: int) -> tuple[AttentionMetadata, ...]:
-        """Metadata over the first n rows/tokens of the persistent buffers, per KV-cache group.
-        Host-side fields are upper bounds (the captured kernels read the real lengths from the
-        buffers)."""
+    def _metadata(self, n: int, q: int) -> tuple[AttentionMetadata, ...]:
+        """Metadata over the first n rows and n * q tokens of the persistent buffers, per
+        KV-cache group. Host-side fields are upper bounds (the captured kernels read the real
+        lengths from the buffers)."""
         b = self.buffers
         return tuple(
             AttentionMetadata(
                 num_reqs=n,
-                num_tokens=n,
+                num_tokens=n * q,
                 query_start_loc=b.query_start_loc[: n + 1],
-                query_start_loc_np=np.arange(n + 1),
+                query_start_loc_np=np.arange(n + 1) * q,
                 seq_lens=b.seq_lens[:n],
                 seq_lens_np=np.full(n, self.max_model_len),
-                max_query_len=1,
+                max_query_len=q,
                 max_seq_len=self.max_model_len,
                 block_tables=b.group_block_tables[g, :n],
-                slot_mapping=b.group_slot_mapping[g, :n],
+                slot_mapping=b.group_slot_mapping[g, : n * q],
             )
             for g in range(b.group_block_tables.shape[0])
         )
 
-    def _dummy_inputs(self, n: int) -> tuple[ModelInputs, FamilyAttnMetadata | None]:
-        """The family's inputs for a capture at n rows. Called outside the capture: the dummy
-        hooks write persistent buffers (padding rows' slots, say), and a write recorded in the
-        graph would run again at every replay, after the step's own prepare_attn /
+    def _dummy_inputs(self, n: int, q: int = 1) -> tuple[ModelInputs, FamilyAttnMetadata | None]:
+        """The family's inputs for a capture at n rows of q tokens. Called outside the capture:
+        the dummy hooks write persistent buffers (padding rows' slots, say), and a write recorded
+        in the graph would run again at every replay, after the step's own prepare_attn /
         prepare_inputs, and undo them."""
-        return self.model_state.prepare_dummy_inputs(n, n), self.model_state.prepare_dummy_attn(n)
+        return self.model_state.prepare_dummy_inputs(n, n * q), self.model_state.prepare_dummy_attn(n)
 
     def _forward(
-        self, n: int, metas: tuple[AttentionMetadata, ...], extra: ModelInputs, family_attn: FamilyAttnMetadata | None
+        self, metas: tuple[AttentionMetadata, ...], extra: ModelInputs, family_attn: FamilyAttnMetadata | None
     ) -> torch.Tensor:
-        b = self.buffers
+        b, t = self.buffers, metas[0].num_tokens
         with forward_context(ForwardContext(self.backend, metas[0], family_attn, metas if len(metas) > 1 else ())):
-            return self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())
+            return self.model(b.input_ids[:t], b.positions[:t], inputs_embeds=None, **extra.as_kwargs())
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -94,20 +108,24 @@ class CudaGraphs:
         b.input_ids.zero_()
         b.positions.zero_()
         pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.sizes):
-            meta = self._metadata(n)
-            self._forward(n, meta, *self._dummy_inputs(n))  # warm-up: compiles the kernels outside the capture
-            inputs = self._dummy_inputs(n)
+        keys = [(n, self.draft_query_len) for n in self.draft_sizes] + [(n, 1) for n in self.sizes]
+        for n, q in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first
+            meta = self._metadata(n, q)
+            self._forward(meta, *self._dummy_inputs(n, q))  # warm-up: compiles the kernels outside the capture
+            inputs = self._dummy_inputs(n, q)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(n, meta, *inputs)
+                out = self._forward(meta, *inputs)
             # The graph reads these tensors at replay: they must outlive it.
-            self._graphs[n], self._outputs[n], self._inputs[n] = graph, out, inputs
+            self._graphs[n, q], self._outputs[n, q], self._inputs[n, q] = graph, out, inputs
         torch.cuda.synchronize()
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
         n = batch.num_reqs_padded
-        assert n in self._graphs and batch.num_tokens_padded == n, f"no graph captured for a padded batch of {n}"
-        self._graphs[n].replay()
-        return self._outputs[n][: batch.num_tokens]
+        key = (n, batch.num_tokens_padded // n)
+        assert key in self._graphs and batch.num_tokens_padded == n * key[1], (
+            f"no graph captured for {n} rows of {batch.num_tokens_padded} tokens"
+        )
+        self._graphs[key].replay()
+        return self._outputs[key][: batch.num_tokens]

@@ -97,9 +97,12 @@ class ModelRunner:
                 "(docs/capabilities.md)", type(model_state).__name__
             )
         if self.device.type == "cuda" and not config.enforce_eager and model_state.supports_cuda_graphs:
+            # Decode steps with drafts replay graphs of 1 + k tokens a row where the family allows.
+            draft_len = 1 + max_draft if max_draft and model_state.cuda_graphs_with_drafts else 1
             self.cuda_graphs = CudaGraphs(
-                model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len
-            )
+                model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len,
+                draft_len,
+            )  # fmt: skip
             self.cuda_graphs.capture()
         self._executed: _ExecutedStep | None = None
         # Called after every forward with (batch, hidden [num_tokens, hidden]): the conformance
@@ -331,21 +334,35 @@ class ModelRunner:
             self.req_state.num_computed_tokens_np[slot] = cached.num_computed_tokens
         self.block_tables.commit()
 
-    def _graph_size(self, sched: SchedulerOutput) -> int | None:
-        """The captured batch size a decode-only step replays at, or None: run eagerly. Rows
-        with drafts (speculative decoding) have query length 1 + drafts: such steps run eagerly."""
-        if self.cuda_graphs is None or any(n != 1 for n in sched.num_scheduled_tokens.values()):
+    def _graph_size(self, sched: SchedulerOutput) -> tuple[int, int] | None:
+        """(rows, tokens) of the captured graph a decode-only step replays, or None: run eagerly.
+        A step whose rows carry drafts (speculative decoding; query length 1 + drafts) replays
+        the graphs captured at `draft_query_len` tokens a row when every row is a decode row --
+        its last known token and its drafts, no prefill chunk."""
+        if self.cuda_graphs is None or not sched.num_scheduled_tokens:
             return None
-        return self.cuda_graphs.padded_size(len(sched.num_scheduled_tokens))
+        num_reqs, q = len(sched.num_scheduled_tokens), max(sched.num_scheduled_tokens.values())
+        if q > 1:
+            if q > self.cuda_graphs.draft_query_len:
+                return None
+            rs = self.req_state
+            slots = np.fromiter((rs.req_id_to_slot[r] for r in sched.num_scheduled_tokens), dtype=np.int64, count=num_reqs)
+            if not (rs.num_computed_tokens_np[slots] + 1 == rs.num_tokens_np[slots]).all():
+                return None  # a prefill chunk in the batch
+            q = self.cuda_graphs.draft_query_len
+        n = self.cuda_graphs.padded_size(num_reqs, q)
+        return None if n is None else (n, n * q)
 
-    def _prepare_batch(self, sched: SchedulerOutput, graph_size: int | None) -> InputBatch:
+    def _prepare_batch(self, sched: SchedulerOutput, graph_size: tuple[int, int] | None) -> InputBatch:
         req_ids = list(sched.num_scheduled_tokens)
         slots = self.req_state.req_id_to_slot
         idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
         return prepare_inputs(
-            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers, graph_size, graph_size
-        )
+            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
+            num_reqs_padded, num_tokens_padded,
+        )  # fmt: skip
 
 
 def to_token_logprobs(

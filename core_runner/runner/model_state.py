@@ -97,6 +97,10 @@ class ModelState(abc.ABC):
     # (persistent buffers the hooks rewrite in place): a graph replays the capture's tensors,
     # not the step's.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether decode steps whose rows carry speculative drafts (1 + drafts query tokens per row)
+    # may replay CUDA graphs too, under the same contract for such batches. False: those steps
+    # run eagerly (the runner's default decode steps still replay).
+    cuda_graphs_with_drafts: ClassVar[bool] = False
     # Whether speculative decoding may run: rejected drafts must leave no trace. True when the
     # family's per-request state is only in KV blocks (rejected positions are overwritten later)
     # or when `postprocess_state` rolls its state back to the last accepted token. False: the

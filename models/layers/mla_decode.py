@@ -64,6 +64,7 @@ if HAS_TRITON:
         stride_pr,
         stride_ph,
         cache_ptr,  # [num_blocks * block_size, rank + rope] contiguous
+        stride_c,  # rank + rope, passed at run time (see mla_decode)
         out_ptr,  # [num_rows, num_heads, rank] contiguous
         block_tables_ptr,  # [num_rows, max_num_blocks_per_req] int32
         stride_bt,
@@ -101,7 +102,7 @@ if HAS_TRITON:
             k_mask = pos < seq_len
             block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=k_mask, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            entry = cache_ptr + slot[:, None] * (RANK + ROPE)
+            entry = cache_ptr + slot[:, None] * stride_c
             c = tl.load(entry + r[None, :], mask=k_mask[:, None] & (r[None, :] < RANK), other=0.0)  # [TILE_N, BLOCK_R]
             k_pe = tl.load(entry + RANK + p[None, :], mask=k_mask[:, None] & (p[None, :] < ROPE), other=0.0)
             s = tl.dot(q_lat.to(c.dtype), tl.trans(c), input_precision=DOT_PRECISION)
@@ -202,8 +203,12 @@ def mla_decode(
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(num_heads, block_h))
+    # The cache's row stride goes in as a run-time integer: Triton then vectorises the latent
+    # loads only when it divides by 16 (576 = 512 + 64 does). As a constant, a width such as
+    # 40 + 12 led the compiler to 16-byte loads of 8-byte-aligned half-precision rows (misaligned
+    # address on one H200).
     _mla_decode_kernel[grid](
-        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), cache, out,
+        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), cache, cache.stride(1), out,
         block_tables, block_tables.stride(0), seq_lens, float(scale),
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(rope)), TILE_N=tile_n,

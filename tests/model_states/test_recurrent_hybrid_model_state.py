@@ -16,10 +16,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slotrunner.core_runner.attention.backend import AttentionMetadata
-from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
-from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
-
 from slotrunner.core_runner.runner.model_state import CacheSpec
 from slotrunner.model_states.recurrent_hybrid import RecurrentHybridModelState
 from slotrunner.models.bamba import BambaForCausalLM
@@ -125,44 +121,8 @@ def test_state_spec_rejects_bad_declarations():
         RecurrentStateSpec("x", (StateTensorSpec("s", (1,)), StateTensorSpec("s", (2,))))
 
 
-class RealRowsAttention:
-    """The attention backend on a padded replay: the real rows through the reference backend
-    with the step's own metadata (it plans from host-side lengths), padding rows' outputs zero
-    and their K/V unwritten -- what the Triton backend does for slot -1."""
-
-    def __init__(self, inner, meta: AttentionMetadata) -> None:
-        self.inner, self.meta = inner, meta
-
-    def forward(self, spec, q, k, v, kv_cache, meta, **kwargs) -> torch.Tensor:
-        r = self.meta.num_tokens
-        out = torch.zeros_like(q)
-        out[:r] = self.inner.forward(spec, q[:r], k[:r], v[:r], kv_cache, self.meta, **kwargs)
-        return out
-
-
-class ReplayedDecode(CudaGraphs):
-    """What a CUDA-graph replay does to the family, on the CPU: the family metadata and inputs
-    are taken once per size at "capture" (`prepare_dummy_attn` / `prepare_dummy_inputs`), and
-    every padded decode step runs the model over the padded buffers with those same objects --
-    the state must have rewritten them in place. Attention: `RealRowsAttention` (graph safety
-    of attention is the decoder's, tested on the GPU)."""
-
-    def capture(self) -> None:
-        self.captured = {n: self._dummy_inputs(n) for n in self.sizes}
-
-    def run(self, batch) -> torch.Tensor:
-        n, b = batch.num_reqs_padded, self.buffers
-        extra, family_attn = self.captured[n]
-        real = batch.attn_metadata()
-        with torch.inference_mode(), forward_context(ForwardContext(RealRowsAttention(self.backend, real), real, family_attn)):
-            hidden = self.model(b.input_ids[:n], b.positions[:n], inputs_embeds=None, **extra.as_kwargs())
-        self.replays += 1
-        self.padded += n > batch.num_reqs
-        return hidden[: batch.num_tokens]
-
-
 @pytest.mark.parametrize("arch", ["BambaForCausalLM", "Qwen3NextForCausalLM"])
-def test_replayed_decode_steps_equal_eager_and_padding_rows_touch_no_slot(arch, tmp_path):
+def test_replayed_decode_steps_equal_eager_and_padding_rows_touch_no_slot(arch, tmp_path, replayed_decode):
     """Decode steps run as a graph replays them (captured metadata, batches padded 3 -> 4 with
     rows for nothing) give the eager engine's tokens: the padding rows advance the scratch row,
     never slot 0 (the padded rows' idx_mapping) or any request's state."""
@@ -177,8 +137,7 @@ def test_replayed_decode_steps_equal_eager_and_padding_rows_touch_no_slot(arch, 
 
     llm = LLM(str(tmp_path), device="cpu", max_model_len=64, max_num_seqs=4, block_size=4)
     runner = llm.engine.runner
-    graphs = ReplayedDecode(runner.model, runner.model_state, runner.attn_backend, runner.input_buffers, (1, 2, 4), 64)
-    graphs.replays = graphs.padded = 0
+    graphs = replayed_decode(runner.model, runner.model_state, runner.attn_backend, runner.input_buffers, (1, 2, 4), 64)
     graphs.capture()
     runner.cuda_graphs = graphs
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

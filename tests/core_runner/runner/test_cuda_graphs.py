@@ -1,4 +1,5 @@
-"""CUDA graphs and the sync-free decode step, on a GPU (skipped elsewhere).
+"""CUDA graphs and the sync-free decode step, on a GPU (skipped elsewhere); on the CPU, which
+steps replay which graph (decode with drafts included), through a replay emulation.
 
 Guards against: a replayed graph reading stale inputs (buffers reallocated instead of rewritten),
 padding rows of a padded batch writing into the KV cache or leaking into real rows, a graph
@@ -13,7 +14,7 @@ import torch
 from slotrunner import LLM, SamplingParams
 from slotrunner.registry import tiny_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # Prompt lengths chosen so the decode batch shrinks through sizes that are and are not captured.
 PROMPT_LENS = (3, 17, 40, 5, 33, 64, 9, 1, 23, 50, 12)
@@ -38,11 +39,13 @@ def _run(model_dir, dtype: str, enforce_eager: bool) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager(qwen3_dir, dtype):
     assert _run(qwen3_dir, dtype, enforce_eager=False) == _run(qwen3_dir, dtype, enforce_eager=True)
 
 
+@needs_cuda
 def test_decode_step_does_not_sync(qwen3_dir, run_decode_steps_without_sync):
     llm = LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=16)
     engine = llm.engine
@@ -54,6 +57,7 @@ def test_decode_step_does_not_sync(qwen3_dir, run_decode_steps_without_sync):
     assert run_decode_steps_without_sync(engine, 10) == 10
 
 
+@needs_cuda
 def test_whisper_graphs_equal_eager(tmp_path):
     """Encoder-decoders replay decode graphs too: the cross-attention metadata (each row's slot
     and encoder length) must be rewritten in the captured buffers, not rebuilt."""
@@ -78,6 +82,7 @@ def test_whisper_graphs_equal_eager(tmp_path):
     assert runs[0] == runs[1]
 
 
+@needs_cuda
 @pytest.mark.parametrize("arch", ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"])
 def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_path, run_decode_steps_without_sync):
     """Recurrent hybrids replay decode graphs: the rows' state indices are rewritten in the
@@ -95,3 +100,40 @@ def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_
     for _ in range(3):
         engine.step()
     assert run_decode_steps_without_sync(engine, 5) == 5
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("enforce", [False, True], ids=["graphs", "eager"])
+def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce):
+    """Decode steps whose rows carry n-gram drafts replay the graphs captured at 1 + k tokens a
+    row (rows with fewer drafts padded), padded to a captured batch size; steps with a prefill
+    chunk run eagerly. Tokens equal a run without speculation. With the family's
+    `cuda_graphs_with_drafts` off, such steps run eagerly and the tokens are the same."""
+    from slotrunner.conformance import build_case
+    from slotrunner.model_states.default import DefaultModelState
+
+    build_case(tiny_config("Qwen3ForCausalLM"), tmp_path)
+    motif = [7, 19, 3, 44, 12]
+    prompts = [{"prompt_token_ids": motif * 6 + [i + 1]} for i in range(3)] + [{"prompt_token_ids": [5, 9, 11]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 30, 30)]
+    common = dict(device="cpu", max_model_len=128, max_num_seqs=4, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **common).generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(str(tmp_path), speculative_config=SPEC, **common)
+    runner = llm.engine.runner
+    state = runner.model_state
+    if enforce:
+        state.cuda_graphs_with_drafts = False  # this instance only
+    q = 1 + SPEC["num_speculative_tokens"] if state.cuda_graphs_with_drafts else 1
+    graphs = replayed_decode(runner.model, state, runner.attn_backend, runner.input_buffers, (1, 2, 4), 128, q)
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert isinstance(state, DefaultModelState)
+    if enforce:
+        assert set(graphs.replays) == {1}, graphs.replays
+    else:
+        assert graphs.replays[q] > 0 and graphs.padded > 0, graphs.replays

@@ -2,7 +2,7 @@
 
 Each case runs the same greedy requests twice on CUDA in float32: once plainly (eager steps,
 synchronous scheduling, no prefix caching) and once with a feature on; the token ids must be
-equal. Prompts share long prefixes (so prefix-cache hits land, for recurrent hybrids through
+equal, or part only at a near-tie of the plain run (NEAR_TIE). Prompts share long prefixes (so prefix-cache hits land, for recurrent hybrids through
 their state checkpoints) and repeat themselves (so n-gram drafts are proposed and some are
 accepted).
 
@@ -43,15 +43,42 @@ def _prompts() -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def _run(directory, **kwargs) -> list[list[int]]:
+# Two runs of one fp32 model can split a greedy near-tie differently (other batch shapes, other
+# GEMM kernels, other summation orders): a row may diverge only where the plain run's two best
+# tokens are this close in logprob, and is not compared past that point.
+NEAR_TIE = 1e-3
+
+
+def _run(directory, **kwargs) -> list[tuple[list[int], list[float]]]:
+    """Greedy ids and, per output position, the gap between the two best logprobs."""
     llm = LLM(str(directory), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, block_size=16, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = _prompts()
+
+    def rows(outs):
+        return [(o.outputs[0].token_ids, [_gap(p) for p in o.outputs[0].logprobs]) for o in outs]
+
     # Two passes: the second one meets the first one's cached blocks (and state checkpoints).
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    second = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)][::-1]
-    assert first == second, "the second pass (cache hits) changed the tokens"
+    first = rows(llm.generate(prompts, params, use_tqdm=False))
+    second = rows(llm.generate(prompts[::-1], params, use_tqdm=False))[::-1]
+    _assert_same(second, first, "the second pass (cache hits)")
     return first
+
+
+def _gap(position) -> float:
+    best = sorted((lp.logprob for lp in position.values()), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
+
+
+def _assert_same(got, want, what: str) -> None:
+    for row, ((ids, _), (want_ids, gaps)) in enumerate(zip(got, want)):
+        if ids == want_ids:
+            continue
+        j = next((j for j, (a, b) in enumerate(zip(ids, want_ids)) if a != b), min(len(ids), len(want_ids)))
+        assert j < len(gaps) and gaps[j] < NEAR_TIE, (
+            f"{what} changed row {row} at output token {j} ({ids[j:j + 3]} vs {want_ids[j:j + 3]}), "
+            f"where the best two tokens were {gaps[j] if j < len(gaps) else float('nan'):.2e} apart"
+        )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -59,4 +86,4 @@ def test_features_keep_greedy_tokens(arch, tmp_path):
     build_case(tiny_config(arch), tmp_path)
     plain = _run(tmp_path, **PLAIN)
     for name, kwargs in FEATURES.items():
-        assert _run(tmp_path, **kwargs) == plain, f"{arch}: {name} changed the greedy tokens"
+        _assert_same(_run(tmp_path, **kwargs), plain, f"{arch}: {name}")
