@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_suite.sh tests throughput    # some steps
 #
 # Steps: tests, throughput, fp8, hybrid, multimodal, spec, qwen3next, deepseek, latency, overhead,
-# prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
+# profile, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -68,10 +68,13 @@ for s in "${steps[@]}"; do
     spec)
       run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128
       run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same ;;
-    qwen3next) run_step qwen3next 300 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 12 ;;
-    deepseek) run_step deepseek 400 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite ;;
+    qwen3next) run_step qwen3next 200 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 8 ;;
+    deepseek) run_step deepseek 300 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --num-layers 8 ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
     overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
+    profile)
+      run_step profile-bamba 90 python3 benchmarks/profile_decode.py --shape bamba
+      run_step profile-llama 90 python3 benchmarks/profile_decode.py --shape llama ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     *) summary+=("$s: unknown step") ;;
   esac

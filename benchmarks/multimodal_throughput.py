@@ -65,6 +65,8 @@ def build(directory: Path, args: argparse.Namespace, dtype: torch.dtype):
     lm.lm_head.load_state_dict(model.lm_head.state_dict())
     lm.config.architectures = ["LlamaForCausalLM"]
     lm.save_pretrained(str(directory / "lm"))
+    # The same tokenizer, so that both runs detokenize their outputs: host work alike.
+    tc.llava_processor(config).tokenizer.save_pretrained(str(directory / "lm"))
     return model, config
 
 

@@ -218,6 +218,7 @@ class AudioEncoderDecoderModelState(EncoderDecoderModelState):
     (the prompt forms: `process_audio_encoder_prompt`)."""
 
     family = "encoder-decoder (audio)"
+    intake_workers = 8  # feature extraction (log-mel spectrograms) in numpy
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:

@@ -128,6 +128,8 @@ class MultimodalModelState(ModelState):
             self._mrope_buf = torch.zeros(3, config.max_num_batched_tokens, dtype=torch.int64, device=device)
 
     # -- intake ------------------------------------------------------------------------------
+    intake_workers = 8  # image/audio decoding and preprocessing: PIL and numpy release the GIL
+
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
         return process_multimodal_prompt(prompt, ctx)

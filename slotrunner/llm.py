@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -288,6 +290,7 @@ class LLM:
         """Queue every prompt or none: whatever is raised while adding (a ValueError naming the
         prompt, or anything else), the prompts added before it are aborted."""
         added: list[str] = []
+        prompts = self._read_prompts(prompts, name_prompts)
         with self._lock:  # another thread's step must not start on half of this call's prompts
             try:
                 for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -304,6 +307,26 @@ class LLM:
                 self._release(added)
                 raise
         return added
+
+    def _read_prompts(self, prompts: list[Any], name_prompts: bool) -> list[Any]:
+        """The prompts read by a pool of threads where the family's intake is heavy (media
+        decoding and preprocessing: `ModelState.intake_workers`), before any is queued; else
+        as given (read one by one as they are added). A bad prompt raises its ValueError, the
+        first in order, before anything is queued."""
+        workers = min(type(self.engine.runner.model_state).intake_workers, os.cpu_count() or 1, len(prompts))
+        if workers <= 1:
+            return prompts
+        with ThreadPoolExecutor(workers, thread_name_prefix="slotrunner-intake") as pool:
+            futures = [pool.submit(self.engine.process_prompt, p) for p in prompts]
+        read = []
+        for i, future in enumerate(futures):
+            try:
+                read.append(future.result())
+            except ValueError as e:
+                if not name_prompts:
+                    raise
+                raise ValueError(f"prompt {i}: {e}") from None
+        return read
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from slotrunner.core_runner.engine import engine as core
-from slotrunner.core_runner.engine.intake import PromptType
+from slotrunner.core_runner.engine.intake import ProcessedPrompt, PromptType
 from slotrunner.sampling_params import MAX_LOGPROBS, SamplingParams
 from slotrunner.vllm_options import GENERATION_KEYS
 
@@ -93,8 +93,15 @@ class LLMEngine(core.LLMEngine):
         if tokenization_kwargs:
             raise ValueError(f"tokenization_kwargs {sorted(tokenization_kwargs)} are not supported: tokenize the prompt yourself")
         params = self.get_default_sampling_params() if params is None else params
-        self._check_limits(prompt, params)
+        self._check_logprob_limits(params)
+        self._check_media_limits(prompt)  # a ProcessedPrompt was checked by process_prompt
         super().add_request(request_id, prompt, params, arrival_time)
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        """`add_request`'s reading of a prompt, for any thread (see the base class), with the
+        engine-wide media limit applied."""
+        self._check_media_limits(prompt)
+        return super().process_prompt(prompt)
 
     def abort_request(self, request_id: str | Iterable[str], *, report: bool = True) -> None:
         """Abort one request or several (vLLM passes a list); unknown or finished ids are ignored."""
@@ -102,13 +109,16 @@ class LLMEngine(core.LLMEngine):
         for req_id in ids:
             super().abort_request(req_id, report=report)
 
-    def _check_limits(self, prompt: PromptType, params: Any) -> None:
-        """The engine-wide limits vLLM applies at submission: max_logprobs, limit_mm_per_prompt."""
+    def _check_logprob_limits(self, params: Any) -> None:
+        """The engine-wide limit vLLM applies at submission: max_logprobs."""
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name, None)
             asked = 1 if asked is True else asked  # vLLM's spelling of 1
             if isinstance(asked, int) and not isinstance(asked, bool) and asked > self.max_logprobs:
                 raise ValueError(f"{name}={asked} exceeds this engine's max_logprobs={self.max_logprobs}")
+
+    def _check_media_limits(self, prompt: PromptType) -> None:
+        """The engine-wide limit vLLM applies at submission: limit_mm_per_prompt."""
         if not self.limit_mm_per_prompt or not isinstance(prompt, Mapping):
             return
         parts = [prompt, prompt.get("encoder_prompt"), prompt.get("decoder_prompt")]

@@ -13,6 +13,7 @@ import pytest
 
 from slotrunner import LLM, SamplingParams
 from slotrunner.conformance import build_case
+from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
 from slotrunner.core_runner.engine.engine import StepFailedError
 from slotrunner.core_runner.runner.async_output import AsyncOutput
 from slotrunner.registry import tiny_config
@@ -142,7 +143,7 @@ def test_failure_while_processing_a_steps_output(engine, monkeypatch, where):
     """Guards against: the sampled tokens' copy (AsyncOutput.get) or the detokenizer raising
     after the step ran, leaving its requests' tokens, groups and slots half-updated."""
     llm, reference = engine
-    target = (AsyncOutput, "get") if where == "AsyncOutput.get" else (llm.tokenizer, "decode")
+    target = (AsyncOutput, "get") if where == "AsyncOutput.get" else (IncrementalDetokenizer, "step")
     fail_once(monkeypatch, *target, ValueError("lost output"), at=2)
     limit_steps(monkeypatch, llm)
     with pytest.raises(StepFailedError, match="processing the step's output raised ValueError: lost output"):

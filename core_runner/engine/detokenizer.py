@@ -43,6 +43,12 @@ class IncrementalDetokenizer:
         self.read_offset = len(prompt_token_ids)
         self.output_text = ""  # all output text so far (cut at a stop string once one matched)
         self.stopped_by: str | None = None
+        # A fast (Rust) tokenizer decodes the stream itself, by the same two-offset method, in
+        # one call per token instead of two Python decodes of the window.
+        self._stream = None if tokenizer is None else _decode_stream(tokenizer, skip_special_tokens)
+        if self._stream is not None:
+            for token_id in prompt_token_ids[self.prefix_offset :]:  # the prompt's last tokens as context
+                self._stream_step(token_id)
 
     def step(self, new_token_ids: list[int]) -> str | None:
         """Append this step's sampled tokens; return the stop string they completed, if any.
@@ -56,7 +62,7 @@ class IncrementalDetokenizer:
         num_chars_before = len(self.output_text)
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            self.output_text += self._decode_next()
+            self.output_text += self._decode_next() if self._stream is None else self._stream_step(token_id)
         if len(self.output_text) > num_chars_before:
             self.stopped_by = self._check_stop(num_chars_before)
         return self.stopped_by
@@ -71,6 +77,13 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return full_text[len(prefix_text) :]
+
+    def _stream_step(self, token_id: int) -> str:
+        backend, stream = self._stream
+        try:
+            return stream.step(backend, token_id) or ""
+        except Exception:  # an id the tokenizer does not know (a padded vocabulary row): no text, as decode gives
+            return ""
 
     def _decode(self, token_ids: list[int]) -> str:
         # No clean-up of tokenization spaces: it rewrites " ." to "." depending on the window,
@@ -94,3 +107,16 @@ class IncrementalDetokenizer:
         index, stop_str = best
         self.output_text = self.output_text[: index + len(stop_str) if self.include_stop_str_in_output else index]
         return stop_str
+
+
+def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> tuple[Any, Any] | None:
+    """(backend, tokenizers.decoders.DecodeStream) for a transformers fast tokenizer, else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers older than 0.21
+        return None
+    if not isinstance(backend, Tokenizer):
+        return None
+    return backend, DecodeStream(skip_special_tokens=skip_special_tokens)

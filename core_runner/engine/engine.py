@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from slotrunner.core_runner.config import EngineConfig
-from slotrunner.core_runner.engine.intake import IntakeContext, PromptType, check_sampling_params, tokenize
+from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType, check_sampling_params, tokenize
 from slotrunner.core_runner.engine.output_processor import RequestGroup, RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.scheduler import Scheduler
@@ -83,11 +83,19 @@ class LLMEngine:
         with self._exclusive("add_request"):
             self._add_request(req_id, prompt, params, time.time() if arrival_time is None else arrival_time)
 
-    def _add_request(self, req_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float) -> None:
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        """Read a prompt as `add_request` would (token ids, the family's inputs), raising
+        ValueError for a bad one. Touches no engine state: any thread may call it, and
+        `add_request` takes its result in place of the prompt."""
+        return type(self.runner.model_state).process_prompt(prompt, self.intake)
+
+    def _add_request(
+        self, req_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams, arrival_time: float
+    ) -> None:
         if req_id in self._groups:
             raise ValueError(f"request id {req_id!r} is already in use")
         params = check_sampling_params(params, self.intake)
-        processed = type(self.runner.model_state).process_prompt(prompt, self.intake)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         bad_words = self._bad_words(params)
         sample_ids = [req_id] + [f"{req_id}#{i}" for i in range(1, params.n)]
         taken = [r for r in sample_ids if self.scheduler.is_live(r)]

@@ -130,6 +130,12 @@ class ModelState(abc.ABC):
         if cls.checkpoints_state and cls.save_state_checkpoints is ModelState.save_state_checkpoints:
             raise TypeError(f"{cls.__name__} sets checkpoints_state but does not implement save_state_checkpoints")
 
+    # Threads that may read the prompts of one `LLM.generate` call at once (`process_prompt` is a
+    # classmethod touching no runner state): above 1 for a family whose intake decodes and
+    # preprocesses media on the host, so that a batch of images is not read one by one while
+    # the device waits. Capped by the machine's cores.
+    intake_workers: ClassVar[int] = 1
+
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
         """Called at intake, once per request, before it is queued (there is no slot yet): read

@@ -322,3 +322,30 @@ def test_encoder_cache_keeps_an_embedding_while_a_request_holds_it():
     assert cache.get("a") is None and len(cache) == 0
     with pytest.raises(AssertionError, match="no request holds"):
         cache.put("b", torch.ones(1, 4))
+
+
+def test_a_batch_of_media_prompts_is_read_by_a_pool_of_threads(llava_dir, monkeypatch):
+    """Guards against: the media of one generate() call decoded and preprocessed one prompt
+    after another on the engine's thread (`intake_workers`, LLM._read_prompts), and a pool that
+    changes the outcome: the tokens equal reading each prompt inline."""
+    import os
+    import threading
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the intake is not spread over threads")
+    llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4)
+    prompts = [{"prompt": f"w{10 + i} <image> w11", "multi_modal_data": {"image": image(i)}} for i in range(4)]
+    readers: list[str] = []
+    original = MultimodalModelState.process_prompt.__func__
+
+    def spy(cls, prompt, ctx):
+        readers.append(threading.current_thread().name)
+        return original(cls, prompt, ctx)
+
+    monkeypatch.setattr(MultimodalModelState, "process_prompt", classmethod(spy))
+    pooled = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert len(readers) == 4 and all(r.startswith("slotrunner-intake") for r in readers), readers
+    readers.clear()
+    monkeypatch.setattr(MultimodalModelState, "intake_workers", 1)
+    inline = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert readers == [threading.current_thread().name] * 4 and inline == pooled

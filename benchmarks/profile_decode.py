@@ -1,0 +1,80 @@
+"""Where a decode step's GPU time goes: torch-profiler kernel table of steady decode steps.
+
+Builds a random-weight model of one of `mamba_throughput.py`'s shapes (bamba, qwen3-next, llama),
+starts `--batch` requests of `--input-len` random tokens, steps the engine until every row
+decodes, then profiles `--steps` engine steps (CUDA graphs replayed as served) and prints the
+kernels by total GPU time, with the wall time per step.
+
+    python benchmarks/profile_decode.py --shape bamba --batch 64
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from mamba_throughput import model_config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama"), default="bamba")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rows", type=int, default=15, help="kernels listed")
+    args = p.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from slotrunner import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(model_config(args), dtype=torch.bfloat16).save_pretrained(d)
+        llm = LLM(d, device="cuda", max_model_len=args.input_len + 512, max_num_seqs=args.batch, max_num_batched_tokens=8192)
+        engine = llm.engine
+        sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        for i in range(args.batch):
+            prompt = torch.randint(10, 32000, (args.input_len,), generator=g).tolist()
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, sp)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        prefill_steps = 0
+        while engine.scheduler.waiting or any(
+            r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
+        ):  # every prompt prefilled
+            engine.step()
+            prefill_steps += 1
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t
+        for _ in range(5):  # a few decode steps before timing
+            engine.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / args.steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"{args.shape} shape, {args.layers} layers, batch {args.batch} decoding at ~{args.input_len} tokens: "
+          f"{1000 * wall:.2f} ms a decode step wall, {total / 1000 / args.steps:.2f} ms a step of kernels; "
+          f"prefill of {args.batch} x {args.input_len} tokens: {prefill_steps} steps, {1000 * prefill:.0f} ms")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
+        share = e.self_device_time_total / max(total, 1)
+        print(f"  {e.self_device_time_total / 1000 / args.steps:7.3f} ms  {share:5.1%}  x{e.count // args.steps:<4} {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
