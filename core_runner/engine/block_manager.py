@@ -64,6 +64,7 @@ class BlockManager:
         self.num_blocks = num_blocks - first  # blocks requests can hold
         self.block_size = block_size
         self.windows = windows
+        self._no_windows = all(w is None for w in windows)  # free_outside_window has nothing to do
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))  # eviction order
         # req_id -> per group, block ids in sequence order (NULL_BLOCK before its first held one).
         self._req_blocks: dict[str, list[list[int]]] = {}
@@ -149,7 +150,7 @@ class BlockManager:
         `num_computed` on can see (those wholly before `num_computed - W + 1`). Called before
         a step that computes from `num_computed`; a later rollback (rejected drafts) never goes
         below it. Returns how many blocks it freed."""
-        lists = self._req_blocks.get(req_id)
+        lists = None if self._no_windows else self._req_blocks.get(req_id)
         if lists is None:
             return 0
         freed = 0
@@ -217,18 +218,20 @@ class BlockManager:
         self._first_held[req_id] = list(cached.starts)
         self.num_cached_hits += cached.num_blocks
 
-    def cache(self, req_id: str, block_hashes: list[bytes]) -> None:
+    def cache(self, req_id: str, block_hashes: list[bytes], start: int = 0) -> None:
         """Register the request's first `len(block_hashes)` blocks (those it still holds) under
-        these hashes. Called once their tokens are written by a step that ran or is about to run
-        before any reader of them. A hash another block of the group already holds keeps that
-        block (two requests computed the same prefix at once); this one stays unregistered."""
+        these hashes; blocks before `start` were registered by an earlier call. Called once
+        their tokens are written by a step that ran or is about to run before any reader of
+        them. A hash another block of the group already holds keeps that block (two requests
+        computed the same prefix at once); this one stays unregistered."""
         lists = self._req_blocks.get(req_id)
         if lists is None:
             assert not block_hashes, f"request {req_id!r} holds no blocks, not {len(block_hashes)}"
             return
         for g, (lst, first) in enumerate(zip(lists, self._first_held[req_id])):
             assert len(block_hashes) <= len(lst), f"request {req_id!r} holds {len(lst)} blocks, not {len(block_hashes)}"
-            for block, h in zip(lst[first : len(block_hashes)], block_hashes[first:]):
+            lo = max(first, start)
+            for block, h in zip(lst[lo : len(block_hashes)], block_hashes[lo:]):
                 if block in self._hash_of or h in self._block_of[g]:
                     continue
                 self._hash_of[block] = (g, h)

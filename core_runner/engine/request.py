@@ -44,6 +44,9 @@ class Request:
     # known tokens, and how many prompt tokens its first admission found in the cache.
     cacheable: bool = True
     block_hashes: list[bytes] = field(default_factory=list)
+    # Full blocks already handed to the block manager's cache (the scheduler's watermark: each
+    # step registers only the blocks filled since). Reset when the request loses its blocks.
+    num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -155,7 +155,7 @@ class Scheduler:
             self._finished_req_ids.add(req_id)  # its slot, if the runner got as far as giving it one
             self.block_manager.free(req_id)
             request.status = RequestStatus.WAITING
-            request.num_computed_tokens = 0
+            request.num_computed_tokens = request.num_registered_blocks = 0
             request.num_pending = 0
             request.num_spec_tokens = request.num_scheduled_drafts = 0
             self.waiting.appendleft(request)
@@ -256,6 +256,7 @@ class Scheduler:
                 self.block_manager.take_cached(request.req_id, cached)
             self.block_manager.grow(request.req_id, self._with_lookahead(num_computed + num_new))
             request.num_computed_tokens = num_computed
+            request.num_registered_blocks = 0  # its cached prefix is registered; cache() skips those
             if request.num_cached_tokens is None:  # first admission: what the user's prompt found cached
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -349,10 +350,12 @@ class Scheduler:
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks among its first `num_tokens` tokens -- those this
         step writes or wrote before -- whose tokens are all known (not pending)."""
-        if not self.prefix_caching:
-            return
+        num_full = num_tokens // self.block_size
+        if not self.prefix_caching or num_full <= request.num_registered_blocks:
+            return  # most decode steps: no block filled since the last call
         self._hash_blocks(request, num_tokens)
-        self.block_manager.cache(request.req_id, request.block_hashes[: num_tokens // self.block_size])
+        self.block_manager.cache(request.req_id, request.block_hashes[:num_full], request.num_registered_blocks)
+        request.num_registered_blocks = num_full
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[list[int]] | None:
         """Grow `request` to hold `num_tokens` tokens, preempting from the tail of `running`
@@ -377,6 +380,7 @@ class Scheduler:
         self.block_manager.free(request.req_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
         request.num_spec_tokens = 0  # its drafts lived in the slot it loses
         request.num_preemptions += 1
         self.num_preemptions += 1
