@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_suite.sh                     # every step, in this order
 #   bash benchmarks/gpu_suite.sh tests throughput    # some steps
 #
-# Steps: tests, throughput, fp8, hybrid, multimodal, spec, qwen3next, deepseek, latency, overhead,
-# profile, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
+# Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal, spec,
+# qwen3next, deepseek, latency, overhead, profile, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -61,6 +61,8 @@ for s in "${steps[@]}"; do
       summary+=("suite: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/suite.log")") ;;
     throughput) run_step throughput 150 python3 benchmarks/throughput.py --peers none ;;
     fp8) run_step fp8 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 ;;
+    scan) run_step scan 90 python3 benchmarks/mamba_scan_kernel.py ;;
+    hybrid-fast) run_step hybrid 120 python3 benchmarks/mamba_throughput.py --device cuda --skip-hf ;;
     hybrid)
       run_step hybrid 180 python3 benchmarks/mamba_throughput.py --device cuda
       run_step hybrid-llama-yardstick 90 python3 benchmarks/mamba_throughput.py --device cuda --shape llama --skip-hf ;;
@@ -68,8 +70,8 @@ for s in "${steps[@]}"; do
     spec)
       run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128
       run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same ;;
-    qwen3next) run_step qwen3next 200 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 8 ;;
-    deepseek) run_step deepseek 300 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --num-layers 8 ;;
+    qwen3next) run_step qwen3next 160 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 4 ;;
+    deepseek) run_step deepseek 160 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --num-layers 4 ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
     overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
     profile)

@@ -71,6 +71,10 @@ class PagedCacheLayer(nn.Module, abc.ABC):
     # Which KV-cache group's block table this layer's slots and block ids come from; bound by the
     # runner with `kv_cache` (0 while the model has one group).
     kv_group: int = 0
+    # Whether a step whose rows carry several query tokens each (speculative drafts) may be
+    # captured in a CUDA graph: False for a layer that lays such rows out from host-side
+    # metadata (lengths read on the host, a loop over rows), which a replay would not update.
+    multi_token_rows_in_graphs: bool = True
 
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from slotrunner.core_runner.attention.cache_spec import PagedCacheLayer
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.attn_backend import select_attn_backend
@@ -97,8 +98,9 @@ class ModelRunner:
                 "(docs/capabilities.md)", type(model_state).__name__
             )
         if self.device.type == "cuda" and not config.enforce_eager and model_state.supports_cuda_graphs:
-            # Decode steps with drafts replay graphs of 1 + k tokens a row where the family allows.
-            draft_len = 1 + max_draft if max_draft and model_state.cuda_graphs_with_drafts else 1
+            draft_len = draft_graph_query_len(model, model_state, max_draft)
+            if max_draft and draft_len == 1:
+                logger.info("CUDA graphs: decode steps with drafts run eagerly for %s", type(model).__name__)
             self.cuda_graphs = CudaGraphs(
                 model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len,
                 draft_len,
@@ -363,6 +365,15 @@ class ModelRunner:
             req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
             num_reqs_padded, num_tokens_padded,
         )  # fmt: skip
+
+
+def draft_graph_query_len(model: nn.Module, model_state: ModelState, max_draft: int) -> int:
+    """Tokens a row of the decode-with-drafts graphs (1 + max_draft), or 1: such steps run
+    eagerly (no speculation, or the family or a cache layer does not allow their capture)."""
+    if not max_draft or not model_state.cuda_graphs_with_drafts:
+        return 1
+    layers = (m for m in model.modules() if isinstance(m, PagedCacheLayer))
+    return 1 + max_draft if all(m.multi_token_rows_in_graphs for m in layers) else 1
 
 
 def to_token_logprobs(

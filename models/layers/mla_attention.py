@@ -32,6 +32,8 @@ from slotrunner.models.layers.mla_decode import mla_decode, write_latent
 
 
 class MLAAttention(PagedCacheLayer):
+    # Rows of several query tokens are expanded row by row from host-side lengths (`_prefill`).
+    multi_token_rows_in_graphs = False
     def __init__(
         self,
         num_heads: int,  # this rank's heads

@@ -57,6 +57,7 @@ if HAS_TRITON:
         CHUNK: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         # One program per (row, head, head_dim block); it walks the row's chunks in order, carrying
         # the [BLOCK_P, state_size] state in registers. head_dim rows are independent, so the block
@@ -106,11 +107,11 @@ if HAS_TRITON:
             x, b, c = x.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
 
             # Intra-chunk: decay-masked (C B^T), applied to dt * x.
-            scores = tl.dot(c, tl.trans(b), input_precision="ieee")  # [CHUNK, CHUNK]
+            scores = tl.dot(c, tl.trans(b), input_precision=DOT_PRECISION)  # [CHUNK, CHUNK]
             decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))
-            y = tl.dot(scores * decay * dt[None, :], x, input_precision="ieee")  # [CHUNK, BLOCK_P]
+            y = tl.dot(scores * decay * dt[None, :], x, input_precision=DOT_PRECISION)  # [CHUNK, BLOCK_P]
             # From the state entering the chunk.
-            y += tl.dot(c, tl.trans(state), input_precision="ieee") * tl.exp(cs)[:, None]
+            y += tl.dot(c, tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cs)[:, None]
             if HAS_D:
                 y += d * x
             y_ptrs = y_ptr + (t[:, None] * num_heads + h) * head_dim + offs_p[None, :]
@@ -118,7 +119,7 @@ if HAS_TRITON:
 
             # Carry the state over the chunk.
             w = tl.exp(cs_last - cs) * dt  # [CHUNK]
-            state = state * tl.exp(cs_last) + tl.dot(tl.trans(x * w[:, None]), b, input_precision="ieee")
+            state = state * tl.exp(cs_last) + tl.dot(tl.trans(x * w[:, None]), b, input_precision=DOT_PRECISION)
 
         tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_n[None, :])
 
@@ -138,6 +139,8 @@ def ssd_chunk_scan_varlen(
     dt_bias: torch.Tensor | None = None,  # [num_heads]
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    dot_precision: str | None = None,  # the kernel's tl.dot precision; None: by x's dtype (below)
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of x
     num_tokens, num_heads, head_dim = x.shape
     _, n_groups, state_size = B.shape
@@ -163,13 +166,18 @@ def ssd_chunk_scan_varlen(
     chunk = max(16, min(MAX_KERNEL_CHUNK, triton.next_power_of_2(chunk_size)))
     block_p = max(16, min(32, triton.next_power_of_2(head_dim)))
     grid = (num_reqs, num_heads, triton.cdiv(head_dim, block_p))
+    if dot_precision is None:
+        # The products in float32 for a float32 model; TF32 tensor cores (10 mantissa bits, more
+        # than the 16-bit inputs hold) for a half-precision one, the state kept in float32.
+        dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _ssd_chunk_scan_kernel[grid](
         x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A, y, ssm_state,
         query_start_loc, state_indices, has_initial_state,
         x.stride(0), dt.stride(0), B.stride(0), C.stride(0),
         num_heads, head_dim, state_size, num_heads // n_groups, float(dt_limit[0]), float(dt_limit[1]),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(state_size)),
+        CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(state_size)), DOT_PRECISION=dot_precision,
+        num_warps=num_warps,
     )  # fmt: skip
     return y
 

@@ -137,3 +137,19 @@ def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce):
         assert set(graphs.replays) == {1}, graphs.replays
     else:
         assert graphs.replays[q] > 0 and graphs.padded > 0, graphs.replays
+
+
+@pytest.mark.parametrize(("arch", "want"), [("Qwen3ForCausalLM", 4), ("DeepseekV2ForCausalLM", 1), ("BambaForCausalLM", 1)])
+def test_which_models_capture_draft_steps(arch, want, tmp_path):
+    """Guards against: capturing decode-with-drafts steps of a model whose cache layer lays
+    multi-token rows out on the host (MLA's per-row expansion: a replay would keep the capture's
+    lengths -- seen on one H200 as wrong tokens after a prefix-cache hit) or whose family keeps
+    draft steps eager (recurrent state checkpoints per draft)."""
+    from slotrunner.conformance import build_case
+    from slotrunner.core_runner.runner.model_runner import draft_graph_query_len
+
+    build_case(tiny_config(arch), tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, speculative_config=SPEC)
+    runner = llm.engine.runner
+    assert draft_graph_query_len(runner.model, runner.model_state, SPEC["num_speculative_tokens"]) == want
+    assert draft_graph_query_len(runner.model, runner.model_state, 0) == 1

@@ -49,7 +49,7 @@ def _prompts() -> list[dict]:
 NEAR_TIE = 1e-3
 
 
-def _run(directory, **kwargs) -> list[tuple[list[int], list[float]]]:
+def _run(directory, name: str = "plain", **kwargs) -> list[tuple[list[int], list[float]]]:
     """Greedy ids and, per output position, the gap between the two best logprobs."""
     llm = LLM(str(directory), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, block_size=16, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -61,7 +61,7 @@ def _run(directory, **kwargs) -> list[tuple[list[int], list[float]]]:
     # Two passes: the second one meets the first one's cached blocks (and state checkpoints).
     first = rows(llm.generate(prompts, params, use_tqdm=False))
     second = rows(llm.generate(prompts[::-1], params, use_tqdm=False))[::-1]
-    _assert_same(second, first, "the second pass (cache hits)")
+    _assert_same(second, first, f"{name}: the second pass (cache hits)")
     return first
 
 
@@ -86,4 +86,4 @@ def test_features_keep_greedy_tokens(arch, tmp_path):
     build_case(tiny_config(arch), tmp_path)
     plain = _run(tmp_path, **PLAIN)
     for name, kwargs in FEATURES.items():
-        _assert_same(_run(tmp_path, **kwargs), plain, f"{arch}: {name}")
+        _assert_same(_run(tmp_path, f"{arch}: {name}", **kwargs), plain, f"{arch}: {name}")
