@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_suite.sh tests throughput    # some steps
 #
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal, spec,
-# qwen3next, deepseek, latency, overhead, profile, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
+# moe-kernel, qwen3next, deepseek, latency, overhead, profile, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -62,6 +62,7 @@ for s in "${steps[@]}"; do
     throughput) run_step throughput 150 python3 benchmarks/throughput.py --peers none ;;
     fp8) run_step fp8 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 ;;
     scan) run_step scan 90 python3 benchmarks/mamba_scan_kernel.py ;;
+    moe-kernel) run_step moe-kernel 90 python3 benchmarks/moe_kernel.py ;;
     hybrid-fast) run_step hybrid 120 python3 benchmarks/mamba_throughput.py --device cuda --skip-hf ;;
     hybrid)
       run_step hybrid 180 python3 benchmarks/mamba_throughput.py --device cuda

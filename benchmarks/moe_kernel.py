@@ -1,0 +1,59 @@
+"""The fused MoE kernel alone at decode batch sizes: bytes of active expert weights read per
+second, against a device-to-device copy measured in the same run.
+
+Qwen3-30B-A3B's expert shape (128 experts of 768, hidden 2048, top-8, bf16), router logits from
+random weights; per batch size the CUDA-graph-replayed call (align + two grouped GEMMs) timed by
+CUDA events (median), and the weights of the experts the batch routes to (each read once) over
+that time.
+
+    python benchmarks/moe_kernel.py --tokens 1,64,256,512
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
+from slotrunner.models.layers.moe import RouterSpec, select_experts
+
+
+def main() -> None:
+    import triton.testing
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1,64,256,512")
+    args = p.parse_args()
+    experts, inter, hidden, top_k = 128, 768, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    w_in = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    w_out = (torch.randn(experts, hidden, inter, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    router = (torch.randn(experts, hidden, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    act = ExpertActivation("silu")
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    copy_tbs = 2 * src.numel() / copy_ms / 1e9
+    print(f"fused MoE, {experts} experts of {inter}, hidden {hidden}, top-{top_k}, bf16, {torch.cuda.get_device_name()}; "
+          f"device copy {copy_tbs:.2f} TB/s (read + write)")
+    print(f"{'tokens':>6} {'experts hit':>11} {'us':>8} {'weights TB/s':>12} {'of copy':>8}")
+    per_expert = (w_in[0].numel() + w_out[0].numel()) * 2
+    for n in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(n, hidden, generator=g).to("cuda", torch.bfloat16)
+        weights, ids = select_experts(x @ router.T, RouterSpec(experts, top_k, "softmax", True))
+        call = lambda: fused_moe(x, w_in, w_out, weights, ids, act)  # noqa: E731
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        us = 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+        hit = int(ids.unique().numel())
+        tbs = hit * per_expert / us / 1e6
+        print(f"{n:>6} {hit:>11} {us:>8.1f} {tbs:>12.2f} {tbs / copy_tbs:>8.0%}")
+
+
+if __name__ == "__main__":
+    main()
