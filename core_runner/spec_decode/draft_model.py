@@ -24,7 +24,8 @@ noise to the same token -- always, for a draft equal to the target.
 Rows that do not sample this step (a prefill chunk that stops short) or may not be speculated
 (`num_tokens` 0) only catch up. Laying out the forwards needs each row's accepted count on the
 host: one small copy per step (the engine reads it before the next schedule anyway under
-synchronous scheduling). Steps run eagerly; no CUDA graphs for the draft yet.
+synchronous scheduling). The catch-up forward runs eagerly; on CUDA the one-token forwards of
+step 2 replay the draft's own CUDA graphs (`draft_graphs.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator
 
 
@@ -54,6 +56,8 @@ class DraftModelSpeculator(Speculator):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # Drafts 2..k replay CUDA graphs when set (build_speculator, on CUDA unless enforce_eager).
+        self.graphs: DraftDecodeGraphs | None = None
 
     def propose(self, inputs: ProposeInputs, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> None:
         num_reqs = inputs.idx_mapping_np.shape[0]
@@ -99,9 +103,26 @@ class DraftModelSpeculator(Speculator):
                 index = torch.from_numpy(np.flatnonzero(keep)).to(draft_tokens.device)
                 tokens, slots = tokens.index_select(0, index), slots.index_select(0, index)
             position = known + i - 1
-            hidden, _ = self._forward(inputs, rows, position, position + 1, tokens)
+            hidden = self._decode_forward(inputs, rows, position, tokens)
             tokens = self._pick(inputs, rows, position + 1, hidden)
             draft_tokens[slots, i] = tokens
+
+    def _decode_forward(
+        self,
+        inputs: ProposeInputs,
+        rows: np.ndarray,  # [n] batch rows
+        position: np.ndarray,  # [n] the one position each row computes
+        tokens: torch.Tensor,  # [n] int64, the token at it
+    ) -> torch.Tensor:  # [n, hidden]
+        """One token per row: replayed from the draft's CUDA graphs where captured, else eager."""
+        if self.graphs is None or self.graphs.padded_size(rows.size) is None:
+            return self._forward(inputs, rows, position, position + 1, tokens)[0]
+        device = tokens.device
+        slots = torch.from_numpy(inputs.idx_mapping_np[rows]).to(device, non_blocking=True)
+        pos = torch.from_numpy(position.astype(np.int64)).to(device, non_blocking=True)
+        table = inputs.block_table.index_select(0, slots)  # [n, max_blocks]
+        blocks = table.gather(1, (pos // self.block_size)[:, None])[:, 0].long()
+        return self.graphs.run(tokens, pos, table, blocks * self.block_size + pos % self.block_size)
 
     def _forward(
         self,

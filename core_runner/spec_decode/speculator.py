@@ -81,7 +81,16 @@ def build_speculator(
         from slotrunner.core_runner.spec_decode.draft_model import DraftModelSpeculator
 
         assert draft_model is not None, "method 'draft_model' needs the loaded draft model (the engine builder loads it)"
-        return DraftModelSpeculator(
+        speculator = DraftModelSpeculator(
             spec.num_speculative_tokens, draft_model, attn_backend, config.block_size, config.max_model_len, config.vocab_size
         )
+        if config.device.type == "cuda" and not config.enforce_eager:
+            from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
+
+            speculator.graphs = DraftDecodeGraphs(
+                draft_model, attn_backend, config.cuda_graph_sizes, config.max_num_seqs, config.max_num_blocks_per_req,
+                config.max_model_len, config.device,
+            )  # fmt: skip
+            speculator.graphs.capture()
+        return speculator
     raise AssertionError(f"SpeculativeConfig accepted an unknown method {spec.method!r}")
