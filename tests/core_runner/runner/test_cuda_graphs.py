@@ -153,3 +153,28 @@ def test_which_models_capture_draft_steps(arch, want, tmp_path):
     runner = llm.engine.runner
     assert draft_graph_query_len(runner.model, runner.model_state, SPEC["num_speculative_tokens"]) == want
     assert draft_graph_query_len(runner.model, runner.model_state, 0) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_draft_model_graphs_equal_eager(qwen3_dir, dtype):
+    """A draft equal to the target, its one-token forwards replayed from its own graphs (and the
+    target's verify steps from the draft-step graphs): the tokens of eager steps, every draft
+    accepted in fp32."""
+    spec = {"method": "draft_model", "model": str(qwen3_dir), "num_speculative_tokens": 3}
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 200, (n,), generator=gen).tolist()} for n in PROMPT_LENS]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in OUTPUT_LENS]
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(qwen3_dir), device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=128, max_num_seqs=16,
+                  speculative_config=spec)  # fmt: skip
+        graphs = llm.engine.runner.speculator.graphs
+        assert (graphs is None) == eager
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        if not eager:
+            assert graphs.replays > 0
+        if dtype == "float32":
+            assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens for o in outs)
+    assert runs[0] == runs[1]
