@@ -12,7 +12,8 @@ global. The weights come through `GGUFCheckpoint` (`llama_gguf.py`), the tokeniz
 A Qwen3-MoE or GPT-OSS file stores each projection of a layer's experts as one [num_experts, ...]
 tensor (GPT-OSS's in MXFP4, biases beside them); the checkpoint yields them expert by expert,
 dequantized, as Qwen3-MoE's Hugging Face checkpoints store them.
-Not read: other mixture-of-experts files (`qwen2moe`, Mixtral as `llama`): say so, naming the file.
+Mixtral files (the `llama` architecture with `llama.expert_count`) are read by `llama_gguf.py`.
+Not read: other mixture-of-experts files (`qwen2moe`, `deepseek2`): say so, naming the file.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """A Llama-family GGUF file as a Hugging Face checkpoint: LlamaConfig, HF-named weights, tokenizer.
 
+Mistral and Mixtral files are `llama` files too (llama.cpp writes them so): Mixtral's have
+`llama.expert_count` and the expert tensors, read as a MixtralConfig and Mixtral's names.
+
     checkpoint = read_gguf(default_model_path(), torch.bfloat16)  # metadata + tokenizer, ~0.5 s
     for hf_name, tensor in checkpoint.weights():  # dequantized one at a time, ~2 s in all
         ...
@@ -41,6 +44,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtral, which llama.cpp writes as `llama` with `llama.expert_count`: the router, and each
+    # projection of all experts in one [experts, ...] tensor (yielded expert by expert under
+    # Mixtral's checkpoint names: w1 gate, w3 up, w2 down)
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.*.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.*.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.*.w2",
 }
 # Llama 3.1-style RoPE scaling: llama.cpp's converter writes no scaling metadata, only this
 # float32 tensor of one divisor per rotary frequency (1 / factor / the blend between).
@@ -157,8 +167,9 @@ def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
     return names
 
 
-def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> LlamaConfig:
-    """LlamaConfig from `llama.*` metadata, with llama.cpp's defaults for the optional keys."""
+def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> PretrainedConfig:
+    """LlamaConfig (MixtralConfig for a file with experts) from `llama.*` metadata, with
+    llama.cpp's defaults for the optional keys."""
     metadata = gguf.metadata
 
     def get(key: str, default: Any = None) -> Any:
@@ -167,10 +178,12 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Lla
             raise ValueError(f"{path}: required metadata llama.{key} is missing.")
         return value
 
-    if get("expert_count", 0) > 0:
+    num_experts = get("expert_count", 0)
+    moe = "model.layers.0.block_sparse_moe.gate.weight" in hf_names
+    if bool(num_experts) != moe:
         raise ValueError(
-            f"{path}: mixture-of-experts Llama files (llama.expert_count: Mixtral) are not supported; transformers' "
-            "GGUF loader does not read them either, so no oracle could check a reader. Use the Hugging Face checkpoint."
+            f"{path}: llama.expert_count is {num_experts} but the file "
+            f"{'has' if moe else 'has no'} expert tensors (ffn_gate_inp, ffn_*_exps)."
         )
     if get("rope.scaling.type", "none") != "none":
         raise ValueError(f"{path}: RoPE scaling {get('rope.scaling.type')!r} is not supported yet.")
@@ -210,10 +223,20 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Lla
         pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
         **rope,
     )
+    config_cls = LlamaConfig
+    if num_experts:  # Mixtral: its own config class (no sliding window in llama.cpp's files)
+        from transformers import MixtralConfig
+
+        config_cls = MixtralConfig
+        for key in ("attention_bias", "mlp_bias"):
+            if fields.pop(key):
+                raise ValueError(f"{path}: a Mixtral file with {key.split('_')[0]} biases is not supported.")
+        fields.update(architectures=["MixtralForCausalLM"], num_local_experts=num_experts,
+                      num_experts_per_tok=get("expert_used_count"), sliding_window=None)  # fmt: skip
     try:
-        return LlamaConfig(**fields)
+        return config_cls(**fields)
     except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the llama.* metadata does not make a valid LlamaConfig: {exc}") from exc
+        raise ValueError(f"{path}: the llama.* metadata does not make a valid {config_cls.__name__}: {exc}") from exc
 
 
 def _rope_freqs_parameters(gguf: GGUFFile, theta: float, head_dim: int, context: int, path: str) -> dict[str, Any]:
@@ -238,7 +261,7 @@ def _rope_freqs_parameters(gguf: GGUFFile, theta: float, head_dim: int, context:
     }
 
 
-def _check_shapes(config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], path: str) -> None:
+def _check_shapes(config: PretrainedConfig, shapes: Mapping[str, tuple[int, ...]], path: str) -> None:
     """Every tensor a LlamaForCausalLM needs is present, with the shape the metadata implies."""
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -252,10 +275,21 @@ def _check_shapes(config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], pa
         "self_attn.k_proj.weight": (kv_rows, hidden),
         "self_attn.v_proj.weight": (kv_rows, hidden),
         "self_attn.o_proj.weight": (hidden, q_rows),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
     }
+    experts = getattr(config, "num_local_experts", 0)
+    if experts:  # stacked: [experts, out, in]
+        per_layer.update({
+            "block_sparse_moe.gate.weight": (experts, hidden),
+            "block_sparse_moe.experts.*.w1.weight": (experts, inter, hidden),
+            "block_sparse_moe.experts.*.w3.weight": (experts, inter, hidden),
+            "block_sparse_moe.experts.*.w2.weight": (experts, hidden, inter),
+        })  # fmt: skip
+    else:
+        per_layer.update({
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        })  # fmt: skip
     for layer in range(config.num_hidden_layers):
         expected.update((f"model.layers.{layer}.{name}", shape) for name, shape in per_layer.items())
     for name in shapes:  # biases: one value per output row of their weight

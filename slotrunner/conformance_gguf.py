@@ -65,6 +65,12 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
             f"{transformers.__version__} fails on their rope.scaling.* metadata, and loads neither the attention sinks "
             "nor the experts); check the Hugging Face checkpoint the file was made from instead"
         )
+    if gguf_file.metadata.get("llama.expert_count", 0):
+        raise ConformanceError(
+            f"{path}: transformers' GGUF loader is no oracle for Mixtral files (llama.expert_count: transformers "
+            f"{transformers.__version__} reads the `llama` architecture without its experts); check the Hugging Face "
+            "checkpoint the file was made from instead"
+        )
     rope_tensors = [name for name in _ROPE_SCALING_TENSORS if name in gguf_file.tensors]
     if rope_tensors:
         raise ConformanceError(
@@ -96,7 +102,7 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
 # transformers model_type -> GGUF general.architecture (Mistral is written as `llama`, named so)
 GGUF_ARCHITECTURES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-    "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss",
+    "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "mixtral": "llama",
 }  # fmt: skip
 
 
@@ -209,6 +215,9 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if config.model_type == "mixtral":  # MixtralModel.set_gguf_parameters
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen3moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

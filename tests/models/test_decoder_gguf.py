@@ -29,6 +29,7 @@ gguf = pytest.importorskip("gguf")
 from slotrunner import LLM  # noqa: E402
 from slotrunner.conformance import build_case, check_case, single_thread  # noqa: E402
 from slotrunner.conformance_gguf import load_gguf_oracle, write_gguf  # noqa: E402
+from slotrunner.conformance_oracle import ConformanceError  # noqa: E402
 from slotrunner.registry import read_gguf, tiny_config  # noqa: E402
 
 _GEMMA_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=10_000.0),
@@ -163,12 +164,45 @@ def copy_gguf(path, out, add, arch="llama", drop=()) -> object:
     return out
 
 
-def test_mixture_of_experts_llama_file_names_the_missing_oracle(tmp_path):
+def test_mixtral_file_runs_like_the_model_it_came_from(tmp_path):
+    """A Mixtral written as llama.cpp writes it (the `llama` architecture, Q/K rows interleaved,
+    `llama.expert_count`, the router and the experts as [experts, ...] stacks) read back: a
+    MixtralConfig with the model's expert counts, every tensor equal under Mixtral's per-expert
+    checkpoint names, logits and greedy tokens equal. transformers' GGUF loader reads `llama`
+    files without their experts, so the oracle is the HF model the file was written from."""
+    config = tiny_config("MixtralForCausalLM", sliding_window=None)  # llama.cpp's files carry none
+    config.architectures = ["MixtralForCausalLM"]
+    original = build_case(config, tmp_path / "hf")
+    path = write_gguf(original, tmp_path / "mixtral.gguf")
+    checkpoint = read_gguf(path, torch.float32)
+    assert checkpoint.config.architectures == ["MixtralForCausalLM"]
+    for field in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "num_key_value_heads", "sliding_window"):
+        assert getattr(checkpoint.config, field) == getattr(original.config, field), field
+    weights = dict(checkpoint.weights())
+    renamed = {".mlp.gate.": ".block_sparse_moe.gate.", ".mlp.experts.": ".block_sparse_moe.experts.",
+               ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}  # fmt: skip
+    reference = {}
+    for name, tensor in per_expert(original.state_dict()).items():
+        if ".experts." in name or ".mlp.gate." in name:
+            for old, new in renamed.items():
+                name = name.replace(old, new)
+        reference[name] = tensor
+    assert set(weights) == set(reference)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
+    with pytest.raises(ConformanceError, match="no oracle for Mixtral files"):
+        load_gguf_oracle(path, "MixtralForCausalLM")
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, block_size=4, enable_prefix_caching=False)
+    report = check_case(llm, original, PROMPTS, max_tokens=4)
+    assert report.passed, report.table()
+
+
+def test_expert_count_without_expert_tensors_is_refused(tmp_path):
     config = tiny_config("LlamaForCausalLM")
     config.architectures = ["LlamaForCausalLM"]
-    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "moe.gguf")
-    moe = copy_gguf(path, tmp_path / "mixtral.gguf", lambda writer: writer.add_expert_count(8))
-    with pytest.raises(ValueError, match="transformers' GGUF loader does not read them either"):
+    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "llama.gguf")
+    moe = copy_gguf(path, tmp_path / "moe.gguf", lambda writer: writer.add_expert_count(8))
+    with pytest.raises(ValueError, match="llama.expert_count is 8 but the file has no expert tensors"):
         read_gguf(moe, torch.float32)
 
 
@@ -243,8 +277,6 @@ def test_rope_freqs_of_the_wrong_length_is_refused(tmp_path):
 
 
 def test_conformance_refuses_transformers_as_the_oracle_of_a_rope_freqs_file(tmp_path):
-    from slotrunner.conformance_oracle import ConformanceError
-
     rope = dict(rope_type="llama3", rope_theta=10_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=512)  # fmt: skip
     config = tiny_config("LlamaForCausalLM", head_dim=16, rope_parameters=rope, max_position_embeddings=4096)
@@ -363,8 +395,6 @@ def test_transformers_is_no_oracle_for_gpt_oss_files(tmp_path):
     rather than crash or compare against it. Should a transformers release read them, the
     first check fails: then make it the oracle of these files."""
     import transformers
-
-    from slotrunner.conformance_oracle import ConformanceError
 
     _, path = gpt_oss_file(tmp_path)
     with pytest.raises(Exception):
