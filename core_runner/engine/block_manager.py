@@ -64,7 +64,7 @@ class BlockManager:
         self.num_blocks = num_blocks - first  # blocks requests can hold
         self.block_size = block_size
         self.windows = windows
-        self._no_windows = all(w is None for w in windows)  # free_outside_window has nothing to do
+        self.has_windows = any(w is not None for w in windows)  # else free_outside_window has nothing to do
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, num_blocks))  # eviction order
         # req_id -> per group, block ids in sequence order (NULL_BLOCK before its first held one).
         self._req_blocks: dict[str, list[list[int]]] = {}
@@ -100,7 +100,11 @@ class BlockManager:
         """Extra blocks `req_id` needs, over all groups, to hold room for `num_tokens` tokens."""
         needed = -(-num_tokens // self.block_size)
         lists = self._req_blocks.get(req_id)
-        return sum(max(0, needed - len(lst)) for lst in lists) if lists else needed * self.num_groups
+        if not lists:
+            return needed * self.num_groups
+        if len(lists) == 1:  # one group: most models
+            return max(0, needed - len(lists[0]))
+        return sum(max(0, needed - len(lst)) for lst in lists)
 
     def can_grow(self, req_id: str, num_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Whether `req_id`, after taking the `cached` prefix (`find_cached`; a request that
@@ -150,7 +154,7 @@ class BlockManager:
         `num_computed` on can see (those wholly before `num_computed - W + 1`). Called before
         a step that computes from `num_computed`; a later rollback (rejected drafts) never goes
         below it. Returns how many blocks it freed."""
-        lists = None if self._no_windows else self._req_blocks.get(req_id)
+        lists = self._req_blocks.get(req_id) if self.has_windows else None
         if lists is None:
             return 0
         freed = 0

@@ -202,35 +202,42 @@ class Scheduler:
         use_drafts = self.draft_gate is not None and self.draft_gate.want_drafts()
         decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
 
+        # This loop runs for every running request every step: features that are off cost no call.
+        checkpoints, windows = self.state_checkpoints is not None, self.block_manager.has_windows
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.num_pending and request.done_when_pending_arrive(self.max_model_len):
                 i += 1
                 continue
-            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
-            num_new = self._to_state_checkpoint(request, request.num_computed_tokens, num_new)
+            num_computed = request.num_computed_tokens
+            num_uncomputed = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
+            num_new = min(num_uncomputed + request.num_pending, budget)
+            if checkpoints:
+                num_new = self._to_state_checkpoint(request, num_computed, num_new)
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
                 i += 1
                 continue
             num_drafts = 0
-            decode_only &= request.num_tokens - request.num_computed_tokens == 1
-            if use_drafts and request.num_spec_tokens and request.num_tokens - request.num_computed_tokens == 1:
+            decode_only &= num_uncomputed == 1
+            if use_drafts and request.num_spec_tokens and num_uncomputed == 1:
                 # A decode with drafts: the last token and the drafts after it (their KV is
                 # written too; rejected ones are overwritten later, update() rolls back).
                 num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(self.max_model_len))
                 num_new += num_drafts
-            # Blocks its window has passed go back first: this step's growth may reuse them.
-            self.block_manager.free_outside_window(request.req_id, request.num_computed_tokens)
-            new_block_ids = self._grow_or_preempt(request, self._with_lookahead(request.num_computed_tokens + num_new), out)
+            if windows:  # blocks its window has passed go back first: this step's growth may reuse them
+                self.block_manager.free_outside_window(request.req_id, num_computed)
+            new_block_ids = self._grow_or_preempt(request, self._with_lookahead(num_computed + num_new), out)
             if new_block_ids is None:
                 break  # it preempted itself, so it was the last running request
-            out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
+            out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, num_computed))
             out.num_scheduled_tokens[request.req_id] = num_new
             request.num_scheduled_drafts = num_drafts
             # Hashes cover known tokens only: blocks that hold drafts are registered later.
-            self._cache_blocks(request, request.num_computed_tokens + num_new)
-            self._checkpoint_state(request, request.num_computed_tokens, num_new, out)
+            if self.prefix_caching:
+                self._cache_blocks(request, num_computed + num_new)
+            if checkpoints:
+                self._checkpoint_state(request, num_computed, num_new, out)
             scheduled.append(request)
             budget -= num_new
             i += 1
