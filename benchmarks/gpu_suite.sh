@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_suite.sh tests throughput    # some steps
 #
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal, spec,
-# moe-kernel, qwen3next, deepseek, latency, overhead, profile, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
+# moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -78,6 +78,9 @@ for s in "${steps[@]}"; do
     profile)
       run_step profile-bamba 90 python3 benchmarks/profile_decode.py --shape bamba
       run_step profile-llama 90 python3 benchmarks/profile_decode.py --shape llama ;;
+    profile-mm)
+      run_step profile-llava 120 python3 benchmarks/profile_decode.py --shape llava --batch 128 --input-len 627
+      run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     *) summary+=("$s: unknown step") ;;
   esac

@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: torch-profiler kernel table of steady decode steps.
 
-Builds a random-weight model of one of `mamba_throughput.py`'s shapes (bamba, qwen3-next, llama),
+Builds a random-weight model of one of `mamba_throughput.py`'s shapes (bamba, qwen3-next, llama)
+or `multimodal_throughput.py`'s LLaVA (fed text: `llava`; its LM as a plain decoder: `llava-lm`),
 starts `--batch` requests of `--input-len` random tokens, steps the engine until every row
 decodes, then profiles `--steps` engine steps (CUDA graphs replayed as served) and prints the
 kernels by total GPU time, with the wall time per step.
@@ -23,7 +24,8 @@ from mamba_throughput import model_config
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama"), default="bamba")
+    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama", "llava", "llava-lm"), default="bamba",
+                   help="llava / llava-lm: multimodal_throughput.py's LLaVA fed text prompts, its LM as a decoder")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -37,12 +39,20 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(model_config(args), dtype=torch.bfloat16).save_pretrained(d)
+        if args.shape.startswith("llava"):
+            from pathlib import Path
+
+            import multimodal_throughput
+
+            multimodal_throughput.build(Path(d), argparse.Namespace(tiny=False), torch.bfloat16)
+            d = str(Path(d) / ("llava" if args.shape == "llava" else "lm"))
+        else:
+            AutoModelForCausalLM.from_config(model_config(args), dtype=torch.bfloat16).save_pretrained(d)
         llm = LLM(d, device="cuda", max_model_len=args.input_len + 512, max_num_seqs=args.batch, max_num_batched_tokens=8192)
         engine = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         for i in range(args.batch):
-            prompt = torch.randint(10, 32000, (args.input_len,), generator=g).tolist()
+            prompt = torch.randint(10, min(32000, engine.config.vocab_size - 1), (args.input_len,), generator=g).tolist()
             engine.add_request(str(i), {"prompt_token_ids": prompt}, sp)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -68,7 +78,8 @@ def main() -> None:
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
-    print(f"{args.shape} shape, {args.layers} layers, batch {args.batch} decoding at ~{args.input_len} tokens: "
+    depth = "" if args.shape.startswith("llava") else f", {args.layers} layers"
+    print(f"{args.shape} shape{depth}, batch {args.batch} decoding at ~{args.input_len} tokens: "
           f"{1000 * wall:.2f} ms a decode step wall, {total / 1000 / args.steps:.2f} ms a step of kernels; "
           f"prefill of {args.batch} x {args.input_len} tokens: {prefill_steps} steps, {1000 * prefill:.0f} ms")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
