@@ -70,7 +70,8 @@ for s in "${steps[@]}"; do
     multimodal) run_step multimodal 240 python3 benchmarks/multimodal_throughput.py --device cuda ;;
     spec)
       run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128
-      run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same ;;
+      run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same
+      run_step spec-draft-other 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other ;;
     qwen3next) run_step qwen3next 160 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 4 ;;
     deepseek) run_step deepseek 160 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --num-layers 4 ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;

@@ -89,8 +89,10 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument(
-        "--draft-model", default=None, help="speculate with this draft model (method draft_model); 'same': the target itself"
-    )
+        "--draft-model", default=None,
+        help="speculate with this draft model (method draft_model); 'same': the target itself; 'other': the target's "
+             "shape with other random weights (--qwen3-shape), whose drafts are about never accepted: the overhead",
+    )  # fmt: skip
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
@@ -111,7 +113,12 @@ def main() -> None:
     if args.draft_model is not None:
         # "same": a draft sharing the target's weights proposes the target's own greedy tokens
         # (every draft of a greedy request accepted: the upper bound of the method).
-        draft = base.config.model if args.draft_model == "same" else args.draft_model
+        # "other": the same shape with other weights (drafts about never accepted: the overhead).
+        draft = args.draft_model
+        if draft == "same":
+            draft = base.config.model
+        elif draft == "other":
+            draft = qwen3_shape_dir(seed=1)
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
     fast = LLM(model, speculative_config=spec, **common)
     print(f"model={model or 'SmolLM2-135M-Instruct'} device={base.config.device} dtype={base.config.dtype} "
@@ -142,7 +149,7 @@ def main() -> None:
         print("      draft gate, ms per token: " + ", ".join(f"{'with' if k else 'without'} drafts {1000 * v:.1f}" for k, v in costs.items()))
 
 
-def qwen3_shape_dir() -> str:
+def qwen3_shape_dir(seed: int = 0) -> str:
     """A random-weight checkpoint of Qwen3-0.6B's shape (benchmarks/throughput.py's workload)."""
     import tempfile
 
@@ -156,7 +163,7 @@ def qwen3_shape_dir() -> str:
         torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"],
     )
     directory = tempfile.mkdtemp(prefix="qwen3_shape_")
-    build_case(config, directory)
+    build_case(config, directory, seed=seed)
     return directory
 
 
