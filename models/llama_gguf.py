@@ -87,8 +87,8 @@ class GGUFCheckpoint:
         about 2 s for the 135M default model on 2 cores), so peak memory is one float32 tensor
         beyond what the caller keeps.
         """
-        num_heads = self.config.num_attention_heads
-        num_kv_heads = self.config.num_key_value_heads
+        if self.permute_rotary:
+            num_heads, num_kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         for hf_name in self.weight_names:
             gguf_name = self._gguf_names[hf_name]
             info = self._file.tensors[gguf_name]

@@ -168,6 +168,32 @@ def _gpt_oss_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.T
     return None
 
 
+def _add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
+    """A vocabulary of the model's size: byte-level BPE (`gpt2`, `tokenizer.ggml.pre` as the
+    family's files have it) or SentencePiece (`llama`)."""
+    if tokenizer == "gpt2":
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
+        writer.add_token_list(_byte_level_vocab(config.vocab_size))
+        writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
+        writer.add_token_merges([])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+    elif tokenizer == "llama":
+        pieces, scores, types = _sentencepiece_vocab(config.vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        raise ConformanceError(f"tokenizer {tokenizer!r}: write 'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
+    if getattr(config, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(config.pad_token_id)
+
+
 def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32") -> Path:
     """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
     does: gguf-py's tensor names, Q/K rows interleaved for `llama` (and Llama 3.1-style RoPE
@@ -182,6 +208,8 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     import numpy as np
 
     config = hf_model.config
+    if config.model_type == "mamba2":
+        return _write_mamba2(hf_model, Path(path), tokenizer)
     if config.model_type not in GGUF_ARCHITECTURES:
         raise ConformanceError(
             f"no GGUF convention is known for {config.model_type!r}; written: {', '.join(sorted(GGUF_ARCHITECTURES))}"
@@ -236,27 +264,7 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if getattr(config, "sliding_window", None) and arch not in ("qwen2", "llama"):
         writer.add_sliding_window(config.sliding_window)
-    if tokenizer == "gpt2":
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
-        writer.add_token_list(_byte_level_vocab(config.vocab_size))
-        writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
-        writer.add_token_merges([])
-        writer.add_bos_token_id(0)
-        writer.add_eos_token_id(1)
-    elif tokenizer == "llama":
-        pieces, scores, types = _sentencepiece_vocab(config.vocab_size)
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(pieces)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_unk_token_id(0)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-    else:
-        raise ConformanceError(f"tokenizer {tokenizer!r}: write 'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
-    if getattr(config, "pad_token_id", None) is not None:
-        writer.add_pad_token_id(config.pad_token_id)
+    _add_tokenizer(writer, config, arch, tokenizer)
     shift = 1.0 if arch.startswith("gemma") else 0.0
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -300,3 +308,63 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+# transformers Mamba2 name (after backbone.layers.{i}.) -> llama.cpp's, as Mamba2Model writes it
+_MAMBA2_LAYER_NAMES = {
+    "norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight", "mixer.in_proj.bias": "ssm_in.bias",
+    "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias", "mixer.dt_bias": "ssm_dt.bias",
+    "mixer.A_log": "ssm_a", "mixer.D": "ssm_d", "mixer.norm.weight": "ssm_norm.weight",
+    "mixer.out_proj.weight": "ssm_out.weight", "mixer.out_proj.bias": "ssm_out.bias",
+}  # fmt: skip
+
+
+def _write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers Mamba2 as llama.cpp's Mamba2Model converter writes it: the conv weight
+    squeezed to [conv_dim, kernel], A stored as -exp(A_log) and D as [heads, 1], the gated norm
+    as [groups, inner / groups], the `mamba2.ssm.*` keys (float32 tensors)."""
+    import gguf
+
+    config = hf_model.config
+    inner = int(config.expand * config.hidden_size)
+    writer = gguf.GGUFWriter(str(path), "mamba2")
+    writer.add_name("mamba2 tiny")
+    writer.add_context_length(2**20)  # what the converter writes
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(config.state_size)
+    writer.add_ssm_time_step_rank(config.num_heads)
+    writer.add_ssm_group_count(config.n_groups)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    _add_tokenizer(writer, config, "mamba2", tokenizer)
+    for name, tensor in hf_model.state_dict().items():
+        data = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        globals_ = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}  # fmt: skip
+        if name in globals_:
+            writer.add_tensor(globals_[name], data.contiguous().numpy())
+            continue
+        _, _, block, leaf = name.split(".", 3)  # backbone.layers.{i}.<leaf>
+        if leaf not in _MAMBA2_LAYER_NAMES:
+            raise ConformanceError(f"{name} has no GGUF name for mamba2")
+        if leaf == "mixer.conv1d.weight":
+            data = data.squeeze(1)
+        elif leaf == "mixer.A_log":
+            data = (-torch.exp(data)).reshape(-1, 1)
+        elif leaf == "mixer.D":
+            data = data.reshape(-1, 1)
+        elif leaf == "mixer.norm.weight":
+            data = data.reshape(config.n_groups, inner // config.n_groups)
+        writer.add_tensor(f"blk.{block}.{_MAMBA2_LAYER_NAMES[leaf]}", data.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

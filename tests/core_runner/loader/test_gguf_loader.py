@@ -169,8 +169,8 @@ def test_truncated_tensor_data(tmp_path) -> None:
 
 
 def test_other_architecture(tmp_path) -> None:
-    path = _write_tiny_llama(tmp_path / "mamba.gguf", arch="mamba2")
-    with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba2' is not supported; supported: gemma2, "):
+    path = _write_tiny_llama(tmp_path / "rwkv.gguf", arch="rwkv6")
+    with pytest.raises(ValueError, match=r"rwkv\.gguf: GGUF architecture 'rwkv6' is not supported; supported: gemma2, "):
         read_gguf(path, torch.float32)
 
 

@@ -1,0 +1,151 @@
+"""A Mamba2 GGUF file (llama.cpp's `mamba2` architecture) as a Hugging Face checkpoint.
+
+llama.cpp's converter (`Mamba2Model`) writes the mixer's tensors under `blk.{i}.ssm_*` names and
+reshapes four of them; this reader undoes that and yields transformers' `Mamba2ForCausalLM`
+names:
+
+| GGUF | as stored | Hugging Face |
+|---|---|---|
+| `ssm_conv1d.weight` | `[conv_dim, kernel]` (squeezed) | `mixer.conv1d.weight` `[conv_dim, 1, kernel]` |
+| `ssm_a` | `[heads, 1]`, A = -exp(A_log) | `mixer.A_log` `[heads]` = log(-A) |
+| `ssm_d` | `[heads, 1]` | `mixer.D` `[heads]` |
+| `ssm_norm.weight` | `[groups, inner / groups]` | `mixer.norm.weight` `[inner]` |
+| `ssm_dt.bias` | `[heads]` | `mixer.dt_bias` |
+
+A_log comes back through log(-A), so it can differ from the original in the last bit (the
+model computes -exp(A_log) again). The metadata holds no chunk size, time-step limit or
+residual precision: transformers' defaults apply, as llama.cpp assumes them. transformers'
+GGUF loader reads `mamba` (Mamba-1) files only, so the tests check this reader against the
+model a tiny file was written from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from transformers import Mamba2Config
+
+from slotrunner.core_runner.cpu.packed import PackedWeight
+from slotrunner.core_runner.loader.gguf_file import GGUFFile
+from slotrunner.core_runner.loader.gguf_tokenizer import build_tokenizer
+from slotrunner.models.llama_gguf import GGUFCheckpoint
+
+_GLOBAL_NAMES = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
+                 "output.weight": "lm_head.weight"}  # fmt: skip
+_LAYER_NAMES = {
+    "attn_norm.weight": "norm.weight",
+    "ssm_in.weight": "mixer.in_proj.weight",
+    "ssm_in.bias": "mixer.in_proj.bias",
+    "ssm_conv1d.weight": "mixer.conv1d.weight",
+    "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_a": "mixer.A_log",
+    "ssm_d": "mixer.D",
+    "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight",
+    "ssm_out.bias": "mixer.out_proj.bias",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Checkpoint(GGUFCheckpoint):
+    """Yields the tensors in transformers' shapes (see the module docstring)."""
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        for name, tensor in super().weights():
+            if isinstance(tensor, PackedWeight):
+                if name.endswith("conv1d.weight"):
+                    raise ValueError(f"{self.path}: a quantized ssm_conv1d is not supported (llama.cpp keeps it float).")
+                yield name, tensor
+            elif name.endswith("conv1d.weight"):
+                yield name, tensor.unsqueeze(1)
+            elif name.endswith("A_log"):
+                yield name, torch.log(-tensor.float().reshape(-1)).to(self.dtype)
+            elif name.endswith(("mixer.D", "mixer.norm.weight")):
+                yield name, tensor.reshape(-1)
+            else:
+                yield name, tensor
+
+
+def read_mamba2_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool = False) -> GGUFCheckpoint:
+    """Read an opened `mamba2` GGUF file's config, tokenizer and tensor table (not the data).
+    Raises ValueError naming the file for tensors or metadata Mamba2 cannot use."""
+    gguf_names = _hf_names(gguf, path)
+    config = _mamba2_config(gguf, gguf_names, path)
+    return Mamba2Checkpoint(
+        path=path,
+        dtype=dtype,
+        config=config,
+        tokenizer=build_tokenizer(gguf.metadata, path),
+        chat_template=gguf.metadata.get("tokenizer.chat_template"),
+        weight_names=tuple(gguf_names),
+        _file=gguf,
+        _gguf_names=gguf_names,
+        pack=pack,
+        permute_rotary=False,
+    )
+
+
+def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
+    names, unknown = {}, []
+    for gguf_name in gguf.tensors:
+        layer = _LAYER_TENSOR.fullmatch(gguf_name)
+        if gguf_name in _GLOBAL_NAMES:
+            names[_GLOBAL_NAMES[gguf_name]] = gguf_name
+        elif layer and layer.group(2) in _LAYER_NAMES:
+            names[f"backbone.layers.{layer.group(1)}.{_LAYER_NAMES[layer.group(2)]}"] = gguf_name
+        else:
+            unknown.append(gguf_name)
+    if unknown:
+        raise ValueError(f"{path}: tensors with no Mamba2 equivalent: {', '.join(unknown[:8])}.")
+    if "backbone.embeddings.weight" not in names:
+        raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete Mamba2 model.")
+    return names
+
+
+def _mamba2_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Mamba2Config:
+    metadata = gguf.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"mamba2.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: required metadata mamba2.{key} is missing.")
+        return value
+
+    hidden, inner, heads = get("embedding_length"), get("ssm.inner_size"), get("ssm.time_step_rank")
+    if heads <= 0 or inner % heads or inner % hidden:
+        raise ValueError(f"{path}: ssm.inner_size {inner} does not split into {heads} heads of an expansion of {hidden}.")
+    state, groups, kernel = get("ssm.state_size"), get("ssm.group_count", 1), get("ssm.conv_kernel")
+    conv_dim = inner + 2 * groups * state
+    shapes = {hf: tuple(gguf.tensors[name].shape) for hf, name in hf_names.items()}
+    conv = shapes.get("backbone.layers.0.mixer.conv1d.weight")
+    if conv is not None and conv != (conv_dim, kernel):
+        raise ValueError(f"{path}: ssm_conv1d has shape {conv}, the metadata implies {(conv_dim, kernel)}.")
+    fields = dict(
+        architectures=["Mamba2ForCausalLM"],
+        vocab_size=shapes["backbone.embeddings.weight"][0],
+        hidden_size=hidden,
+        expand=inner // hidden,
+        num_heads=heads,
+        head_dim=inner // heads,
+        state_size=state,
+        n_groups=groups,
+        conv_kernel=kernel,
+        num_hidden_layers=get("block_count"),
+        layer_norm_epsilon=get("attention.layer_norm_rms_epsilon", 1e-5),
+        use_conv_bias="backbone.layers.0.mixer.conv1d.bias" in hf_names,
+        use_bias="backbone.layers.0.mixer.in_proj.bias" in hf_names,
+        tie_word_embeddings="lm_head.weight" not in hf_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+    )
+    try:
+        return Mamba2Config(**fields)
+    except Exception as exc:  # transformers' config validators raise their own exception types
+        raise ValueError(f"{path}: the mamba2.* metadata does not make a valid Mamba2Config: {exc}") from exc
