@@ -46,7 +46,8 @@ run_step() {  # name, seconds, command...
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)'
-  git log -1 --format='commit %H %s' 2>/dev/null
+  # The commit measured: pass COMMIT=... where the copy being run has no current git history.
+  echo "commit ${COMMIT:-$(git log -1 --format='%H %s' 2>/dev/null)}"
 } >"$out/env.txt" 2>&1
 
 for s in "${steps[@]}"; do
