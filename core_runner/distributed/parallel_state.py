@@ -110,6 +110,14 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def leave_together(self) -> None:
+        """After rank 0's stop message: wait until every rank has it before any leaves the
+        group. A rank that tears its group down while another's last collective is still in
+        flight can abort the process at exit (seen rarely with gloo: "terminate called without
+        an active exception")."""
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
+
 
 SINGLE = TensorParallelGroup(rank=0, world_size=1)
 

@@ -91,6 +91,7 @@ class TensorParallelRunner(ModelRunner):
         self._broken = "the engine was closed"
         try:
             self.tp.broadcast_step(None)
+            self.tp.leave_together()  # the other ranks do the same on leaving their loop (serve_steps)
         except Exception as e:  # a rank already gone: nothing to stop there
             logger.warning("tensor-parallel shutdown could not reach every rank: %s", e)
             return False
@@ -155,6 +156,7 @@ def serve_steps(runner: ModelRunner, tp: TensorParallelGroup) -> None:
     while True:
         sched = tp.broadcast_step(None)
         if sched is None:
+            tp.leave_together()  # with rank 0 (`shutdown`), before either tears the group down
             return
         try:
             runner.execute_model(sched)
