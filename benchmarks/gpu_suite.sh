@@ -7,6 +7,13 @@
 #   bash benchmarks/gpu_suite.sh                     # every step, in this order
 #   bash benchmarks/gpu_suite.sh tests throughput    # some steps
 #
+# Every step together runs past ten minutes on one H200 (times seen there on 2026-12-01, model
+# builds and graph captures included: tests 85 s, throughput / fp8 26 s each, scan 22, hybrid
+# 70, multimodal 90, spec ~30 per case, moe-kernel 12, qwen3next 100, deepseek 50, latency 30,
+# overhead 14, profile 75), so a sitting is two commands, e.g.
+#   COMMIT=... bash benchmarks/gpu_suite.sh tests scan hybrid multimodal spec moe-kernel overhead
+#   COMMIT=... bash benchmarks/gpu_suite.sh throughput fp8 latency qwen3next deepseek profile profile-mm prefix
+#
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal, spec,
 # moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
 set -u
@@ -15,7 +22,7 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests throughput fp8 hybrid multimodal spec qwen3next deepseek latency overhead prefix)
+[ ${#steps[@]} -eq 0 ] && steps=(tests scan hybrid multimodal spec moe-kernel overhead throughput fp8 latency qwen3next deepseek profile profile-mm prefix)
 
 GPU_TESTS=(
   tests/conformance/test_decoders_gpu.py
