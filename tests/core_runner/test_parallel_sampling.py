@@ -10,7 +10,6 @@ freed while a sibling still reads them, samples that repeat each other.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from slotrunner import LLM, SamplingParams
 

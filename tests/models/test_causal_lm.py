@@ -13,7 +13,6 @@ the reference is the same model loaded with exactly those blocks dequantized.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
