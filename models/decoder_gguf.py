@@ -27,8 +27,7 @@ import torch
 import transformers
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.core_runner.loader.gguf_tokenizer import build_tokenizer
-from slotrunner.models.llama_gguf import GGUFCheckpoint
+from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTENTION = {
@@ -239,19 +238,7 @@ def read_decoder_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool 
     gguf_names = _hf_names(gguf, conv, path)
     config = _config(gguf, conv, gguf_names, path)
     _check_shapes(config, {hf: gguf.tensors[name].shape for hf, name in gguf_names.items()}, path)
-    return GGUFCheckpoint(
-        path=path,
-        dtype=dtype,
-        config=config,
-        tokenizer=build_tokenizer(gguf.metadata, path),
-        chat_template=gguf.metadata.get("tokenizer.chat_template"),
-        weight_names=tuple(gguf_names),
-        _file=gguf,
-        _gguf_names=gguf_names,
-        pack=pack,
-        permute_rotary=False,
-        norm_shift=conv.norm_shift,
-    )
+    return GGUFCheckpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False, norm_shift=conv.norm_shift)
 
 
 def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
@@ -290,13 +277,7 @@ def _config(gguf: GGUFFile, conv: Conventions, hf_names: Mapping[str, str], path
     """The HF config from `{arch}.*` metadata, with llama.cpp's defaults for the optional keys."""
     metadata = gguf.metadata
     arch = metadata["general.architecture"]
-    required = object()
-
-    def get(key: str, default: Any = required) -> Any:
-        value = metadata.get(f"{arch}.{key}", None if default is required else default)
-        if value is None and default is required:
-            raise ValueError(f"{path}: required metadata {arch}.{key} is missing.")
-        return value
+    get = metadata_getter(gguf, arch, path)
 
     hidden_size, num_heads = get("embedding_length"), get("attention.head_count")
     num_kv_heads = get("attention.head_count_kv", num_heads)

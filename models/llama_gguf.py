@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,26 @@ class GGUFCheckpoint:
     # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) norms store 1 + w).
     norm_shift: float = 0.0
 
+    @classmethod
+    def of(
+        cls, gguf: GGUFFile, path: str, dtype: torch.dtype, config: PretrainedConfig, gguf_names: Mapping[str, str],
+        pack: bool, tokenizer: PreTrainedTokenizerBase | None = None, **conventions: Any,
+    ) -> GGUFCheckpoint:  # fmt: skip
+        """A reader's result: the file's tokenizer (unless given) and chat template, `gguf_names`
+        ({HF name: GGUF name}) in order, and the reader's `conventions` (permute_rotary, norm_shift)."""
+        return cls(
+            path=path,
+            dtype=dtype,
+            config=config,
+            tokenizer=build_tokenizer(gguf.metadata, path) if tokenizer is None else tokenizer,
+            chat_template=gguf.metadata.get("tokenizer.chat_template"),
+            weight_names=tuple(gguf_names),
+            _file=gguf,
+            _gguf_names=gguf_names,
+            pack=pack,
+            **conventions,
+        )
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(hf_name, tensor)` in Hugging Face layout and `self.dtype`, one tensor at a time.
 
@@ -113,22 +133,11 @@ class GGUFCheckpoint:
 def read_llama_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool = False) -> GGUFCheckpoint:
     """Read an opened Llama-architecture GGUF file's config, tokenizer and tensor table (not the
     data). Raises ValueError naming the file for tensors or metadata Llama cannot use."""
-    metadata = gguf.metadata
     gguf_names = _hf_names(gguf, path)
-    tokenizer = build_tokenizer(metadata, path)
+    tokenizer = build_tokenizer(gguf.metadata, path)
     config = _llama_config(gguf, gguf_names, path)
     _check_shapes(config, {hf: gguf.tensors[name].shape for hf, name in gguf_names.items()}, path)
-    return GGUFCheckpoint(
-        path=path,
-        dtype=dtype,
-        config=config,
-        tokenizer=tokenizer,
-        chat_template=metadata.get("tokenizer.chat_template"),
-        weight_names=tuple(gguf_names),
-        _file=gguf,
-        _gguf_names=gguf_names,
-        pack=pack,
-    )
+    return GGUFCheckpoint.of(gguf, path, dtype, config, gguf_names, pack, tokenizer=tokenizer)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -144,6 +153,22 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     # [num_heads, head_dim / 2, 2, ...] -> [num_heads, 2, head_dim / 2, ...]
     pairs = weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
     return pairs.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+_REQUIRED = object()
+
+
+def metadata_getter(gguf: GGUFFile, arch: str, path: str) -> Callable[..., Any]:
+    """`get(key, default)`: the file's `{arch}.{key}` metadata, or `default` when absent; with no
+    default the key is required (ValueError naming the file)."""
+
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        value = gguf.metadata.get(f"{arch}.{key}", None if default is _REQUIRED else default)
+        if value is None and default is _REQUIRED:
+            raise ValueError(f"{path}: required metadata {arch}.{key} is missing.")
+        return value
+
+    return get
 
 
 def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
@@ -171,12 +196,7 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Pre
     """LlamaConfig (MixtralConfig for a file with experts) from `llama.*` metadata, with
     llama.cpp's defaults for the optional keys."""
     metadata = gguf.metadata
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"llama.{key}", default)
-        if value is None:
-            raise ValueError(f"{path}: required metadata llama.{key} is missing.")
-        return value
+    get = metadata_getter(gguf, "llama", path)
 
     num_experts = get("expert_count", 0)
     moe = "model.layers.0.block_sparse_moe.gate.weight" in hf_names

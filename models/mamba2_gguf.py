@@ -24,15 +24,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import torch
 from transformers import Mamba2Config
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.core_runner.loader.gguf_tokenizer import build_tokenizer
-from slotrunner.models.llama_gguf import GGUFCheckpoint
+from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
 
 _GLOBAL_NAMES = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
@@ -77,18 +75,7 @@ def read_mamba2_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool =
     Raises ValueError naming the file for tensors or metadata Mamba2 cannot use."""
     gguf_names = _hf_names(gguf, path)
     config = _mamba2_config(gguf, gguf_names, path)
-    return Mamba2Checkpoint(
-        path=path,
-        dtype=dtype,
-        config=config,
-        tokenizer=build_tokenizer(gguf.metadata, path),
-        chat_template=gguf.metadata.get("tokenizer.chat_template"),
-        weight_names=tuple(gguf_names),
-        _file=gguf,
-        _gguf_names=gguf_names,
-        pack=pack,
-        permute_rotary=False,
-    )
+    return Mamba2Checkpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False)
 
 
 def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
@@ -110,12 +97,7 @@ def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
 
 def _mamba2_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Mamba2Config:
     metadata = gguf.metadata
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"mamba2.{key}", default)
-        if value is None:
-            raise ValueError(f"{path}: required metadata mamba2.{key} is missing.")
-        return value
+    get = metadata_getter(gguf, "mamba2", path)
 
     hidden, inner, heads = get("embedding_length"), get("ssm.inner_size"), get("ssm.time_step_rank")
     if heads <= 0 or inner % heads or inner % hidden:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from slotrunner.registry.table import DEFAULT, GGUF_READERS, IN_TREE, ArchEntry
+from slotrunner.registry.table import DEFAULT, GGUF_READERS, IN_TREE, TRANSFORMERS_GGUF_NAMES, ArchEntry
 
 logger = logging.getLogger(__name__)
 
@@ -303,10 +303,25 @@ def read_gguf(path: str | os.PathLike[str], dtype: torch.dtype, pack: bool = Fal
     arch = gguf.metadata.get("general.architecture")
     reader = gguf_reader(arch)
     if reader is None:
-        from slotrunner.core_runner.loader.gguf_loader import oracle_note
-
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(gguf_architectures())}."
-            + oracle_note(arch)
+            + _oracle_note(arch)
         )
     return reader(gguf, path, dtype, pack=pack)
+
+
+def _oracle_note(gguf_architecture: str | None) -> str:
+    """Why a GGUF architecture with no reader here stays unread: when transformers' GGUF loader
+    does not read it either, no oracle exists to check a reader against (the Hugging Face
+    checkpoint is the way in); otherwise it is simply not done yet."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError:
+        return ""
+    name = TRANSFORMERS_GGUF_NAMES.get(gguf_architecture or "", gguf_architecture)
+    if name in GGUF_SUPPORTED_ARCHITECTURES:
+        return " transformers reads it, so a reader can be added and checked against it; until then use the Hugging Face checkpoint."
+    return (
+        " transformers' GGUF loader does not read it either, so no reader could be checked against an oracle:"
+        " use the Hugging Face checkpoint."
+    )

@@ -71,3 +71,6 @@ GGUF_READERS: dict[str, str] = {
     **{arch: f"{_M}.decoder_gguf:read_decoder_gguf" for arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss")},
     "mamba2": f"{_M}.mamba2_gguf:read_mamba2_gguf",
 }
+
+# transformers spells some GGUF architectures with an underscore where llama.cpp has none or a dash
+TRANSFORMERS_GGUF_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}

@@ -1,6 +1,6 @@
 """StateCheckpoints: which cached prefixes also have a checkpoint of a family's recurrent state.
 
-A family whose per-request state is not in KV blocks (Mamba2 and gated delta-net hybrids:
+A family whose per-request state is not in KV blocks (recurrent layers' per-slot state:
 `ModelState.checkpoints_state`) can start a request from a cached prefix only where that state
 was saved as well. The runner copies a slot's whole state into an entry of the family's state
 cache after a step whose chunk ends at a *checkpoint position*, keyed by the hash of the last

