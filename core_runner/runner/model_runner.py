@@ -124,8 +124,16 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return
-        graph_size = self._graph_size(sched)  # the one place that decides graph or eager
-        batch = self._prepare_batch(sched, graph_size)
+        req_ids = list(sched.num_scheduled_tokens)
+        slots = self.req_state.req_id_to_slot
+        idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        graph_size = self._graph_size(idx_mapping_np, num_scheduled_np)  # the one place that decides graph or eager
+        num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
+        batch = prepare_inputs(
+            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
+            num_reqs_padded, num_tokens_padded,
+        )  # fmt: skip
         ms = self.model_state
         ms.preprocess_state(batch)
         family_attn = ms.prepare_attn(batch)
@@ -336,35 +344,23 @@ class ModelRunner:
             self.req_state.num_computed_tokens_np[slot] = cached.num_computed_tokens
         self.block_tables.commit()
 
-    def _graph_size(self, sched: SchedulerOutput) -> tuple[int, int] | None:
+    def _graph_size(self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray) -> tuple[int, int] | None:
         """(rows, tokens) of the captured graph a decode-only step replays, or None: run eagerly.
         A step whose rows carry drafts (speculative decoding; query length 1 + drafts) replays
         the graphs captured at `draft_query_len` tokens a row when every row is a decode row --
         its last known token and its drafts, no prefill chunk."""
-        if self.cuda_graphs is None or not sched.num_scheduled_tokens:
+        if self.cuda_graphs is None or not len(idx_mapping_np):
             return None
-        num_reqs, q = len(sched.num_scheduled_tokens), max(sched.num_scheduled_tokens.values())
+        q = int(num_scheduled_np.max())
         if q > 1:
             if q > self.cuda_graphs.draft_query_len:
                 return None
             rs = self.req_state
-            slots = np.fromiter((rs.req_id_to_slot[r] for r in sched.num_scheduled_tokens), dtype=np.int64, count=num_reqs)
-            if not (rs.num_computed_tokens_np[slots] + 1 == rs.num_tokens_np[slots]).all():
+            if not (rs.num_computed_tokens_np[idx_mapping_np] + 1 == rs.num_tokens_np[idx_mapping_np]).all():
                 return None  # a prefill chunk in the batch
             q = self.cuda_graphs.draft_query_len
-        n = self.cuda_graphs.padded_size(num_reqs, q)
+        n = self.cuda_graphs.padded_size(len(idx_mapping_np), q)
         return None if n is None else (n, n * q)
-
-    def _prepare_batch(self, sched: SchedulerOutput, graph_size: tuple[int, int] | None) -> InputBatch:
-        req_ids = list(sched.num_scheduled_tokens)
-        slots = self.req_state.req_id_to_slot
-        idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
-        return prepare_inputs(
-            req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
-            num_reqs_padded, num_tokens_padded,
-        )  # fmt: skip
 
 
 def draft_graph_query_len(model: nn.Module, model_state: ModelState, max_draft: int) -> int:

@@ -46,7 +46,6 @@ class DraftDecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served (benchmarks and tests read it)
-        self.num_rows = 0  # real rows of the latest replay
 
     def padded_size(self, num_rows: int) -> int | None:
         """The captured size `num_rows` rows replay at, or None (run eagerly)."""
@@ -86,7 +85,7 @@ class DraftDecodeGraphs:
             self._graphs[n] = graph
         torch.cuda.synchronize()
 
-    def _replay(self, n: int) -> torch.Tensor:
+    def _replay(self, n: int, rows: int) -> torch.Tensor:  # [n, hidden]; rows: the real ones among n
         self._graphs[n].replay()
         return self._outputs[n]
 
@@ -109,5 +108,5 @@ class DraftDecodeGraphs:
         if n > rows:  # padding rows: empty
             self.seq_lens[rows:n].zero_()
             self.slot_mapping[rows:n].fill_(-1)
-        self.replays, self.num_rows = self.replays + 1, rows
-        return self._replay(n)[:rows]
+        self.replays += 1
+        return self._replay(n, rows)[:rows]

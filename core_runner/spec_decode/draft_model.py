@@ -121,8 +121,11 @@ class DraftModelSpeculator(Speculator):
         slots = torch.from_numpy(inputs.idx_mapping_np[rows]).to(device, non_blocking=True)
         pos = torch.from_numpy(position.astype(np.int64)).to(device, non_blocking=True)
         table = inputs.block_table.index_select(0, slots)  # [n, max_blocks]
-        blocks = table.gather(1, (pos // self.block_size)[:, None])[:, 0].long()
-        return self.graphs.run(tokens, pos, table, blocks * self.block_size + pos % self.block_size)
+        return self.graphs.run(tokens, pos, table, self._cache_slots(inputs.block_table, slots, pos))
+
+    def _cache_slots(self, table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat cache slot of each (slot, position) through the target's block table."""
+        return table[slots, positions // self.block_size].long() * self.block_size + positions % self.block_size
 
     def _forward(
         self,
@@ -148,7 +151,7 @@ class DraftModelSpeculator(Speculator):
         if input_ids is None:
             input_ids = inputs.token_ids[token_slot, positions]
         table = inputs.block_table
-        slot_mapping = table[token_slot, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        slot_mapping = self._cache_slots(table, token_slot, positions)
         seq_lens_np = end.astype(np.int32)
         meta = AttentionMetadata(
             num_reqs=int(rows.size),

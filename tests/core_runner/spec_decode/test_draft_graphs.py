@@ -27,8 +27,7 @@ class BufferReplay(DraftDecodeGraphs):
     def capture(self) -> None:
         self.padded = 0
 
-    def _replay(self, n: int) -> torch.Tensor:
-        rows = self.num_rows
+    def _replay(self, n: int, rows: int) -> torch.Tensor:
         assert (self.seq_lens[rows:n] == 0).all() and (self.slot_mapping[rows:n] == -1).all(), "padding rows not empty"
         self.padded += n > rows
         seq = self.seq_lens[:rows]
