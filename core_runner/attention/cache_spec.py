@@ -79,3 +79,9 @@ class PagedCacheLayer(nn.Module, abc.ABC):
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
         """What this layer keeps per token (constant for the layer's lifetime)."""
+
+
+def multi_token_rows_capturable(model: nn.Module) -> bool:
+    """Whether steps whose rows carry several query tokens may be captured for `model`: every
+    paged layer allows it (`PagedCacheLayer.multi_token_rows_in_graphs`)."""
+    return all(m.multi_token_rows_in_graphs for m in model.modules() if isinstance(m, PagedCacheLayer))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from slotrunner.core_runner.attention.cache_spec import PagedCacheLayer
+from slotrunner.core_runner.attention.cache_spec import multi_token_rows_capturable
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.attn_backend import select_attn_backend
@@ -368,8 +368,7 @@ def draft_graph_query_len(model: nn.Module, model_state: ModelState, max_draft: 
     eagerly (no speculation, or the family or a cache layer does not allow their capture)."""
     if not max_draft or not model_state.cuda_graphs_with_drafts:
         return 1
-    layers = (m for m in model.modules() if isinstance(m, PagedCacheLayer))
-    return 1 + max_draft if all(m.multi_token_rows_in_graphs for m in layers) else 1
+    return 1 + max_draft if multi_token_rows_capturable(model) else 1
 
 
 def to_token_logprobs(

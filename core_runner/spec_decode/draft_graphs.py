@@ -1,13 +1,17 @@
-"""DraftDecodeGraphs: the draft model's one-token-a-row forwards replayed from CUDA graphs.
+"""DraftDecodeGraphs: the draft model's short forwards replayed from CUDA graphs.
 
-After its catch-up forward (variable-length rows: eager), a draft model proposes drafts 2..k
-with k - 1 forwards of one token per proposing row (`DraftModelSpeculator._propose_rest`). Run
-eagerly, each costs the draft's whole launch sequence on the host -- on one H200 about as much
-as the target's eager step, so a draft model slowed decoding down. These forwards are decode
-steps of the draft alone, so they are captured once per padded batch size, like the target's
-(`core_runner/runner/cuda_graphs.py`): every input the graph reads lives in buffers of this
-class, rewritten in place before each replay; padding rows have seq_len 0 and slot -1 (the
-attention kernels write and read nothing for them).
+After each target step a draft model runs a catch-up forward over what the target just
+computed (for a decode row: its last token, the accepted drafts and the token the target
+emitted, 2 to k + 2 tokens), then k - 1 forwards of one token per proposing row
+(`DraftModelSpeculator`). Run eagerly, each costs the draft's whole launch sequence on the
+host -- on one H200 about as much as the target's eager step, so a draft model slowed decoding
+down. Both kinds are captured once per padded batch size, like the target's decode steps
+(`core_runner/runner/cuda_graphs.py`): one-token rows, and catch-up rows of up to
+`catch_up_len` tokens. Every input a graph reads lives in buffers of this class, rewritten in
+place before each replay. A row shorter than its graph's query length leaves the rest as
+padding: the kernels read each row's real query length from `query_start_loc` (host-side sizes
+are upper bounds), and padding tokens have slot -1; padding rows have an empty query and
+seq_len 0, so the attention kernels write and read nothing for them.
 """
 
 from __future__ import annotations
@@ -32,81 +36,101 @@ class DraftDecodeGraphs:
         max_blocks: int,  # block-table width (the target's max_num_blocks_per_req)
         max_model_len: int,
         device: torch.device,
+        catch_up_len: int = 1,  # > 1: also capture catch-up forwards of up to this many tokens a row
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.sizes = sorted({s for s in capture_sizes if 1 <= s <= max_rows})
+        self.query_lens = (1, catch_up_len) if catch_up_len > 1 else (1,)
+        self.catch_up_len = catch_up_len
         self.max_model_len = max_model_len
-        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        max_tokens = max_rows * max(self.query_lens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token a row
+        self.query_start_loc = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self.replays = 0  # steps served (benchmarks and tests read it)
+        # Keyed by (rows, tokens a row): the graph and its output [rows * tokens, hidden].
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays = 0  # forwards served (benchmarks and tests read it)
 
     def padded_size(self, num_rows: int) -> int | None:
         """The captured size `num_rows` rows replay at, or None (run eagerly)."""
         i = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def _metadata(self, n: int) -> AttentionMetadata:
-        """Over the first n rows of the buffers; host-side sizes are upper bounds (the kernels
-        read each row's real length from `seq_lens`)."""
+    def _metadata(self, n: int, q: int) -> AttentionMetadata:
+        """Over the first n rows and n * q tokens of the buffers; host-side sizes are upper
+        bounds (the kernels read each row's real query and length from the buffers)."""
         return AttentionMetadata(
             num_reqs=n,
-            num_tokens=n,
+            num_tokens=n * q,
             query_start_loc=self.query_start_loc[: n + 1],
-            query_start_loc_np=np.arange(n + 1),
+            query_start_loc_np=np.arange(n + 1) * q,
             seq_lens=self.seq_lens[:n],
             seq_lens_np=np.full(n, self.max_model_len),
-            max_query_len=1,
+            max_query_len=q,
             max_seq_len=self.max_model_len,
             block_tables=self.block_tables[:n],
-            slot_mapping=self.slot_mapping[:n],
+            slot_mapping=self.slot_mapping[: n * q],
         )
 
-    def _forward(self, n: int) -> torch.Tensor:  # [n, hidden]
-        with forward_context(ForwardContext(self.attn_backend, self._metadata(n))):
-            return self.model(self.input_ids[:n], self.positions[:n], inputs_embeds=None)
+    def _forward(self, n: int, q: int) -> torch.Tensor:  # [n * q, hidden]
+        with forward_context(ForwardContext(self.attn_backend, self._metadata(n, q))):
+            return self.model(self.input_ids[: n * q], self.positions[: n * q], inputs_embeds=None)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Every size, largest first, into one pool, over empty rows (no cache entry touched)."""
+        """Every (size, query length), largest first, into one pool, over empty rows (no cache
+        entry touched)."""
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+        self.slot_mapping.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.sizes):
-            self._forward(n)  # warm-up: compiles the kernels outside the capture
+        for n, q in sorted(((n, q) for n in self.sizes for q in self.query_lens), key=lambda k: k[0] * k[1], reverse=True):
+            self._forward(n, q)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[n] = self._forward(n)
-            self._graphs[n] = graph
+                self._outputs[n, q] = self._forward(n, q)
+            self._graphs[n, q] = graph
         torch.cuda.synchronize()
 
-    def _replay(self, n: int, rows: int) -> torch.Tensor:  # [n, hidden]; rows: the real ones among n
-        self._graphs[n].replay()
-        return self._outputs[n]
+    def _replay(self, n: int, q: int, tokens: int) -> torch.Tensor:  # [n * q, hidden]; tokens: the real ones
+        self._graphs[n, q].replay()
+        return self._outputs[n, q]
 
     def run(
         self,
-        input_ids: torch.Tensor,  # [rows] int64
-        positions: torch.Tensor,  # [rows] int64, each row's one position
+        input_ids: torch.Tensor,  # [tokens] int64, the rows' queries one after another
+        positions: torch.Tensor,  # [tokens] int64
+        query_start_loc_np: np.ndarray,  # [rows + 1] where each row's query starts in the tokens
+        seq_lens: torch.Tensor,  # [rows] int32, each row's KV length after the forward
         block_tables: torch.Tensor,  # [rows, max_blocks] int32
-        slot_mapping: torch.Tensor,  # [rows] int64
-    ) -> torch.Tensor:  # [rows, hidden]
-        """The draft's forward of one token per row, through the graph of the next captured size."""
-        rows = input_ids.shape[0]
+        slot_mapping: torch.Tensor,  # [tokens] int64
+    ) -> torch.Tensor:  # [tokens, hidden]
+        """The draft's forward over rows of at most `catch_up_len` tokens, through the graph of
+        the next captured size and query length."""
+        rows, tokens = query_start_loc_np.shape[0] - 1, input_ids.shape[0]
+        q_max = int(np.diff(query_start_loc_np).max())
+        q = next((q for q in self.query_lens if q >= q_max), None)
         n = self.padded_size(rows)
-        assert n is not None, f"no draft graph for {rows} rows (largest {self.sizes[-1] if self.sizes else 0})"
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.seq_lens[:rows].copy_(positions + 1)
+        assert n is not None and q is not None, f"no draft graph for {rows} rows of up to {q_max} tokens"
+        self.input_ids[:tokens].copy_(input_ids)
+        self.positions[:tokens].copy_(positions)
+        self.slot_mapping[:tokens].copy_(slot_mapping)
+        self.slot_mapping[tokens : n * q].fill_(-1)  # padding tokens: written nowhere
+        self.seq_lens[:rows].copy_(seq_lens)
+        self.seq_lens[rows:n].zero_()
         self.block_tables[:rows].copy_(block_tables)
-        self.slot_mapping[:rows].copy_(slot_mapping)
-        if n > rows:  # padding rows: empty
-            self.seq_lens[rows:n].zero_()
-            self.slot_mapping[rows:n].fill_(-1)
+        qsl = np.full(n + 1, tokens, dtype=np.int32)  # padding rows: empty queries at the end
+        qsl[: rows + 1] = query_start_loc_np
+        self.query_start_loc[: n + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
         self.replays += 1
-        return self._replay(n, rows)[:rows]
+        return self._replay(n, q, tokens)[:tokens]
+
+    def fits(self, rows: int, query_lens: np.ndarray) -> bool:
+        """Whether `rows` rows of these query lengths replay a captured graph."""
+        return self.padded_size(rows) is not None and int(query_lens.max()) <= max(self.query_lens)

@@ -24,8 +24,9 @@ noise to the same token -- always, for a draft equal to the target.
 Rows that do not sample this step (a prefill chunk that stops short) or may not be speculated
 (`num_tokens` 0) only catch up. Laying out the forwards needs each row's accepted count on the
 host: one small copy per step (the engine reads it before the next schedule anyway under
-synchronous scheduling). The catch-up forward runs eagerly; on CUDA the one-token forwards of
-step 2 replay the draft's own CUDA graphs (`draft_graphs.py`).
+synchronous scheduling). On CUDA both forwards replay the draft's own CUDA graphs
+(`draft_graphs.py`) when the rows fit them: one-token rows, and catch-up rows of at most k + 2
+tokens (every decode row's); a catch-up that holds a prompt chunk runs eagerly.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class DraftModelSpeculator(Speculator):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        # Drafts 2..k replay CUDA graphs when set (build_speculator, on CUDA unless enforce_eager).
+        # Forwards replay CUDA graphs when set (build_speculator, on CUDA unless enforce_eager).
         self.graphs: DraftDecodeGraphs | None = None
 
     def propose(self, inputs: ProposeInputs, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> None:
@@ -103,25 +104,9 @@ class DraftModelSpeculator(Speculator):
                 index = torch.from_numpy(np.flatnonzero(keep)).to(draft_tokens.device)
                 tokens, slots = tokens.index_select(0, index), slots.index_select(0, index)
             position = known + i - 1
-            hidden = self._decode_forward(inputs, rows, position, tokens)
+            hidden = self._forward(inputs, rows, position, position + 1, tokens)[0]
             tokens = self._pick(inputs, rows, position + 1, hidden)
             draft_tokens[slots, i] = tokens
-
-    def _decode_forward(
-        self,
-        inputs: ProposeInputs,
-        rows: np.ndarray,  # [n] batch rows
-        position: np.ndarray,  # [n] the one position each row computes
-        tokens: torch.Tensor,  # [n] int64, the token at it
-    ) -> torch.Tensor:  # [n, hidden]
-        """One token per row: replayed from the draft's CUDA graphs where captured, else eager."""
-        if self.graphs is None or self.graphs.padded_size(rows.size) is None:
-            return self._forward(inputs, rows, position, position + 1, tokens)[0]
-        device = tokens.device
-        slots = torch.from_numpy(inputs.idx_mapping_np[rows]).to(device, non_blocking=True)
-        pos = torch.from_numpy(position.astype(np.int64)).to(device, non_blocking=True)
-        table = inputs.block_table.index_select(0, slots)  # [n, max_blocks]
-        return self.graphs.run(tokens, pos, table, self._cache_slots(inputs.block_table, slots, pos))
 
     def _cache_slots(self, table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of each (slot, position) through the target's block table."""
@@ -136,8 +121,9 @@ class DraftModelSpeculator(Speculator):
         input_ids: torch.Tensor | None = None,  # [sum(end - begin)] int64; None: read from the history
     ) -> tuple[torch.Tensor, np.ndarray]:
         """Run the draft over positions [begin, end) of each row's slot, writing its KV through
-        the target's block table. Returns the hidden states [num_tokens, hidden] and the index
-        of each row's last token in them [n]."""
+        the target's block table: replayed from the draft's CUDA graphs where the rows fit
+        them, else eagerly. Returns the hidden states [num_tokens, hidden] and the index of
+        each row's last token in them [n]."""
         device = inputs.token_ids.device
         num_q = end - begin
         query_start_loc_np = np.zeros(rows.size + 1, dtype=np.int32)
@@ -146,28 +132,34 @@ class DraftModelSpeculator(Speculator):
         slots_np = inputs.idx_mapping_np[rows]
         token_slot_np = np.repeat(slots_np, num_q)
         positions_np = np.repeat(begin - query_start_loc_np[:-1], num_q) + np.arange(num_tokens)
-        token_slot = torch.from_numpy(token_slot_np).to(device)
-        positions = torch.from_numpy(positions_np).to(device)
+        token_slot = torch.from_numpy(token_slot_np).to(device, non_blocking=True)
+        positions = torch.from_numpy(positions_np).to(device, non_blocking=True)
         if input_ids is None:
             input_ids = inputs.token_ids[token_slot, positions]
         table = inputs.block_table
         slot_mapping = self._cache_slots(table, token_slot, positions)
+        block_tables = table.index_select(0, torch.from_numpy(slots_np).to(device, non_blocking=True))
         seq_lens_np = end.astype(np.int32)
+        seq_lens = torch.from_numpy(seq_lens_np).to(device, non_blocking=True)
+        last = query_start_loc_np[1:] - 1
+        if self.graphs is not None and self.graphs.fits(rows.size, num_q):
+            hidden = self.graphs.run(input_ids, positions, query_start_loc_np, seq_lens, block_tables, slot_mapping)
+            return hidden, last
         meta = AttentionMetadata(
             num_reqs=int(rows.size),
             num_tokens=num_tokens,
             query_start_loc=torch.from_numpy(query_start_loc_np).to(device),
             query_start_loc_np=query_start_loc_np,
-            seq_lens=torch.from_numpy(seq_lens_np).to(device),
+            seq_lens=seq_lens,
             seq_lens_np=seq_lens_np,
             max_query_len=int(num_q.max()),
             max_seq_len=int(seq_lens_np.max()),
-            block_tables=table.index_select(0, torch.from_numpy(slots_np).to(device)),
+            block_tables=block_tables,
             slot_mapping=slot_mapping,
         )
         with forward_context(ForwardContext(self.attn_backend, meta)):
             hidden = self.model(input_ids, positions, inputs_embeds=None)
-        return hidden, query_start_loc_np[1:] - 1
+        return hidden, last
 
     def _pick(
         self,

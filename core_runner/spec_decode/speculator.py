@@ -85,11 +85,14 @@ def build_speculator(
             spec.num_speculative_tokens, draft_model, attn_backend, config.block_size, config.max_model_len, config.vocab_size
         )
         if config.device.type == "cuda" and not config.enforce_eager:
+            from slotrunner.core_runner.attention.cache_spec import multi_token_rows_capturable
             from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 
+            # A decode row's catch-up: its last token, up to k accepted drafts, the emitted token.
+            catch_up = spec.num_speculative_tokens + 2 if multi_token_rows_capturable(draft_model) else 1
             speculator.graphs = DraftDecodeGraphs(
                 draft_model, attn_backend, config.cuda_graph_sizes, config.max_num_seqs, config.max_num_blocks_per_req,
-                config.max_model_len, config.device,
+                config.max_model_len, config.device, catch_up,
             )  # fmt: skip
             speculator.graphs.capture()
         return speculator

@@ -1,10 +1,12 @@
-"""DraftDecodeGraphs: the draft model's one-token forwards through persistent buffers, as a
-CUDA-graph replay runs them (on the CPU, the forward runs over the buffers instead of a replay).
+"""DraftDecodeGraphs: the draft model's forwards through persistent buffers, as a CUDA-graph
+replay runs them (on the CPU, the forward runs over the buffers instead of a replay): the
+one-token forwards of drafts 2..k, and the catch-up forwards of up to k + 2 tokens a row.
 
 Guards against: a draft step replayed with stale inputs (a buffer reallocated, not rewritten),
-a row's position, length, block-table row or cache slot written wrong, padding rows left with
-a length or a slot (they would write into the cache or read another row's blocks), and the
-eager fallback for batches past the largest captured size.
+a row's position, length, query start, block-table row or cache slot written wrong, padding
+rows or padding tokens left with a length or a slot (they would write into the cache or read
+another row's blocks), and the eager fallback for batches past the largest captured size or
+rows longer than a catch-up graph (prompt chunks).
 """
 
 from __future__ import annotations
@@ -19,54 +21,73 @@ from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 
 from test_draft_model import dirs, baseline, draft_config, make_requests  # noqa: F401  (fixtures)
 
+K = 4
+
+
+def _eager(model, backend, input_ids, positions, qsl_np, seq_lens, block_tables, slot_mapping):
+    """The draft's forward over the given rows, with metadata built from them alone."""
+    seq_np = seq_lens.numpy().copy()
+    meta = AttentionMetadata(
+        num_reqs=qsl_np.shape[0] - 1, num_tokens=input_ids.shape[0], query_start_loc=torch.from_numpy(qsl_np.copy()),
+        query_start_loc_np=qsl_np.copy(), seq_lens=seq_lens.clone(), seq_lens_np=seq_np,
+        max_query_len=int(np.diff(qsl_np).max()), max_seq_len=int(seq_np.max()), block_tables=block_tables.clone(),
+        slot_mapping=slot_mapping.clone(),
+    )  # fmt: skip
+    with torch.inference_mode(), forward_context(ForwardContext(backend, meta)):
+        return model(input_ids.clone(), positions.clone(), inputs_embeds=None)
+
 
 class BufferReplay(DraftDecodeGraphs):
     """No capture; a "replay" runs the draft over the real rows of the buffers, built only from
-    what the buffers hold, and checks that the padding rows are empty."""
+    what the buffers hold, after checking that the padding is empty; each replay is compared
+    with an eager forward over the caller's own tensors."""
 
     def capture(self) -> None:
-        self.padded = 0
+        self.padded, self.by_query_len = 0, {q: 0 for q in self.query_lens}
 
-    def _replay(self, n: int, rows: int) -> torch.Tensor:
-        assert (self.seq_lens[rows:n] == 0).all() and (self.slot_mapping[rows:n] == -1).all(), "padding rows not empty"
+    def _replay(self, n: int, q: int, tokens: int) -> torch.Tensor:
+        qsl, seq = self.query_start_loc[: n + 1], self.seq_lens[:n]
+        rows = int((seq > 0).sum())
+        assert (seq[rows:] == 0).all() and (qsl[rows + 1 :] == tokens).all(), "padding rows not empty"
+        assert (self.slot_mapping[tokens : n * q] == -1).all(), "padding tokens would write the cache"
+        assert int(qsl[rows]) == tokens and int(torch.diff(qsl[: rows + 1]).max()) <= q
         self.padded += n > rows
-        seq = self.seq_lens[:rows]
-        meta = AttentionMetadata(
-            num_reqs=rows, num_tokens=rows, query_start_loc=self.query_start_loc[: rows + 1],
-            query_start_loc_np=np.arange(rows + 1), seq_lens=seq, seq_lens_np=seq.numpy().copy(), max_query_len=1,
-            max_seq_len=int(seq.max()), block_tables=self.block_tables[:rows], slot_mapping=self.slot_mapping[:rows],
-        )  # fmt: skip
-        with torch.inference_mode(), forward_context(ForwardContext(self.attn_backend, meta)):
-            out = self.model(self.input_ids[:rows], self.positions[:rows], inputs_embeds=None)
-        return torch.cat([out, out.new_zeros(n - rows, out.shape[1])])
+        self.by_query_len[q] += 1
+        out = _eager(self.model, self.attn_backend, self.input_ids[:tokens], self.positions[:tokens],
+                     qsl[: rows + 1].numpy(), seq[:rows], self.block_tables[:rows], self.slot_mapping[:tokens])  # fmt: skip
+        return torch.cat([out, out.new_zeros(n * q - tokens, out.shape[1])])
+
+    def run(self, input_ids, positions, query_start_loc_np, seq_lens, block_tables, slot_mapping):
+        got = super().run(input_ids, positions, query_start_loc_np, seq_lens, block_tables, slot_mapping)
+        # Run second: it rewrites the same K/V.
+        want = _eager(self.model, self.attn_backend, input_ids, positions, query_start_loc_np, seq_lens, block_tables, slot_mapping)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        return got
 
 
-def test_draft_steps_through_the_buffers_keep_every_draft_accepted(dirs, baseline):  # noqa: F811
+def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, baseline):  # noqa: F811
     llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
-              speculative_config=draft_config(dirs / "target", k=4))  # fmt: skip
+              speculative_config=draft_config(dirs / "target", k=K))  # fmt: skip
     runner = llm.engine.runner
     config, speculator = runner.config, runner.speculator
     # Sizes 1, 3, 6: two rows pad to 3, four or five to 6, more run eagerly.
     speculator.graphs = graphs = BufferReplay(
         speculator.model, runner.attn_backend, (1, 3, 6), config.max_num_seqs, config.max_num_blocks_per_req,
-        config.max_model_len, runner.device,
+        config.max_model_len, runner.device, catch_up_len=K + 2,
     )  # fmt: skip
     graphs.capture()
-    # Every replayed step's hidden states equal the eager forward's over the same rows (run
-    # second: it rewrites the same K/V).
-    replayed, checked = speculator._decode_forward, []
-
-    def compare(inputs, rows, position, tokens):
-        got = replayed(inputs, rows, position, tokens)
-        if graphs.padded_size(rows.size) is not None:
-            want = speculator._forward(inputs, rows, position, position + 1, tokens)[0]
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-            checked.append(rows.size)
-        return got
-
-    speculator._decode_forward = compare
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
     assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
-    assert graphs.replays == len(checked) > 0 and graphs.padded > 0, (graphs.replays, graphs.padded)
+    # Both kinds replayed, some padded; prompt chunks and the 8-row batches ran eagerly.
+    assert graphs.by_query_len[1] > 0 and graphs.by_query_len[K + 2] > 0 and graphs.padded > 0, graphs.by_query_len
+    assert graphs.replays == sum(graphs.by_query_len.values())
+
+
+def test_fits():
+    graphs = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"), catch_up_len=6)
+    assert graphs.fits(3, np.array([1, 6, 2])) and graphs.fits(1, np.array([1]))
+    assert not graphs.fits(5, np.array([1])) and not graphs.fits(2, np.array([7, 1]))
+    one = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"))
+    assert one.fits(4, np.array([1])) and not one.fits(1, np.array([2]))
