@@ -4,7 +4,12 @@ Builds a random-weight model of one of `mamba_throughput.py`'s shapes (bamba, qw
 or `multimodal_throughput.py`'s LLaVA (fed text: `llava`; its LM as a plain decoder: `llava-lm`),
 starts `--batch` requests of `--input-len` random tokens, steps the engine until every row
 decodes, then profiles `--steps` engine steps (CUDA graphs replayed as served) and prints the
-kernels by total GPU time, with the wall time per step.
+kernels by total GPU time, with the wall time per step. A first round of the same prompts is
+prefilled and aborted before the timed one: the prefill's Triton kernels compile on their first
+launch (decode kernels compile at graph capture), and a process that meets them first would
+otherwise time their compilation -- whichever shape runs first on a machine with a cold cache.
+`--host-profile PREFIX` writes cProfile stats of the timed prefill and decode steps
+(PREFIX.prefill.prof, PREFIX.decode.prof) to compare two shapes' host work.
 
     python benchmarks/profile_decode.py --shape bamba --batch 64
 
@@ -14,6 +19,7 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import tempfile
 import time
 
@@ -31,6 +37,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=15, help="kernels listed")
+    p.add_argument("--host-profile", metavar="PREFIX", help="write cProfile stats of the timed steps")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -51,27 +58,50 @@ def main() -> None:
         llm = LLM(d, device="cuda", max_model_len=args.input_len + 512, max_num_seqs=args.batch, max_num_batched_tokens=8192)
         engine = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+        def prefill_all(tag: str) -> int:
+            """Add `--batch` random prompts and step until every one is prefilled; returns the steps."""
+            for i in range(args.batch):
+                prompt = torch.randint(10, min(32000, engine.config.vocab_size - 1), (args.input_len,), generator=g).tolist()
+                engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, sp)
+            steps = 0
+            while engine.scheduler.waiting or any(
+                r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
+            ):  # every prompt prefilled
+                engine.step()
+                steps += 1
+            return steps
+
+        prefill_all("warmup-")  # compiles the prefill kernels (new random prompts: no prefix-cache hits)
         for i in range(args.batch):
-            prompt = torch.randint(10, min(32000, engine.config.vocab_size - 1), (args.input_len,), generator=g).tolist()
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, sp)
+            engine.abort_request(f"warmup-{i}", report=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+        host = cProfile.Profile() if args.host_profile else None
         torch.cuda.synchronize()
         t = time.perf_counter()
-        prefill_steps = 0
-        while engine.scheduler.waiting or any(
-            r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
-        ):  # every prompt prefilled
-            engine.step()
-            prefill_steps += 1
+        if host:
+            host.enable()
+        prefill_steps = prefill_all("")
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t
+        if host:
+            host.disable()
+            host.dump_stats(f"{args.host_profile}.prefill.prof")
         for _ in range(5):  # a few decode steps before timing
             engine.step()
         torch.cuda.synchronize()
+        host = cProfile.Profile() if args.host_profile else None
         t = time.perf_counter()
+        if host:
+            host.enable()
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / args.steps
+        if host:
+            host.disable()
+            host.dump_stats(f"{args.host_profile}.decode.prof")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 engine.step()

@@ -193,7 +193,10 @@ class MultimodalModelState(ModelState):
                 embeds = self.model.embed_input_ids(batch.input_ids)
                 src = torch.cat([self.cache.get(item.content_hash)[s : s + n] for _, item, s, n in plan])
                 dst = np.concatenate([np.arange(d, d + n) for d, _, _, n in plan])
-                embeds.index_copy_(0, torch.from_numpy(dst).to(self.device), src.to(embeds.dtype))
+                # non_blocking: a blocking host->device copy waits for the stream (the tower just
+                # launched, and the step before under async scheduling) before the step goes on.
+                dst_gpu = torch.from_numpy(dst).to(self.device, non_blocking=True)
+                embeds.index_copy_(0, dst_gpu, src.to(embeds.dtype))
         for row in rows:  # items whose last placeholder this step prefills leave the cache
             slot = batch.idx_mapping_np[row]
             media = self.media[slot]
