@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from throughput import warm_up  # the workload's shapes once, untimed
+
 
 def llava_config(args: argparse.Namespace):
     from slotrunner.registry import tiny_configs as tc
@@ -93,7 +95,7 @@ def run_slotrunner(path: str, prompts: list[dict], args: argparse.Namespace) -> 
     llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=False)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    warm_up(llm, prompts)
     t0 = time.perf_counter()
     llm._read_prompts(prompts, name_prompts=True)  # what generate() spends reading the prompts (media)
     args.intake_s = time.perf_counter() - t0

@@ -86,7 +86,7 @@ class LlavaForConditionalGeneration(MultimodalLM):
         self.language_model = build_language_model(hf_config)
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
-        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(self.vision_tower.embeddings.class_embedding.device)
+        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(self.vision_tower.embeddings.class_embedding.device, non_blocking=True)
         features = self.vision_tower(pixels)  # [num_images, 1 + patches, dim]
         if self.drop_cls:
             features = features[:, 1:]

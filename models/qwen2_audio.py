@@ -63,7 +63,7 @@ class Qwen2AudioForConditionalGeneration(MultimodalLM):
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
         device = self.audio_tower.conv1.weight.device
-        features = torch.cat([it.data["input_features"] for it in items]).to(device)
-        masks = torch.cat([it.data["feature_attention_mask"] for it in items]).to(device)
+        features = torch.cat([it.data["input_features"] for it in items]).to(device, non_blocking=True)
+        masks = torch.cat([it.data["feature_attention_mask"] for it in items]).to(device, non_blocking=True)
         out = self.multi_modal_projector.linear(self.audio_tower(features, masks))  # [num_items, frames / 4, hidden]
         return [row[: it.num_tokens] for row, it in zip(out.unbind(0), items)]

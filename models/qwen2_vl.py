@@ -84,7 +84,7 @@ class Qwen2VLForConditionalGeneration(MultimodalLM):
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
         device = self.visual.patch_embed.proj.weight.device
-        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(device)
+        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(device, non_blocking=True)
         grids = torch.cat([it.data["image_grid_thw"] for it in items])
         return list(self.visual(pixels, grids).split([it.num_tokens for it in items]))
 
