@@ -88,8 +88,8 @@ for s in "${steps[@]}"; do
       run_step profile-bamba 90 python3 benchmarks/profile_decode.py --shape bamba
       run_step profile-llama 90 python3 benchmarks/profile_decode.py --shape llama ;;
     profile-mm)
-      run_step profile-llava 120 python3 benchmarks/profile_decode.py --shape llava --batch 128 --input-len 627
-      run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 ;;
+      run_step profile-llava 120 python3 benchmarks/profile_decode.py --shape llava --batch 128 --input-len 627 --host-profile "$out/llava"
+      run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 --host-profile "$out/llava-lm" ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     *) summary+=("$s: unknown step") ;;
   esac

@@ -92,6 +92,10 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         host = cProfile.Profile() if args.host_profile else None
+        graphs, replays = engine.runner.cuda_graphs, [0]
+        if graphs is not None:  # count the timed steps served by a graph replay
+            replay = graphs.run
+            graphs.run = lambda batch: (replays.__setitem__(0, replays[0] + 1), replay(batch))[1]
         t = time.perf_counter()
         if host:
             host.enable()
@@ -99,6 +103,8 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / args.steps
+        if graphs is not None:
+            graphs.run = replay
         if host:
             host.disable()
             host.dump_stats(f"{args.host_profile}.decode.prof")
@@ -111,7 +117,8 @@ def main() -> None:
     depth = "" if args.shape.startswith("llava") else f", {args.layers} layers"
     print(f"{args.shape} shape{depth}, batch {args.batch} decoding at ~{args.input_len} tokens: "
           f"{1000 * wall:.2f} ms a decode step wall, {total / 1000 / args.steps:.2f} ms a step of kernels; "
-          f"prefill of {args.batch} x {args.input_len} tokens: {prefill_steps} steps, {1000 * prefill:.0f} ms")
+          f"prefill of {args.batch} x {args.input_len} tokens: {prefill_steps} steps, {1000 * prefill:.0f} ms; "
+          f"{replays[0]} of {args.steps} timed steps replayed a CUDA graph")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
         share = e.self_device_time_total / max(total, 1)
         print(f"  {e.self_device_time_total / 1000 / args.steps:7.3f} ms  {share:5.1%}  x{e.count // args.steps:<4} {e.key[:90]}")
