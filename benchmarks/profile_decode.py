@@ -91,6 +91,7 @@ def main() -> None:
         for _ in range(5):  # a few decode steps before timing
             engine.step()
         torch.cuda.synchronize()
+        print(process_probe())
         host = cProfile.Profile() if args.host_profile else None
         graphs, replays = engine.runner.cuda_graphs, [0]
         if graphs is not None:  # count the timed steps served by a graph replay
@@ -122,6 +123,20 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
         share = e.self_device_time_total / max(total, 1)
         print(f"  {e.self_device_time_total / 1000 / args.steps:7.3f} ms  {share:5.1%}  x{e.count // args.steps:<4} {e.key[:90]}")
+
+
+def process_probe() -> str:
+    """What the process looks like to Python code: the time of a fixed pure-Python loop (a
+    process whose Python runs slower everywhere shows it here), its threads, torch's threads."""
+    import os
+    import threading
+    import timeit
+
+    loop = min(timeit.repeat(lambda: sum(i * i for i in range(20000)), number=10, repeat=5)) / 10
+    names = sorted(t.name for t in threading.enumerate())
+    tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+    return (f"process: pure-Python probe {1e3 * loop:.3f} ms; Python threads {names}; OS threads {tasks}; "
+            f"torch threads {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

@@ -58,18 +58,22 @@ def process_multimodal_prompt(prompt: PromptType, ctx: IntakeContext) -> Process
     if text is None and token_ids is None:
         raise ValueError("prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     read = [handler.read(item, i) for i, item in enumerate(_media_list(fields.get(MEDIA_FIELD), handler))]
+    if not read:  # a plain prompt: validated once, nothing to expand (a placeholder is an error)
+        token_ids = validate_token_ids(text_to_token_ids(text, ctx) if token_ids is None else token_ids, ctx)
+        _placeholder_offsets(token_ids, handler, ())
+        return ProcessedPrompt(text, token_ids, None)
     precomputed = [isinstance(r, dict) for r in read]
     if not all(precomputed) and ctx.processor is None:
         raise ValueError(
             f"this model has no processor saved with it (preprocessor_config.json or processor_config.json): "
             f"give each {handler.modality} as pre-computed tensors {list(handler.data_keys)}"
         )
-    if read and token_ids is None and not any(precomputed) and _is_full_processor(ctx.processor):
+    if token_ids is None and not any(precomputed) and _is_full_processor(ctx.processor):
         token_ids, datas = _process_text(text, read, handler, ctx)
     else:
         if token_ids is None:
             token_ids = text_to_token_ids(text, ctx)
-        token_ids = validate_token_ids(token_ids, ctx) if not read else _int_list(token_ids)
+        token_ids = _int_list(token_ids)
         datas = _preprocess(read, handler, ctx.processor)
         token_ids = _expand(token_ids, handler, [handler.num_tokens(d) for d in datas])
     items = tuple(handler.item(d) for d in datas)
