@@ -18,7 +18,9 @@ CUDA graphs: a decode-only batch has no placeholder to fill (every item's span l
 prompt, prefilled before the request decodes), so `prepare_inputs_embeds` returns None and the
 model embeds the ids itself; the only family input is `mrope_positions`, which lives at the
 address `prepare_dummy_inputs` gave the capture. Decode steps therefore replay the graphs the
-default decoder uses; prefill and mixed steps (where media is merged) run eagerly.
+default decoder uses, with speculative drafts too (rows of 1 + k tokens: the M-RoPE positions
+of text after the prompt are `position + delta`, written for every token of the step); prefill
+and mixed steps (where media is merged) run eagerly.
 
 What the state calls on its model is `MultimodalModel` below (models/multimodal_lm.py is the
 in-tree base that provides it).
@@ -109,8 +111,9 @@ class _SlotMedia:
 class MultimodalModelState(ModelState):
     family = "multimodal"
     model_protocol = MultimodalModel
-    # Decode steps replay CUDA graphs: see the module docstring.
+    # Decode steps replay CUDA graphs, with drafts too: see the module docstring.
     supports_cuda_graphs = True
+    cuda_graphs_with_drafts = True
 
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)

@@ -106,17 +106,18 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.parametrize("enforce", [False, True], ids=["graphs", "eager"])
-def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce):
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration"])
+def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arch):
     """Decode steps whose rows carry n-gram drafts replay the graphs captured at 1 + k tokens a
     row (rows with fewer drafts padded), padded to a captured batch size; steps with a prefill
     chunk run eagerly. Tokens equal a run without speculation. With the family's
-    `cuda_graphs_with_drafts` off, such steps run eagerly and the tokens are the same."""
+    `cuda_graphs_with_drafts` off, such steps run eagerly and the tokens are the same. Qwen2-VL:
+    the multimodal family, its M-RoPE positions written per token of the draft rows."""
     from slotrunner.conformance import build_case
-    from slotrunner.model_states.default import DefaultModelState
 
-    build_case(tiny_config("Qwen3ForCausalLM"), tmp_path)
-    motif = [7, 19, 3, 44, 12]
-    prompts = [{"prompt_token_ids": motif * 6 + [i + 1]} for i in range(3)] + [{"prompt_token_ids": [5, 9, 11]}]
+    build_case(tiny_config(arch), tmp_path)
+    motif = [7, 19, 23, 44, 12]  # no media placeholder id (3, 4 in the tiny configs)
+    prompts = [{"prompt_token_ids": motif * 6 + [i + 30]} for i in range(3)] + [{"prompt_token_ids": [5, 9, 11]}]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 30, 30)]
     common = dict(device="cpu", max_model_len=128, max_num_seqs=4, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **common).generate(prompts, params, use_tqdm=False)]
@@ -132,7 +133,7 @@ def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce):
     runner.cuda_graphs = graphs
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert isinstance(state, DefaultModelState)
+    assert state.cuda_graphs_with_drafts != enforce
     if enforce:
         assert set(graphs.replays) == {1}, graphs.replays
     else:

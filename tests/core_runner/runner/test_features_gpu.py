@@ -23,7 +23,10 @@ from slotrunner.registry import tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-ARCHS = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "DeepseekV2ForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM")
+ARCHS = (
+    "Qwen3ForCausalLM", "Gemma3ForCausalLM", "DeepseekV2ForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen2VLForConditionalGeneration",  # the multimodal family fed text (M-RoPE positions; draft steps in graphs)
+)  # fmt: skip
 PLAIN = dict(enforce_eager=True, async_scheduling=False, enable_prefix_caching=False)
 FEATURES = {
     "graphs+async+prefix caching": dict(enforce_eager=False, async_scheduling=True, enable_prefix_caching=True),
@@ -36,9 +39,9 @@ FEATURES = {
 
 def _prompts() -> list[dict]:
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 200, (70,), generator=gen).tolist()
-    motif = torch.randint(3, 200, (6,), generator=gen).tolist()
-    prompts = [prefix + torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 9, 30)]
+    prefix = torch.randint(5, 200, (70,), generator=gen).tolist()
+    motif = torch.randint(5, 200, (6,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(5, 200, (n,), generator=gen).tolist() for n in (1, 9, 30)]
     prompts += [motif * 8, prefix[:40] + motif * 3]
     return [{"prompt_token_ids": p} for p in prompts]
 
