@@ -130,7 +130,7 @@ def main() -> None:
         prompts = build_prompts(base, b)
         # Each batch size starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
         # measures the cost of steps with and without drafts at this batch size.
-        fast.engine.scheduler.draft_gate = DraftGate()
+        fast.engine.scheduler.draft_gate = DraftGate(spec["method"])
         ref, t_base = run(base, prompts, args.max_tokens)
         got, t_spec = run(fast, prompts, args.max_tokens)
         tokens = sum(len(o.outputs[0].token_ids) for o in ref)

@@ -1,41 +1,74 @@
 """DraftGate: whether a step's decode rows carry their speculative drafts, from measured cost.
 
-Verifying k drafts costs k more query tokens per row. While a step is bound by reading the
-weights (small batches, a GPU below its compute limit) they are nearly free; once it is bound
-by arithmetic (a CPU at batch 16, or a CPU shared with other work) each costs about as much as
-a token, and the accepted ones no longer pay for the rejected ones. Which regime holds depends
-on the batch, the machine and its load, so the gate measures it: the wall time per emitted
-token of decode-only steps with drafts and without (a decaying average of each), and schedules
-drafts unless going without is cheaper by more than `MARGIN`. Drafts run unconditionally for
-the first `WARMUP` decode-only steps with drafts; then a few steps go without, to measure; then
-every `PROBE_EVERY`-th decision runs the arm not chosen, to keep its figure current. Outputs do
-not depend on the gate (verification is exact): it only decides how many tokens a step computes.
+Verifying k drafts costs k more query tokens per row, and proposing them costs the speculator's
+work (a small kernel for prompt lookup, k forwards of a draft model). While a step is bound by
+reading the weights (small batches, a GPU below its compute limit) the extra tokens are nearly
+free; once it is bound by arithmetic (a CPU at batch 16, or a CPU shared with other work), or
+when the drafts are rarely accepted, the accepted ones no longer pay for the rest. Which regime
+holds depends on the batch, the machine, its load and the text, so the gate measures it: the
+wall time per emitted token of decode-only steps with drafts and without (a decaying average of
+each), and schedules drafts unless going without is cheaper by more than `MARGIN`.
+
+The gate decides one step ahead: the scheduler asks it, while scheduling step t, whether step
+t + 1 carries drafts, so that step t proposes them only when they will be used (the runner
+skips the speculator otherwise; a draft model catches up on the skipped tokens when proposing
+resumes). A step is measured only when it carries drafts and proposes the next ones, or does
+neither: the steps where the decision changes pay for the speculator once without using its
+drafts, or use drafts without proposing, and would mislead both averages.
+
+Drafts run unconditionally for the first `WARMUP[method]` measured steps with drafts (prompt
+lookup finds matches only once the text repeats; a draft model's worth shows at once); then a
+few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN` decisions,
+first after `PROBE_EVERY` decisions, then after twice as many each time the probe confirms the
+choice (up to `MAX_PROBE_EVERY`), so that a settled choice costs little to keep checking. The
+figure of an arm not run since the last probe is stale: a probe's measurement replaces it.
+Outputs do not depend on the gate (verification is exact): it only decides how many tokens a
+step computes.
 """
 
 from __future__ import annotations
 
-WARMUP = 32  # decode-only steps with drafts before the gate may withhold them
+WARMUP = {"ngram": 32, "draft_model": 4}  # measured steps with drafts before the gate may withhold them
 MIN_STEPS = 3  # steps measured without drafts before that figure counts
-PROBE_EVERY = 8  # decisions between two steps of the arm that is not chosen
+PROBE_EVERY = 8  # decisions before the first probe of the arm not chosen
+MAX_PROBE_EVERY = 256  # the longest interval between probes
+PROBE_LEN = 2  # decisions a probe lasts: the second one's step is measured
 MARGIN = 0.1  # going without drafts must be this much cheaper per token to be chosen
 DECAY = 0.7  # weight of the old average at each new step
 
 
 class DraftGate:
-    def __init__(self) -> None:
+    def __init__(self, method: str = "ngram") -> None:
+        self.warmup = WARMUP[method]
         self._cost: dict[bool, float] = {}  # arm (drafts or not) -> seconds per emitted token
         self._steps = {True: 0, False: 0}
-        self._decisions = 0
+        self._choice = True
+        self._interval = PROBE_EVERY
+        self._since_probe = 0
+        self._probe_left = 0  # decisions of the running probe still to give
+        self._stale = {True: False, False: False}  # an arm probed since it last ran: its next figure replaces the average
 
     def want_drafts(self) -> bool:
-        """Whether the next decode-only step should carry drafts."""
-        if self._steps[True] < WARMUP:
+        """Whether the step after the one being scheduled should carry drafts."""
+        if self._steps[True] < self.warmup:
             return True
         if self._steps[False] < MIN_STEPS:
             return False
-        self._decisions += 1
+        if self._probe_left:
+            self._probe_left -= 1
+            return not self._choice
         best = self._cost[True] <= self._cost[False] * (1 + MARGIN)
-        return (not best) if self._decisions % PROBE_EVERY == 0 else best
+        if best != self._choice:  # the measurements changed the choice: check it again soon
+            self._choice, self._interval, self._since_probe = best, PROBE_EVERY, 0
+        else:
+            self._since_probe += 1
+        if self._since_probe >= self._interval:
+            self._since_probe = 0
+            self._interval = min(2 * self._interval, MAX_PROBE_EVERY)
+            self._probe_left = PROBE_LEN - 1
+            self._stale[not self._choice] = True
+            return not self._choice
+        return self._choice
 
     def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
         """A decode-only step took `seconds` and emitted `num_emitted` tokens."""
@@ -43,7 +76,9 @@ class DraftGate:
             return
         cost = seconds / num_emitted
         old = self._cost.get(with_drafts)
-        self._cost[with_drafts] = cost if old is None else DECAY * old + (1 - DECAY) * cost
+        fresh = old is None or self._stale[with_drafts]
+        self._cost[with_drafts] = cost if fresh else DECAY * old + (1 - DECAY) * cost
+        self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
 
     @property

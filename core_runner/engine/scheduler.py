@@ -71,8 +71,11 @@ class Scheduler:
         # its proposals' KV there (spec_decode/draft_model.py).
         spec = config.speculative_config
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
-        # Speculative decoding: whether decode steps carry drafts, from their measured cost.
-        self.draft_gate = DraftGate() if spec is not None else None
+        # Speculative decoding: whether decode steps carry drafts, from their measured cost,
+        # decided one step ahead (draft_gate.py): the step being scheduled carries drafts if the
+        # last one proposed them.
+        self.draft_gate = DraftGate(spec.method) if spec is not None else None
+        self._drafts_proposed = spec is not None
         self._timed_step: tuple[float, bool] | None = None  # (start, drafts scheduled) of a decode-only step
 
     # ---- intake and removal -------------------------------------------------------------
@@ -199,7 +202,9 @@ class Scheduler:
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
-        use_drafts = self.draft_gate is not None and self.draft_gate.want_drafts()
+        use_drafts = self._drafts_proposed
+        if self.draft_gate is not None:
+            out.propose_drafts = self._drafts_proposed = self.draft_gate.want_drafts()
         decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
 
         # This loop runs for every running request every step: features that are off cost no call.
@@ -298,7 +303,8 @@ class Scheduler:
             if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_pending:
                 request.num_pending += 1  # this step samples its next token
         self._timed_step = None
-        if self.draft_gate is not None and decode_only and scheduled and not out.new_reqs:
+        # Measured: decode-only steps that carry drafts and propose the next, or do neither.
+        if self.draft_gate is not None and decode_only and scheduled and not out.new_reqs and use_drafts == out.propose_drafts:
             self._timed_step = (time.perf_counter(), any(r.num_scheduled_drafts for r in scheduled))
         return out
 

@@ -46,6 +46,7 @@ class _ExecutedStep:
 
     batch: InputBatch
     hidden: torch.Tensor  # [num_tokens, hidden]
+    propose_drafts: bool = True  # speculative decoding: run the speculator after this step
 
 
 class ModelRunner:
@@ -154,7 +155,7 @@ class ModelRunner:
             ms.save_state_checkpoints(slots, list(sched.state_checkpoints.values()))
         for observe in self._step_observers:
             observe(batch, hidden)
-        self._executed = _ExecutedStep(batch, hidden)
+        self._executed = _ExecutedStep(batch, hidden, sched.propose_drafts)
 
     # -- step, part 2 -----------------------------------------------------------------------
     def sample_tokens(self) -> AsyncOutput:
@@ -229,14 +230,17 @@ class ModelRunner:
             num_known = batch.seq_lens.long() - num_rejected + samples
             hist_len = torch.where(allowed_dev, num_known, 0)
             next_num_draft = self._next_num_draft[:num_reqs]
-            self.speculator.propose(
-                ProposeInputs(
-                    batch.idx_mapping, hist_len, rs.token_ids, step.hidden, batch.positions,
-                    idx, batch.num_computed_tokens_np, num_known, self.block_tables.table, self._pick,
-                ),
-                rs.draft_tokens,
-                next_num_draft,
-            )
+            if step.propose_drafts:
+                self.speculator.propose(
+                    ProposeInputs(
+                        batch.idx_mapping, hist_len, rs.token_ids, step.hidden, batch.positions,
+                        idx, batch.num_computed_tokens_np, num_known, self.block_tables.table, self._pick,
+                    ),
+                    rs.draft_tokens,
+                    next_num_draft,
+                )
+            else:  # the draft gate wants none for the next step: the speculator is skipped
+                next_num_draft.zero_()
         tensors = {"picks": picks, "num_sampled": num_sampled, "next_num_draft": next_num_draft}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
@@ -338,6 +342,8 @@ class ModelRunner:
             self.block_tables.reset(slot, new.block_ids)
             self.sampling_states.add_request(slot, new)
             self.model_state.add_request(slot, new)
+            if self.speculator is not None:
+                self.speculator.add_request(slot, new.num_computed_tokens)
         for cached in sched.cached_reqs:
             slot = self.req_state.req_id_to_slot[cached.req_id]
             self.block_tables.append(slot, cached.new_block_ids)

@@ -60,6 +60,9 @@ class SchedulerOutput:
     # req_id -> state-cache entry: after this step's forward, save the slot's recurrent state
     # there (its chunk ends at a checkpoint position: engine/state_checkpoints.py).
     state_checkpoints: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: whether the speculator proposes drafts after this step (the draft
+    # gate wants them for the next one); False: it is skipped, and the next step has none.
+    propose_drafts: bool = True
 
     @property
     def total_num_scheduled_tokens(self) -> int:

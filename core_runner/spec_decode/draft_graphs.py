@@ -1,8 +1,8 @@
 """DraftDecodeGraphs: the draft model's short forwards replayed from CUDA graphs.
 
 After each target step a draft model runs a catch-up forward over what the target just
-computed (for a decode row: its last token, the accepted drafts and the token the target
-emitted, 2 to k + 2 tokens), then k - 1 forwards of one token per proposing row
+computed (for a decode row: the accepted drafts and the token the target emitted, 1 to k + 1
+tokens), then k - 1 forwards of one token per proposing row
 (`DraftModelSpeculator`). Run eagerly, each costs the draft's whole launch sequence on the
 host -- on one H200 about as much as the target's eager step, so a draft model slowed decoding
 down. Both kinds are captured once per padded batch size, like the target's decode steps

@@ -8,11 +8,14 @@ past its scheduled tokens (`Scheduler.num_lookahead_tokens`) for the draft's pro
 
 After each target step (`propose`), per batch row:
 
-1. Catch up: one forward over the positions [num_computed, num_known) of the row's history --
-   what the target computed this step (a prefill chunk, or the last token and the accepted
-   drafts) plus the token it just emitted. The draft therefore sees every prompt chunk in the
-   step the target does, and rejected drafts never enter its cache (their positions are
-   rewritten). The hidden state at the last known token gives draft 1.
+1. Catch up: one forward over the positions of the row's history the draft has not computed
+   yet, up to its length after the step -- what the target computed this step (a prefill
+   chunk, or the accepted drafts) plus the token it just emitted, and what the steps before
+   added while the draft gate skipped the speculator (`Speculator.propose`). Rejected drafts
+   never enter its cache (their positions are rewritten). The hidden state at the last known
+   token gives draft 1. What the draft holds is kept per slot (`_known`), from the request's
+   admission on (`add_request`: its prefix-cache hit, whose blocks carry the draft's KV too
+   unless it was written while a draft lagged behind -- then only fewer drafts are accepted).
 2. Propose: k - 1 forwards of one token per proposing row, each feeding the draft just chosen.
 
 Each draft is picked from the draft's logits (over the target's vocabulary) by the target's own
@@ -25,8 +28,9 @@ Rows that do not sample this step (a prefill chunk that stops short) or may not 
 (`num_tokens` 0) only catch up. Laying out the forwards needs each row's accepted count on the
 host: one small copy per step (the engine reads it before the next schedule anyway under
 synchronous scheduling). On CUDA both forwards replay the draft's own CUDA graphs
-(`draft_graphs.py`) when the rows fit them: one-token rows, and catch-up rows of at most k + 2
-tokens (every decode row's); a catch-up that holds a prompt chunk runs eagerly.
+(`draft_graphs.py`) when the rows fit them: one-token rows, and catch-up rows of at most k + 1
+tokens (every decode row's in steady decoding); a catch-up that holds a prompt chunk, or the
+tokens of steps the gate skipped, runs eagerly.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ class DraftModelSpeculator(Speculator):
         block_size: int,
         max_model_len: int,
         vocab_size: int,  # the target's: drafts are picked among its ids only
+        max_num_seqs: int,
     ) -> None:
         super().__init__(num_speculative_tokens)
+        self._known = np.zeros(max_num_seqs, dtype=np.int64)  # [slots] history positions in the draft's cache
         self.model = model
         self.attn_backend = attn_backend
         self.block_size = block_size
@@ -59,6 +65,9 @@ class DraftModelSpeculator(Speculator):
         self.vocab_size = vocab_size
         # Forwards replay CUDA graphs when set (build_speculator, on CUDA unless enforce_eager).
         self.graphs: DraftDecodeGraphs | None = None
+
+    def add_request(self, slot: int, num_computed: int) -> None:
+        self._known[slot] = num_computed
 
     def propose(self, inputs: ProposeInputs, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> None:
         num_reqs = inputs.idx_mapping_np.shape[0]
@@ -69,7 +78,8 @@ class DraftModelSpeculator(Speculator):
         host = torch.stack([inputs.num_known.long(), inputs.num_tokens[:num_reqs].long()]).cpu().numpy()
         # A token sampled at max_model_len is not in the history (the request ends with it).
         known = np.minimum(host[0], self.max_model_len)
-        start = inputs.num_computed_np
+        slots = inputs.idx_mapping_np
+        start = self._known[slots]
         proposing = host[1] > 0
         # Drafts a row may use: all accepted plus the target's own token stay below max_model_len.
         count = np.where(proposing, np.clip(self.max_model_len - known - 1, 0, self.num_speculative_tokens), 0)
@@ -77,6 +87,7 @@ class DraftModelSpeculator(Speculator):
         with torch.inference_mode():
             if rows.size:
                 hidden, last = self._forward(inputs, rows, start[rows], known[rows])
+                self._known[slots[rows]] = known[rows]
                 picked = count[rows] > 0
                 if picked.any():
                     # [rows proposing] draft 1, from the hidden state at each row's last known token

@@ -54,6 +54,10 @@ class Speculator(abc.ABC):
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens
 
+    def add_request(self, slot: int, num_computed: int) -> None:
+        """A request takes `slot`, its first `num_computed` tokens already in the KV cache (a
+        prefix-cache hit). For proposers that keep per-slot state; the default keeps none."""
+
     @abc.abstractmethod
     def propose(
         self,
@@ -62,7 +66,9 @@ class Speculator(abc.ABC):
         num_draft: torch.Tensor,  # [>= num_reqs] int32, written: drafts proposed per batch row
     ) -> None:
         """Write row r's drafts into draft_tokens[idx_mapping[r], :num_draft[r]]. Rows with
-        num_tokens 0 get num_draft 0. Runs on the device; must not synchronize."""
+        num_tokens 0 get num_draft 0. Runs on the device; must not synchronize. Not called after
+        a step whose next step carries no drafts (the draft gate's choice): a proposer that
+        follows the history must catch up on what such steps added."""
 
 
 def build_speculator(
@@ -82,14 +88,15 @@ def build_speculator(
 
         assert draft_model is not None, "method 'draft_model' needs the loaded draft model (the engine builder loads it)"
         speculator = DraftModelSpeculator(
-            spec.num_speculative_tokens, draft_model, attn_backend, config.block_size, config.max_model_len, config.vocab_size
-        )
+            spec.num_speculative_tokens, draft_model, attn_backend, config.block_size, config.max_model_len, config.vocab_size,
+            config.max_num_seqs,
+        )  # fmt: skip
         if config.device.type == "cuda" and not config.enforce_eager:
             from slotrunner.core_runner.attention.cache_spec import multi_token_rows_capturable
             from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 
-            # A decode row's catch-up: its last token, up to k accepted drafts, the emitted token.
-            catch_up = spec.num_speculative_tokens + 2 if multi_token_rows_capturable(draft_model) else 1
+            # A decode row's catch-up: up to k accepted drafts and the emitted token.
+            catch_up = spec.num_speculative_tokens + 1 if multi_token_rows_capturable(draft_model) else 1
             speculator.graphs = DraftDecodeGraphs(
                 draft_model, attn_backend, config.cuda_graph_sizes, config.max_num_seqs, config.max_num_blocks_per_req,
                 config.max_model_len, config.device, catch_up,

@@ -1,46 +1,69 @@
-"""DraftGate: drafts first, then whichever arm is measured cheaper per emitted token.
+"""DraftGate: drafts first, then whichever arm is measured cheaper per emitted token, decided
+one step ahead and measured only on steps that carry drafts and propose the next, or neither.
 
 Guards against: drafts withheld before the warm-up is over (short runs and tests would change
 behaviour with the machine's load), a gate that never measures the other arm or never looks
-again once it has chosen, and a noisy near-tie turning drafts off (the margin favours them).
+again once it has chosen, a probe too short to be measured, probes that stay frequent once the
+choice is settled (each probe of a draft model costs its forwards), and a noisy near-tie
+turning drafts off (the margin favours them).
 """
 
 from __future__ import annotations
 
-from slotrunner.core_runner.engine.draft_gate import MARGIN, MIN_STEPS, PROBE_EVERY, WARMUP, DraftGate
+from slotrunner.core_runner.engine.draft_gate import MARGIN, MAX_PROBE_EVERY, MIN_STEPS, PROBE_EVERY, WARMUP, DraftGate
 
 
-def run(gate: DraftGate, cost_on: float, cost_off: float, steps: int) -> list[bool]:
-    """Decisions over `steps` decode-only steps whose seconds per emitted token are given."""
-    decisions = []
+def run(gate: DraftGate, cost_on: float, cost_off: float, steps: int, state: dict | None = None) -> list[bool]:
+    """What the scheduler does over `steps` decode-only steps whose seconds per emitted token
+    are given: step t carries drafts if step t - 1 proposed them (the gate's last answer), and
+    is measured when it also proposes the next ones, or does neither. Returns, per step,
+    whether it carried drafts."""
+    state = {"proposed": True} if state is None else state
+    carried = []
     for _ in range(steps):
-        on = gate.want_drafts()
-        decisions.append(on)
-        gate.observe(on, (cost_on if on else cost_off) * 10, 10)
-    return decisions
+        use = state["proposed"]
+        state["proposed"] = gate.want_drafts()
+        if use == state["proposed"]:
+            gate.observe(use, (cost_on if use else cost_off) * 10, 10)
+        carried.append(use)
+    return carried
 
 
-def test_drafts_through_the_warm_up_then_the_cheaper_arm():
-    gate = DraftGate()
-    d = run(gate, cost_on=2.0, cost_off=1.0, steps=WARMUP + MIN_STEPS + 4 * PROBE_EVERY)
-    assert all(d[:WARMUP]) and not any(d[WARMUP : WARMUP + MIN_STEPS])
-    chosen = d[WARMUP + MIN_STEPS :]
-    assert chosen.count(True) == len(chosen) // PROBE_EVERY, "without drafts, probing drafts every PROBE_EVERY decisions"
+def test_drafts_through_the_warm_up_then_the_cheaper_arm_with_rarer_probes():
+    gate = DraftGate("ngram")
+    d = run(gate, cost_on=2.0, cost_off=1.0, steps=2000)
+    assert all(d[: WARMUP["ngram"]]), "drafts through the warm-up"
     assert gate.costs[False] < gate.costs[True]
+    probes = [i for i in range(1, len(d)) if d[i] and not d[i - 1]]
+    assert len(probes) >= 3, "the arm not chosen is probed again"
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] >= PROBE_EVERY and gaps[-1] >= MAX_PROBE_EVERY // 2, gaps
+    # Every probe lasts long enough to be measured: the drafts arm was observed after the warm-up.
+    assert gate._steps[True] >= WARMUP["ngram"] + len(probes) - 1
+
+
+def test_a_draft_model_warms_up_briefly():
+    gate = DraftGate("draft_model")
+    d = run(gate, cost_on=5.0, cost_off=1.0, steps=300)
+    first_off = d.index(False)
+    assert WARMUP["draft_model"] <= first_off <= WARMUP["draft_model"] + 2
+    assert d.count(True) < first_off + 12, "a losing draft model is probed rarely"
 
 
 def test_drafts_kept_when_cheaper_or_nearly_as_cheap():
     for cost_on in (0.5, 1.0 + MARGIN / 2):
         gate = DraftGate()
-        chosen = run(gate, cost_on=cost_on, cost_off=1.0, steps=WARMUP + MIN_STEPS + 4 * PROBE_EVERY)[WARMUP + MIN_STEPS :]
-        assert chosen.count(False) == len(chosen) // PROBE_EVERY
+        d = run(gate, cost_on=cost_on, cost_off=1.0, steps=1000)
+        warm = WARMUP["ngram"] + MIN_STEPS + 4
+        assert d[warm:].count(False) <= 2 * len(d[warm:]) // PROBE_EVERY
+        assert d[-MAX_PROBE_EVERY // 2 :].count(False) <= 2, "probes of a settled choice are rare"
 
 
 def test_follows_a_change_of_regime():
     """Drafts become expensive (the machine gets busy), then cheap again."""
-    gate = DraftGate()
-    run(gate, cost_on=0.5, cost_off=1.0, steps=WARMUP + MIN_STEPS + PROBE_EVERY)
-    late = run(gate, cost_on=3.0, cost_off=1.0, steps=8 * PROBE_EVERY)[-2 * PROBE_EVERY :]
+    gate, state = DraftGate(), {"proposed": True}
+    run(gate, cost_on=0.5, cost_off=1.0, steps=300, state=state)
+    late = run(gate, cost_on=3.0, cost_off=1.0, steps=2 * MAX_PROBE_EVERY + 64, state=state)[-64:]
     assert late.count(True) <= 2
-    late = run(gate, cost_on=0.5, cost_off=1.0, steps=8 * PROBE_EVERY)[-2 * PROBE_EVERY :]
+    late = run(gate, cost_on=0.5, cost_off=1.0, steps=2 * MAX_PROBE_EVERY + 64, state=state)[-64:]
     assert late.count(False) <= 2

@@ -1,6 +1,6 @@
 """DraftDecodeGraphs: the draft model's forwards through persistent buffers, as a CUDA-graph
 replay runs them (on the CPU, the forward runs over the buffers instead of a replay): the
-one-token forwards of drafts 2..k, and the catch-up forwards of up to k + 2 tokens a row.
+one-token forwards of drafts 2..k, and the catch-up forwards of up to k + 1 tokens a row.
 
 Guards against: a draft step replayed with stale inputs (a buffer reallocated, not rewritten),
 a row's position, length, query start, block-table row or cache slot written wrong, padding
@@ -19,7 +19,7 @@ from slotrunner.core_runner.attention.backend import AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 
-from test_draft_model import dirs, baseline, draft_config, make_requests  # noqa: F401  (fixtures)
+from test_draft_model import dirs, baseline, draft_config, make_requests, with_drafts  # noqa: F401  (fixtures)
 
 K = 4
 
@@ -66,14 +66,14 @@ class BufferReplay(DraftDecodeGraphs):
 
 
 def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, baseline):  # noqa: F811
-    llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
-              speculative_config=draft_config(dirs / "target", k=K))  # fmt: skip
+    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
+                          speculative_config=draft_config(dirs / "target", k=K)))  # fmt: skip
     runner = llm.engine.runner
     config, speculator = runner.config, runner.speculator
     # Sizes 1, 3, 6: two rows pad to 3, four or five to 6, more run eagerly.
     speculator.graphs = graphs = BufferReplay(
         speculator.model, runner.attn_backend, (1, 3, 6), config.max_num_seqs, config.max_num_blocks_per_req,
-        config.max_model_len, runner.device, catch_up_len=K + 2,
+        config.max_model_len, runner.device, catch_up_len=K + 1,
     )  # fmt: skip
     graphs.capture()
     prompts, params = make_requests()
@@ -81,7 +81,7 @@ def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, base
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
     assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
     # Both kinds replayed, some padded; prompt chunks and the 8-row batches ran eagerly.
-    assert graphs.by_query_len[1] > 0 and graphs.by_query_len[K + 2] > 0 and graphs.padded > 0, graphs.by_query_len
+    assert graphs.by_query_len[1] > 0 and graphs.by_query_len[K + 1] > 0 and graphs.padded > 0, graphs.by_query_len
     assert graphs.replays == sum(graphs.by_query_len.values())
 
 

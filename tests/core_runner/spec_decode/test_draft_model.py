@@ -36,6 +36,23 @@ def dirs(tmp_path_factory):
     return root
 
 
+class AlwaysGate:
+    """A draft gate that always wants drafts: the tests below check what drafts do, which the
+    real gate (core_runner/engine/draft_gate.py) may withhold after a short warm-up when they
+    cost more than they save -- on a loaded machine, or a draft that is never accepted."""
+
+    def want_drafts(self) -> bool:
+        return True
+
+    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
+        pass
+
+
+def with_drafts(llm: LLM) -> LLM:
+    llm.engine.scheduler.draft_gate = AlwaysGate()
+    return llm
+
+
 def draft_config(path, k: int = 3) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
@@ -71,7 +88,7 @@ def baseline(dirs):
     ids=["one-batch", "chunked", "preempting"],
 )
 def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_args):
-    llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "target"), **engine_args)
+    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "target"), **engine_args))
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
@@ -85,7 +102,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_a
 
 
 def test_a_different_draft_is_rarely_accepted_and_changes_nothing(dirs, baseline):
-    llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "other", k=4))
+    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "other", k=4)))
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
@@ -103,7 +120,7 @@ def test_prefix_cache_hits_carry_the_drafts_kv(dirs):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     kw = dict(device="cpu", max_model_len=64, block_size=4, enable_prefix_caching=True)
     want = LLM(str(dirs / "target"), **kw).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target"), **kw)
+    llm = with_drafts(LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target"), **kw))
     llm.generate(prompts[:1], params, use_tqdm=False)
     got = llm.generate(prompts[1:], params, use_tqdm=False)[0]
     assert got.num_cached_tokens >= 16, "the second request must start from cached blocks"
@@ -117,7 +134,7 @@ def test_drafts_stop_at_max_model_len(dirs):
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 10, 19, 22)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = LLM(str(dirs / "target"), **kw).generate(prompts, params, use_tqdm=False)
-    got = LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target", k=5), **kw).generate(prompts, params, use_tqdm=False)
+    got = with_drafts(LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target", k=5), **kw)).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert all(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 24 for o in got)
 
@@ -145,25 +162,29 @@ def test_refusals(dirs, tmp_path):
         LLM(str(dirs / "target"), device="cpu", max_model_len=64, tensor_parallel_size=2, speculative_config=draft_config(dirs / "target"))
 
 
-class AlternatingGate:
-    """A draft gate that withholds drafts every other decode-only step."""
+class PeriodicGate:
+    """A draft gate that wants drafts one step in `period` (the speculator is skipped after the
+    others, so a draft model lags `period` - 1 steps behind when proposing resumes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, period: int) -> None:
+        self.period = period
         self.calls = 0
 
     def want_drafts(self) -> bool:
         self.calls += 1
-        return self.calls % 2 == 0
+        return self.calls % self.period == 0
 
     def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
         pass
 
 
-def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline):
+@pytest.mark.parametrize("period", [2, 5])
+def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline, period):
     """The draft gate (core_runner/engine/draft_gate.py) withholding drafts changes no output,
-    and the draft's KV still follows every accepted token: an equal draft is always accepted."""
+    and the draft catches up on the tokens of the steps that skipped it: an equal draft is
+    always accepted."""
     llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, speculative_config=draft_config(dirs / "target"))
-    gate = llm.engine.scheduler.draft_gate = AlternatingGate()
+    gate = llm.engine.scheduler.draft_gate = PeriodicGate(period)
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert gate.calls > 4
