@@ -173,7 +173,7 @@ def _add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
     family's files have it) or SentencePiece (`llama`)."""
     if tokenizer == "gpt2":
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
+        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o", "deepseek2": "deepseek-v3"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
         writer.add_token_list(_byte_level_vocab(config.vocab_size))
         writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
         writer.add_token_merges([])

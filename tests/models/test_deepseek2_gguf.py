@@ -63,14 +63,29 @@ def test_file_reads_and_runs_like_the_model_it_came_from(case, tmp_path):
     stored = {t.name for t in gguf.GGUFReader(str(path)).tensors}
     assert ("blk.0.attn_k_b.weight" in stored) == split and ("blk.0.attn_kv_b.weight" in stored) != split
 
-    config = read_gguf(path, torch.float32).config
-    expected = original.config
+    checkpoint = read_gguf(path, torch.float32)
+    tokenizer = checkpoint.tokenizer  # byte-level BPE, pre deepseek-v3
+    assert tokenizer.decode(tokenizer("It's 2024 ok").input_ids) == "It's 2024 ok"
+    config, expected = checkpoint.config, original.config
     fields = _FIELDS + (("topk_method",) if expected.model_type == "deepseek_v2" else ("rope_interleave",))
     rope, want = config.rope_parameters, expected.rope_parameters
     assert rope["rope_type"] == "yarn" and set(rope) >= set(want) - {"rope_type"}  # the file's float32 rounding
     assert all(rope[k] == pytest.approx(v, rel=1e-6) for k, v in want.items() if k != "rope_type"), (rope, want)
     check_file_against_its_model(path, original, fields, per_expert(original.state_dict()),
                                  "cannot load this GGUF file as an oracle")  # fmt: skip
+
+
+def test_deepseek_v3_pre_tokenizer_splits_like_deepseek_v3():
+    """`tokenizer.ggml.pre = deepseek-v3` (llama.cpp's DEEPSEEK3_LLM, DeepSeek-V3's own three
+    splits in order): digits three at a time, CJK runs apart from the letters after them, a
+    contraction's apostrophe leading its letters, punctuation with its newlines, a space before
+    a word staying with it."""
+    from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from tokenizers import Regex, pre_tokenizers
+
+    splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZER_SPLITS["deepseek-v3"]]
+    pieces = [p for p, _ in pre_tokenizers.Sequence(splits).pre_tokenize_str("It's 12345 日本語text .Net!!\n\n  x")]
+    assert pieces == ["It", "'s", " ", "123", "45", " ", "日本語", "text", " .", "Net", "!!\n\n", " ", " x"]
 
 
 @pytest.mark.parametrize("case", ["v2-split", "v3-split"])
