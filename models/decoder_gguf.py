@@ -13,7 +13,8 @@ A Qwen3-MoE or GPT-OSS file stores each projection of a layer's experts as one [
 tensor (GPT-OSS's in MXFP4, biases beside them); the checkpoint yields them expert by expert,
 dequantized, as Qwen3-MoE's Hugging Face checkpoints store them.
 Mixtral files (the `llama` architecture with `llama.expert_count`) are read by `llama_gguf.py`.
-Not read: other mixture-of-experts files (`qwen2moe`, `deepseek2`): say so, naming the file.
+DeepSeek-V2/V3 files (`deepseek2`) are read by `deepseek2_gguf.py`, which shares this module's
+tensor naming (`hf_tensor_names`). Not read: `qwen2moe`: say so, naming the file.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ _GPT_OSS = {
     "ffn_up_exps": "mlp.experts.*.up_proj",
     "ffn_down_exps": "mlp.experts.*.down_proj",
 }
-# HF parameters that are no module's `weight`; llama.cpp's converter appends ".weight" to their names
-_BARE_PARAMETERS = frozenset({"self_attn.sinks"})
+# HF parameters that are no module's `weight` or `bias`; llama.cpp's converter appends ".weight" (GPT-OSS's
+# sinks) or ".bias" (DeepSeek-V3's expert-choice bias, renamed `e_score_correction.bias`) to their names
+_BARE_PARAMETERS = frozenset({"self_attn.sinks", "mlp.gate.e_score_correction_bias"})
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 Metadata = Callable[..., Any]  # get(key, default=<required>) -> value of "{arch}.{key}"
@@ -235,23 +237,25 @@ def read_decoder_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool 
     architecture cannot use."""
     arch = gguf.metadata["general.architecture"]
     conv = CONVENTIONS[arch]
-    gguf_names = _hf_names(gguf, conv, path)
+    gguf_names = hf_tensor_names(gguf, conv.layer_names, conv.architecture, path)
     config = _config(gguf, conv, gguf_names, path)
     _check_shapes(config, {hf: gguf.tensors[name].shape for hf, name in gguf_names.items()}, path)
     return GGUFCheckpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False, norm_shift=conv.norm_shift)
 
 
-def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
-    """`{hf_name: gguf_name}` for every tensor of the file; raises on tensors the model lacks."""
+def hf_tensor_names(gguf: GGUFFile, layer_names: Mapping[str, str], model: str, path: str) -> dict[str, str]:
+    """`{hf_name: gguf_name}` for every tensor of the file, `layer_names` mapping each per-layer
+    GGUF stem to its HF submodule (`model` names the HF architecture in errors); raises on
+    tensors the model lacks."""
     arch = gguf.metadata["general.architecture"]
     names: dict[str, str] = {}
     unknown = []
     for gguf_name in gguf.tensors:
         stem, _, suffix = gguf_name.rpartition(".")
         layer = _LAYER_TENSOR.fullmatch(gguf_name)
-        if layer and layer.group(2) in conv.layer_names:
-            hf = conv.layer_names[layer.group(2)]
-            bare = hf in _BARE_PARAMETERS and suffix == "weight"
+        if layer and layer.group(2) in layer_names:
+            hf = layer_names[layer.group(2)]
+            bare = hf in _BARE_PARAMETERS
             names[f"model.layers.{layer.group(1)}.{hf}" + ("" if bare else f".{suffix}")] = gguf_name
         elif stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
             names[f"{_GLOBAL_NAMES[stem]}.{suffix}"] = gguf_name
@@ -266,8 +270,8 @@ def _hf_names(gguf: GGUFFile, conv: Conventions, path: str) -> dict[str, str]:
         elif any("ffn_gate_up_exps." in n for n in unknown):
             hint = " (experts with gate and up fused in one stack are not read yet; convert with them apart)"
         elif any("_exps." in n for n in unknown):
-            hint = " (mixture-of-experts tensors: read for qwen3moe and gpt-oss only)"
-        raise ValueError(f"{path}: tensors with no {conv.architecture} equivalent: {', '.join(unknown[:8])}{hint}.")
+            hint = " (mixture-of-experts tensors: read for qwen3moe, gpt-oss and deepseek2 only)"
+        raise ValueError(f"{path}: tensors with no {model} equivalent: {', '.join(unknown[:8])}{hint}.")
     if "model.embed_tokens.weight" not in names:
         raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete {arch} model.")
     return names

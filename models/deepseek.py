@@ -43,6 +43,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
 from slotrunner.models.layers.linear import Linear, VocabEmbedding
@@ -146,8 +147,8 @@ class DeepseekAttention(nn.Module):
 
 
 def _deinterleave(rows: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """The last `rope_dim` rows of each group along dim 0 (rows: [groups, width, ...]) reordered
-    evens then odds: interleaved pairs become the neox halves."""
+    """The last `rope_dim` rows of each group along dim 1 (rows: [groups, width, ...]) reordered
+    evens then odds: interleaved pairs become the neox halves (given row indices, the permutation)."""
     perm = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
     rope = rows[:, rows.shape[1] - rope_dim :]
     return torch.cat([rows[:, : rows.shape[1] - rope_dim], rope[:, perm]], dim=1)
@@ -265,11 +266,14 @@ class DeepseekV2ForCausalLM(CausalLM):
 
         a = self.mla_args
         for name, tensor in stack_per_expert(renamed(), ".mlp.experts.", self.expert_names, self.num_experts):
+            rows = None
             if a.rope_interleave and name.endswith((".q_proj.weight", ".q_b_proj.weight")):
                 qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-                tensor = _deinterleave(tensor.view(-1, qk, tensor.shape[-1]), a.qk_rope_head_dim).reshape(tensor.shape)
+                rows = _deinterleave(torch.arange(tensor.shape[0]).view(-1, qk), a.qk_rope_head_dim).flatten()
             elif a.rope_interleave and ".kv_a_proj_with_mqa." in name:
-                tensor = _deinterleave(tensor.unsqueeze(0), a.qk_rope_head_dim).reshape(tensor.shape)
+                rows = _deinterleave(torch.arange(tensor.shape[0]).unsqueeze(0), a.qk_rope_head_dim).flatten()
+            if rows is not None:  # a row permutation, so a packed GGUF matrix stays packed
+                tensor = tensor.select_rows(rows) if isinstance(tensor, PackedWeight) else tensor[rows]
             yield name, tensor
 
     def _load_mtp(self, tensors: dict[str, torch.Tensor]) -> set[str]:

@@ -173,7 +173,7 @@ def _add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
     family's files have it) or SentencePiece (`llama`)."""
     if tokenizer == "gpt2":
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
+        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o", "deepseek2": "deepseek-v3"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
         writer.add_token_list(_byte_level_vocab(config.vocab_size))
         writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
         writer.add_token_merges([])
@@ -194,7 +194,9 @@ def _add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
         writer.add_pad_token_id(config.pad_token_id)
 
 
-def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32") -> Path:
+def write_gguf(
+    hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32", kv_b: str = "split"
+) -> Path:
     """Write a transformers decoder (float32) to `path` as llama.cpp's convert_hf_to_gguf.py
     does: gguf-py's tensor names, Q/K rows interleaved for `llama` (and Llama 3.1-style RoPE
     scaling as `rope_freqs`), 1 added to Gemma's norm weights, the metadata keys its architecture reads, and a vocabulary of the model's size:
@@ -203,17 +205,20 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
     transformers' GGUF loader and slotrunner's reader both see exactly the model's weights),
     or the 2-D matrices are quantized to `matrix_type` ("Q8_0", "Q4_0", ... what gguf-py
     quantizes) as a quantized file stores them. GPT-OSS's experts are always MXFP4, as every
-    GPT-OSS file has them (the converter repacks the released MXFP4 weights as they are)."""
+    GPT-OSS file has them (the converter repacks the released MXFP4 weights as they are).
+    DeepSeek-V2/V3 (`deepseek2`): `kv_b` "split" (attn_k_b / attn_v_b, today's converter) or
+    "joined" (attn_kv_b, converters before llama.cpp's split of April 2025)."""
     import gguf
     import numpy as np
 
     config = hf_model.config
     if config.model_type == "mamba2":
         return _write_mamba2(hf_model, Path(path), tokenizer)
+    if config.model_type in ("deepseek_v2", "deepseek_v3"):
+        return _write_deepseek2(hf_model, Path(path), tokenizer, matrix_type, kv_b)
     if config.model_type not in GGUF_ARCHITECTURES:
-        raise ConformanceError(
-            f"no GGUF convention is known for {config.model_type!r}; written: {', '.join(sorted(GGUF_ARCHITECTURES))}"
-        )
+        written = sorted([*GGUF_ARCHITECTURES, "mamba2", "deepseek_v2", "deepseek_v3"])
+        raise ConformanceError(f"no GGUF convention is known for {config.model_type!r}; written: {', '.join(written)}")
     arch = GGUF_ARCHITECTURES[config.model_type]
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
@@ -297,17 +302,30 @@ def write_gguf(hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gp
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        values = data.contiguous().numpy()
-        if matrix_type != "F32" and values.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[matrix_type]
-            writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(f"{gguf_name}.{suffix}", values)
+        _add_matrix(writer, f"{gguf_name}.{suffix}", data, matrix_type)
+    return _finish(writer, Path(path))
+
+
+def _add_matrix(writer: Any, name: str, data: torch.Tensor, matrix_type: str) -> None:
+    """A tensor in float32, or a 2-D matrix quantized to `matrix_type` by gguf-py; unquantized where
+    its rows do not split into the type's blocks (the converter falls back to F16 there)."""
+    import gguf
+
+    values = data.contiguous().numpy()
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    blocks = values.ndim == 2 and values.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+    if qtype != gguf.GGMLQuantizationType.F32 and blocks:
+        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, values)
+
+
+def _finish(writer: Any, path: Path) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return Path(path)
+    return path
 
 
 # transformers Mamba2 name (after backbone.layers.{i}.) -> llama.cpp's, as Mamba2Model writes it
@@ -363,8 +381,111 @@ def _write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path
         elif leaf == "mixer.norm.weight":
             data = data.reshape(config.n_groups, inner // config.n_groups)
         writer.add_tensor(f"blk.{block}.{_MAMBA2_LAYER_NAMES[leaf]}", data.contiguous().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
+
+
+def _write_deepseek2(hf_model: torch.nn.Module, path: Path, tokenizer: str, matrix_type: str, kv_b: str) -> Path:
+    """A transformers DeepSeek-V2/V3 as llama.cpp's DeepseekV2Model converter writes it
+    (`conversion/deepseek.py`, with TextModel's shared keys): experts stacked [experts, out, in],
+    `e_score_correction_bias` as `exp_probs_b.bias`, no rows permuted, the gating function as
+    DeepSeek's config.json names it (V2 softmax, V3 sigmoid; transformers' configs drop the key).
+    `kv_b="split"`: kv_b_proj as attn_k_b [heads, rank, nope] (transposed) and attn_v_b
+    [heads, v, rank], the MLA sizes in `key_length_mla` / `value_length_mla`, expert groups and
+    YaRN betas; `"joined"`: attn_kv_b as stored, the MLA sizes in `key_length` / `value_length`,
+    and only the keys converters of that time wrote (no groups, no betas).
+
+    A model the file cannot hold is refused rather than written wrong: YaRN with mscale !=
+    mscale_all_dim (the file keeps only the latter, `yarn_log_multiplier`), V3 with
+    `rope_interleave` off (llama.cpp rotates interleaved pairs), groups in a "joined" file."""
+    import gguf
+
+    config = hf_model.config
+    if kv_b not in ("split", "joined"):
+        raise ConformanceError(f"kv_b {kv_b!r}: write 'split' (attn_k_b / attn_v_b) or 'joined' (attn_kv_b)")
+    v3, split = config.model_type == "deepseek_v3", kv_b == "split"
+    rope = dict(config.rope_parameters or {})
+    yarn = rope.get("rope_type") == "yarn"
+    if yarn and not (rope.get("mscale") and rope.get("mscale") == rope.get("mscale_all_dim")):
+        raise ConformanceError(
+            f"YaRN with mscale {rope.get('mscale')} and mscale_all_dim {rope.get('mscale_all_dim')}: a deepseek2 file "
+            "keeps only mscale_all_dim and llama.cpp runs it as mscale = mscale_all_dim, so it would not hold this model"
+        )
+    if v3 and not config.rope_interleave:
+        raise ConformanceError("rope_interleave=False: llama.cpp rotates a deepseek2 file's rope pairs interleaved")
+    grouped = (config.n_group or 1) > 1 and config.topk_group != config.n_group
+    if not split and grouped and (v3 or config.topk_method == "group_limited_greedy"):
+        raise ConformanceError("expert groups in a 'joined' (attn_kv_b) file: converters of that time wrote none")
+    nope, rope_dim, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_name(f"{config.model_type} tiny")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(1 if split else config.num_key_value_heads)  # today's converter: MLA as MQA
+    if yarn:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if split:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+            writer.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if split and config.n_group is not None:
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+    gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_expert_gating_func(gating)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_vocab_size(config.vocab_size)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(rank)
+    if split:
+        writer.add_key_length(rank + rope_dim)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(nope + rope_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+    else:
+        writer.add_key_length(nope + rope_dim)
+        writer.add_value_length(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(float(config.routed_scaling_factor))
+    if config.norm_topk_prob or not split:
+        writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    writer.add_rope_dimension_count(rope_dim)
+    _add_tokenizer(writer, config, "deepseek2", tokenizer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
+    heads = config.num_attention_heads
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data, block = tensor.detach().float(), name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 x ff, hidden]: stacked gate, up apart
+            gate, up = data.chunk(2, dim=1)
+            writer.add_tensor(f"blk.{block}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            writer.add_tensor(f"blk.{block}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        if name.endswith("mlp.experts.down_proj"):  # [experts, hidden, ff]
+            writer.add_tensor(f"blk.{block}.ffn_down_exps.weight", data.contiguous().numpy())
+            continue
+        if name.endswith("e_score_correction_bias"):
+            writer.add_tensor(f"blk.{block}.exp_probs_b.bias", data.contiguous().numpy())
+            continue
+        if name.endswith("kv_b_proj.weight") and split:  # [heads * (nope + v), rank]
+            k_b, v_b = data.view(heads, -1, rank).split([nope, config.v_head_dim], dim=1)
+            writer.add_tensor(f"blk.{block}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())
+            writer.add_tensor(f"blk.{block}.attn_v_b.weight", v_b.contiguous().numpy())
+            continue
+        stem, suffix = name.rsplit(".", 1)
+        gguf_name = names.get_name(stem)
+        if gguf_name is None:
+            raise ConformanceError(f"{name} has no GGUF name for deepseek2")
+        _add_matrix(writer, f"{gguf_name}.{suffix}", data, matrix_type)
+    return _finish(writer, path)

@@ -41,6 +41,15 @@ _O200K_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# DeepSeek-V3 (llama.cpp's DEEPSEEK3_LLM pre-type, as DeepSeek-V3's tokenizer.json splits): up to
+# three digits a token, runs of CJK ideographs / kana apart, then one punctuation mark may lead
+# ASCII letters, other words take one non-letter before them, punctuation keeps its newlines
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
 _ONE_DIGIT_SPLIT = r"\p{N}"
 # what llama.cpp uses when tokenizer.ggml.pre is "default" or absent (older files)
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -58,6 +67,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "smaug-bpe": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "gpt-4o": (_O200K_SPLIT,),
+    "deepseek-v3": _DEEPSEEK3_SPLITS,
 }
 
 

@@ -216,12 +216,13 @@ def test_expert_count_without_expert_tensors_is_refused(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "deepseek2")
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "jamba")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'deepseek2' is not supported; supported: gemma2, gemma3, gpt-oss, llama, mamba2, phi3, qwen2, qwen3, qwen3moe") as e:
+    supported = "deepseek2, gemma2, gemma3, gpt-oss, llama, mamba2, phi3, qwen2, qwen3, qwen3moe"
+    with pytest.raises(ValueError, match=f"'jamba' is not supported; supported: {supported}") as e:
         read_gguf(tmp_path / "x.gguf", torch.float32)
     assert "transformers' GGUF loader does not read it either" in str(e.value)
 
@@ -232,14 +233,19 @@ def test_quantized_file_runs_packed_like_dequantized(architecture, tmp_path):
     gate/up (Phi-3), sandwich norms (Gemma), experts (Qwen3-MoE), biased attention and router
     beside MXFP4 experts (GPT-OSS) included -- and gives the tokens and logprobs of the same file
     dequantized."""
+    config = tiny_config(architecture, **CASES.get(architecture, {}))
+    config.architectures = [architecture]
+    check_packed_like_dequantized(write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "q8.gguf", matrix_type="Q8_0"))
+
+
+def check_packed_like_dequantized(path) -> None:
+    """The quantized file at `path` runs with packed matrices on CPU and gives the greedy tokens
+    and top logprobs of the same file dequantized."""
     from slotrunner import SamplingParams
     from slotrunner.core_runner.cpu.native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
         pytest.skip(str(native_unavailable_reason()))
-    config = tiny_config(architecture, **CASES.get(architecture, {}))
-    config.architectures = [architecture]
-    path = write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "q8.gguf", matrix_type="Q8_0")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     runs = {}
     for mode in ("packed", "dequantized"):
