@@ -194,6 +194,21 @@ def _add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
         writer.add_pad_token_id(config.pad_token_id)
 
 
+def _decoder_writer(path, arch: str, config) -> Any:  # gguf.GGUFWriter (gguf is imported only here)
+    """A GGUF writer for `arch` with the keys every decoder file carries (llama.cpp's
+    TextModel.set_gguf_parameters): name, depth, context, widths, query heads."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"{config.model_type} tiny")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    return writer
+
+
 def write_gguf(
     hf_model: torch.nn.Module, path: str | Path, tokenizer: str = "gpt2", matrix_type: str = "F32", kv_b: str = "split"
 ) -> Path:
@@ -223,13 +238,7 @@ def write_gguf(
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"{config.model_type} tiny")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer = _decoder_writer(path, arch, config)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -416,13 +425,7 @@ def _write_deepseek2(hf_model: torch.nn.Module, path: Path, tokenizer: str, matr
     if not split and grouped and (v3 or config.topk_method == "group_limited_greedy"):
         raise ConformanceError("expert groups in a 'joined' (attn_kv_b) file: converters of that time wrote none")
     nope, rope_dim, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
-    writer = gguf.GGUFWriter(str(path), "deepseek2")
-    writer.add_name(f"{config.model_type} tiny")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer = _decoder_writer(path, "deepseek2", config)
     writer.add_head_count_kv(1 if split else config.num_key_value_heads)  # today's converter: MLA as MQA
     if yarn:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
