@@ -14,8 +14,10 @@
 #   COMMIT=... bash benchmarks/gpu_suite.sh tests scan hybrid multimodal spec moe-kernel overhead
 #   COMMIT=... bash benchmarks/gpu_suite.sh throughput fp8 latency qwen3next deepseek profile profile-mm prefix
 #
-# Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal, spec,
-# moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm, prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
+# Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
+# (multimodal-profile: host and GPU profile of its multimodal run), spec (spec-long: n-gram at
+# 512 tokens a request), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
+# prefix, suite (the whole CPU test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -91,6 +93,8 @@ for s in "${steps[@]}"; do
       run_step profile-llava 120 python3 benchmarks/profile_decode.py --shape llava --batch 128 --input-len 627 --host-profile "$out/llava"
       run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 --host-profile "$out/llava-lm" ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
+    multimodal-profile) run_step multimodal-profile 240 python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --profile ;;
+    spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     *) summary+=("$s: unknown step") ;;
   esac
 done
