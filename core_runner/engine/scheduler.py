@@ -420,9 +420,10 @@ class Scheduler:
             self.draft_gate.observe(with_drafts, time.perf_counter() - start, emitted)
         touched: list[Request] = []
         next_drafts = runner_out.num_draft_tokens
+        requests, scheduled, max_model_len = self._requests, sched_out.num_scheduled_tokens, self.max_model_len
         for row, (req_id, sampled) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
-            assert req_id in sched_out.num_scheduled_tokens, f"runner returned a row for unscheduled {req_id!r}"
-            request = self._requests.get(req_id)
+            assert req_id in scheduled, f"runner returned a row for unscheduled {req_id!r}"
+            request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
             if request.num_scheduled_drafts:
@@ -444,10 +445,8 @@ class Scheduler:
                 if request.num_pending:
                     request.num_pending -= 1
                 request.output_token_ids.append(token_id)
-                request.check_stop(self.max_model_len)
-                if request.status.finished:
+                if request.check_stop(max_model_len):
+                    self._remove(request)
                     break  # drop tokens sampled after the stop (speculative rows)
-            if request.status.finished:
-                self._remove(request)
             touched.append(request)
         return touched
