@@ -312,27 +312,34 @@ class LLMEngine:
         for req_id, lp in runner_out.prompt_logprobs.items():
             if req_id in self._groups:
                 self._groups[req_id].members[0].add_prompt_logprobs(lp)
-        row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else {}
-        touched: dict[str, RequestGroup] = {}
+        row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else None
+        now = time.time()  # one arrival time for all of the step's tokens (RequestMetrics)
+        groups = self._groups
+        touched: dict[str, RequestGroup] = {}  # in batch order: the order of the outputs
+        finished_now: set[str] = set()  # groups with a sample that finished in this step
         for request in self.scheduler.update(sched_out, runner_out):
-            group = self._groups.get(request.group_id)
+            group_id = request.group_id
+            group = groups.get(group_id)
             if group is None:
                 continue  # aborted while the step ran
             tracker = group.members[request.sample_index]
-            lps = row_logprobs.get(request.req_id)
-            stop_str = tracker.add_tokens(lps)
+            stop_str = tracker.add_tokens(None if row_logprobs is None else row_logprobs.get(request.req_id), now)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            touched[request.group_id] = group
+            touched[group_id] = group
+            if request.status.finished:
+                finished_now.add(group_id)
         outputs = []
         for group_id, group in touched.items():
-            finished = group.finished
+            # A group finishes when its last running sample does, so only a group with a sample
+            # that finished in this step can be finished now (aborted groups are gone already).
+            finished = group_id in finished_now and group.finished
             if finished or not final_only:
                 outputs.append(group.output())
             if finished:
-                del self._groups[group_id]
+                del groups[group_id]
         return outputs
 
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:

@@ -31,27 +31,32 @@ class RequestTracker:
         self.cumulative_logprob = 0.0  # of the sampled tokens, kept when logprobs are asked
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
 
-    def add_tokens(self, logprobs: list[TokenLogprobs | None] | None) -> str | None:
+    def add_tokens(self, logprobs: list[TokenLogprobs | None] | None, now: float | None = None) -> str | None:
         """Feed the tokens `update()` appended (one per step, or several with speculative
-        decoding; `logprobs` has one entry per token); returns a stop string they completed.
-        Tokens after the one that completes a stop string are dropped, as if never sampled."""
-        new_tokens = self.request.output_token_ids[self.num_seen :]
-        if new_tokens:
-            self.metrics.last_token_time = time.time()
-            if self.metrics.first_token_time is None:
-                self.metrics.first_token_time = self.metrics.last_token_time
+        decoding; `logprobs` has one entry per token) that arrived at `now` (`time.time()`,
+        default now); returns a stop string they completed. Tokens after the one that
+        completes a stop string are dropped, as if never sampled."""
+        output_token_ids = self.request.output_token_ids
+        num_new = len(output_token_ids) - self.num_seen
+        if num_new <= 0:
+            return None
+        metrics = self.metrics
+        metrics.last_token_time = time.time() if now is None else now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.last_token_time
         # The EOS or stop token that ended the request adds no text (vLLM's rule).
-        hidden = len(new_tokens) - 1 if self._stopped_by_token() else -1
-        for i, token_id in enumerate(new_tokens):
+        hidden = num_new - 1 if self._stopped_by_token() else -1
+        with_logprobs = self.logprobs is not None and logprobs is not None
+        for i, token_id in enumerate(output_token_ids[self.num_seen :]):
             self.num_seen += 1
-            if self.logprobs is not None and logprobs is not None and i < len(logprobs) and logprobs[i] is not None:
+            if with_logprobs and i < len(logprobs) and logprobs[i] is not None:
                 self.logprobs.append(self._position(logprobs[i]))
                 self.cumulative_logprob += logprobs[i].logprobs[0]
             if i == hidden:
                 break
             stop = self.detok.step([token_id])
             if stop is not None:
-                del self.request.output_token_ids[self.num_seen :]
+                del output_token_ids[self.num_seen :]
                 return stop
         return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 
 from slotrunner.core_runner.engine.intake import FamilyInputs
@@ -63,6 +64,15 @@ class Request:
     num_scheduled_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # What check_stop reads every token, taken from `sampling_params` once: the request's own
+    # copy (intake copies the user's), never changed after the request is made.
+    _stop_ids: frozenset[int] = field(init=False, repr=False, compare=False)  # EOS (unless ignore_eos) and stop_token_ids
+    _max_tokens: int = field(init=False, repr=False, compare=False)  # sys.maxsize when max_tokens is None
+
+    def __post_init__(self) -> None:
+        sp = self.sampling_params
+        self._stop_ids = frozenset(sp.stop_token_ids or ()) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
+        self._max_tokens = sys.maxsize if sp.max_tokens is None else sp.max_tokens
 
     @property
     def group_id(self) -> str:
@@ -96,15 +106,17 @@ class Request:
         num_output = len(self.output_token_ids) + self.num_pending
         return (max_tokens is not None and num_output >= max_tokens) or self.num_tokens + self.num_pending >= max_model_len
 
-    def check_stop(self, max_model_len: int) -> None:
-        """Set a finished status after a token was appended (EOS, stop ids, max_tokens, length)."""
-        sp = self.sampling_params
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set a finished status after a token was appended (EOS, stop ids, max_tokens, length);
+        returns whether the request finished. Called for every sampled token."""
         last = self.output_token_ids[-1]
-        if not sp.ignore_eos and last in self.eos_token_ids:
-            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
-        elif sp.stop_token_ids and last in sp.stop_token_ids:
-            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
-        elif sp.max_tokens is not None and len(self.output_token_ids) >= sp.max_tokens:
+        if last in self._stop_ids:  # EOS wins over a stop id that is also EOS: no stop_reason
+            sp = self.sampling_params
+            is_eos = not sp.ignore_eos and last in self.eos_token_ids
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None if is_eos else last
+            return True
+        num_output = len(self.output_token_ids)
+        if num_output >= self._max_tokens or len(self.prompt_token_ids) + num_output >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
-        elif self.num_tokens >= max_model_len:
-            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

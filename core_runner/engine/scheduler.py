@@ -11,7 +11,7 @@ from slotrunner.core_runner.engine.block_manager import BlockManager, CachedPref
 from slotrunner.core_runner.engine.draft_gate import DraftGate
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.engine.state_checkpoints import StateCheckpoints
-from slotrunner.core_runner.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from slotrunner.core_runner.runner.scheduler_output import NewRequestData, SchedulerOutput
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput
 
 
@@ -201,20 +201,25 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
-        scheduled: list[Request] = []
         use_drafts = self._drafts_proposed
         if self.draft_gate is not None:
             out.propose_drafts = self._drafts_proposed = self.draft_gate.want_drafts()
         decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
+        drafts_scheduled = False
 
-        # This loop runs for every running request every step: features that are off cost no call.
+        # This loop runs for every running request every step: features that are off cost no
+        # call, and a decode row whose blocks already hold its next token builds nothing.
         checkpoints, windows = self.state_checkpoints is not None, self.block_manager.has_windows
+        bm, block_size, prefix_caching = self.block_manager, self.block_size, self.prefix_caching
+        lookahead, max_model_len = self.num_lookahead_tokens > 0, self.max_model_len
+        cached_reqs = out.cached_reqs
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_pending and request.done_when_pending_arrive(self.max_model_len):
+            if request.num_pending and request.done_when_pending_arrive(max_model_len):
                 i += 1
                 continue
+            req_id = request.req_id
             num_computed = request.num_computed_tokens
             num_uncomputed = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
             num_new = min(num_uncomputed + request.num_pending, budget)
@@ -228,22 +233,29 @@ class Scheduler:
             if use_drafts and request.num_spec_tokens and num_uncomputed == 1:
                 # A decode with drafts: the last token and the drafts after it (their KV is
                 # written too; rejected ones are overwritten later, update() rolls back).
-                num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(self.max_model_len))
+                num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(max_model_len))
                 num_new += num_drafts
             if windows:  # blocks its window has passed go back first: this step's growth may reuse them
-                self.block_manager.free_outside_window(request.req_id, num_computed)
-            new_block_ids = self._grow_or_preempt(request, self._with_lookahead(num_computed + num_new), out)
-            if new_block_ids is None:
-                break  # it preempted itself, so it was the last running request
-            out.cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, num_computed))
-            out.num_scheduled_tokens[request.req_id] = num_new
+                bm.free_outside_window(req_id, num_computed)
+            end = num_computed + num_new
+            num_hold = self._with_lookahead(end) if lookahead else end
+            if bm.num_blocks_to_grow(req_id, num_hold):  # else (most decode steps) its last block has room
+                new_block_ids = self._grow_or_preempt(request, num_hold, out)
+                if new_block_ids is None:
+                    break  # it preempted itself, so it was the last running request
+                cached_reqs.new_block_ids[req_id] = new_block_ids
+            cached_reqs.req_ids.append(req_id)
+            cached_reqs.num_computed_tokens.append(num_computed)
+            out.num_scheduled_tokens[req_id] = num_new
             request.num_scheduled_drafts = num_drafts
+            drafts_scheduled |= num_drafts > 0
             # Hashes cover known tokens only: blocks that hold drafts are registered later.
-            if self.prefix_caching:
-                self._cache_blocks(request, num_computed + num_new)
+            # Most decode steps fill no block: this is _cache_blocks' own check, saving the call.
+            if prefix_caching and end // block_size > request.num_registered_blocks:
+                self._cache_blocks(request, end)
             if checkpoints:
                 self._checkpoint_state(request, num_computed, num_new, out)
-            scheduled.append(request)
+            self._advance(request, end)
             budget -= num_new
             i += 1
 
@@ -267,7 +279,6 @@ class Scheduler:
             if cached is not None:
                 self.block_manager.take_cached(request.req_id, cached)
             self.block_manager.grow(request.req_id, self._with_lookahead(num_computed + num_new))
-            request.num_computed_tokens = num_computed
             request.num_registered_blocks = 0  # its cached prefix is registered; cache() skips those
             if request.num_cached_tokens is None:  # first admission: what the user's prompt found cached
                 request.num_cached_tokens = num_computed
@@ -293,20 +304,25 @@ class Scheduler:
             # this very step, since every layer writes the whole batch's K/V before it attends.
             self._cache_blocks(request, num_computed + num_new)
             self._checkpoint_state(request, num_computed, num_new, out)
-            scheduled.append(request)
+            self._advance(request, num_computed + num_new)
             budget -= num_new
 
         if self.state_checkpoints is not None:
             self.state_checkpoints.end_step()
-        for request in scheduled:
-            request.num_computed_tokens += out.num_scheduled_tokens[request.req_id]
-            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_pending:
-                request.num_pending += 1  # this step samples its next token
         self._timed_step = None
         # Measured: decode-only steps that carry drafts and propose the next, or do neither.
-        if self.draft_gate is not None and decode_only and scheduled and not out.new_reqs and use_drafts == out.propose_drafts:
-            self._timed_step = (time.perf_counter(), any(r.num_scheduled_drafts for r in scheduled))
+        if (self.draft_gate is not None and decode_only and out.num_scheduled_tokens and not out.new_reqs
+                and use_drafts == out.propose_drafts):  # fmt: skip
+            self._timed_step = (time.perf_counter(), drafts_scheduled)
         return out
+
+    def _advance(self, request: Request, num_computed: int) -> None:
+        """Count a scheduled request's step as done (`schedule` promises this): nothing else in
+        the same `schedule()` reads the request again -- preemption victims come from the
+        unscheduled tail -- so this happens as soon as the request is scheduled."""
+        request.num_computed_tokens = num_computed
+        if self.async_scheduling and num_computed >= request.num_tokens + request.num_pending:
+            request.num_pending += 1  # this step samples its next token
 
     def _with_lookahead(self, num_tokens: int) -> int:
         """Tokens to hold blocks for when a step computes up to `num_tokens`."""
@@ -371,15 +387,13 @@ class Scheduler:
         request.num_registered_blocks = num_full
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[list[int]] | None:
-        """Grow `request` to hold `num_tokens` tokens, preempting from the tail of `running`
-        until the blocks fit. Returns the new block ids per group, or None if `request` itself was
-        preempted.
+        """Grow `request`, which needs more blocks, to hold `num_tokens` tokens, preempting from
+        the tail of `running` until the blocks fit. Returns the new block ids per group, or None
+        if `request` itself was preempted.
 
         Victims come from the tail, which this step has not scheduled yet (the loop in
         `schedule` walks from the head), so no scheduled request is ever preempted.
         """
-        if self.block_manager.num_blocks_to_grow(request.req_id, num_tokens) == 0:
-            return [[] for _ in self.block_manager.windows]  # most decode steps: the last block still has room
         while not self.block_manager.can_grow(request.req_id, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
@@ -413,9 +427,10 @@ class Scheduler:
             self.draft_gate.observe(with_drafts, time.perf_counter() - start, emitted)
         touched: list[Request] = []
         next_drafts = runner_out.num_draft_tokens
+        requests, scheduled, max_model_len = self._requests, sched_out.num_scheduled_tokens, self.max_model_len
         for row, (req_id, sampled) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
-            assert req_id in sched_out.num_scheduled_tokens, f"runner returned a row for unscheduled {req_id!r}"
-            request = self._requests.get(req_id)
+            assert req_id in scheduled, f"runner returned a row for unscheduled {req_id!r}"
+            request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
             if request.num_scheduled_drafts:
@@ -437,10 +452,8 @@ class Scheduler:
                 if request.num_pending:
                     request.num_pending -= 1
                 request.output_token_ids.append(token_id)
-                request.check_stop(self.max_model_len)
-                if request.status.finished:
+                if request.check_stop(max_model_len):
+                    self._remove(request)
                     break  # drop tokens sampled after the stop (speculative rows)
-            if request.status.finished:
-                self._remove(request)
             touched.append(request)
         return touched

@@ -344,10 +344,12 @@ class ModelRunner:
             self.model_state.add_request(slot, new)
             if self.speculator is not None:
                 self.speculator.add_request(slot, new.num_computed_tokens)
-        for cached in sched.cached_reqs:
-            slot = self.req_state.req_id_to_slot[cached.req_id]
-            self.block_tables.append(slot, cached.new_block_ids)
-            self.req_state.num_computed_tokens_np[slot] = cached.num_computed_tokens
+        cached, slots = sched.cached_reqs, self.req_state.req_id_to_slot
+        if cached.req_ids:  # one assignment for the batch's rows, not one per row
+            cached_slots = [slots[r] for r in cached.req_ids]
+            self.req_state.num_computed_tokens_np[cached_slots] = cached.num_computed_tokens
+        for req_id, new_block_ids in cached.new_block_ids.items():
+            self.block_tables.append(slots[req_id], new_block_ids)
         self.block_tables.commit()
 
     def _graph_size(self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray) -> tuple[int, int] | None:

@@ -41,17 +41,21 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request already in the runner that is scheduled again this step."""
+    """The requests already in the runner that are scheduled again this step, as columns (one
+    entry per request, in batch order): a decode step of a large batch builds no object per row.
+    """
 
-    req_id: str
-    new_block_ids: list[list[int]]  # per KV-cache group, appended to its table row
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)  # [num_cached_reqs]
+    num_computed_tokens: list[int] = field(default_factory=list)  # [num_cached_reqs] before the step
+    # req_id -> per KV-cache group, the block ids appended to its table row: only the requests
+    # that grew this step (a decode row grows once every block_size steps).
+    new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 @dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     # req_id -> tokens to compute this step, in batch order (new requests after cached ones).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests whose slot must be freed before this step: finished, aborted or preempted.

@@ -79,12 +79,16 @@ class FakeRunner:
             assert new.num_computed_tokens == 0 and new.prefill_len >= new.prompt_len
             self.slots[new.req_id] = _Slot(list(new.prefill_token_ids), [list(ids) for ids in new.block_ids])
         assert len(self.slots) <= cfg.max_num_seqs, "more live requests than slots"
-        for cached in out.cached_reqs:
-            slot = self.slots[cached.req_id]
-            assert cached.num_computed_tokens == slot.num_computed, "stale num_computed_tokens"
-            for lst, new_ids in zip(slot.blocks, cached.new_block_ids, strict=True):
+        cached = out.cached_reqs
+        assert len(cached.req_ids) == len(cached.num_computed_tokens) and set(cached.new_block_ids) <= set(cached.req_ids)
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            slot = self.slots[req_id]
+            assert num_computed == slot.num_computed, "stale num_computed_tokens"
+            new_block_ids = cached.new_block_ids.get(req_id, [[] for _ in slot.blocks])
+            assert any(new_block_ids) or req_id not in cached.new_block_ids, "a request listed as grown got no block"
+            for lst, new_ids in zip(slot.blocks, new_block_ids, strict=True):
                 lst += new_ids
-        order = [c.req_id for c in out.cached_reqs] + [n.req_id for n in out.new_reqs]
+        order = cached.req_ids + [n.req_id for n in out.new_reqs]
         assert list(out.num_scheduled_tokens) == order, "batch order must be cached then new"
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
         all_blocks = [b for s in self.slots.values() for b in s.live_blocks(cfg.kv_cache_windows, cfg.block_size)]
@@ -120,9 +124,9 @@ def test_chunked_prefill_respects_budget() -> None:
     out, touched = step(sched, runner)
     assert out.num_scheduled_tokens == {"a": 8} and out.new_reqs[0].num_computed_tokens == 0 and touched == []
     out, touched = step(sched, runner)
-    assert out.num_scheduled_tokens == {"a": 8} and out.cached_reqs[0].num_computed_tokens == 8 and touched == []
+    assert out.num_scheduled_tokens == {"a": 8} and out.cached_reqs.num_computed_tokens == [8] and touched == []
     out, touched = step(sched, runner)
-    assert out.num_scheduled_tokens == {"a": 4} and out.cached_reqs[0].num_computed_tokens == 16
+    assert out.num_scheduled_tokens == {"a": 4} and out.cached_reqs.num_computed_tokens == [16]
     assert [r.req_id for r in touched] == ["a"] and touched[0].output_token_ids == expected_output(20, 1)
 
 
@@ -135,7 +139,7 @@ def test_mixed_prefill_and_decode_in_one_step() -> None:
     sched.add_request(make_request("b", 20, max_tokens=5))
     out, touched = step(sched, runner)
     assert out.num_scheduled_tokens == {"a": 1, "b": 9}
-    assert [c.req_id for c in out.cached_reqs] == ["a"] and [n.req_id for n in out.new_reqs] == ["b"]
+    assert out.cached_reqs.req_ids == ["a"] and [n.req_id for n in out.new_reqs] == ["b"]
     assert [r.req_id for r in touched] == ["a"]
 
 
