@@ -378,8 +378,10 @@ class Scheduler:
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks among its first `num_tokens` tokens -- those this
-        step writes or wrote before -- whose tokens are all known (not pending)."""
-        num_full = num_tokens // self.block_size
+        step writes or wrote before -- whose tokens are all known: not drafts, not pending
+        (async scheduling). The watermark stops at the last such block, so a block that holds
+        drafts or pending tokens now is registered by a later step, once its tokens are known."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         if not self.prefix_caching or num_full <= request.num_registered_blocks:
             return  # most decode steps: no block filled since the last call
         self._hash_blocks(request, num_tokens)

@@ -258,3 +258,27 @@ def test_stop_string_inside_several_tokens_drops_the_rest():
     assert tracker.add_tokens(None) == "cd"
     assert request.output_token_ids == [1, 2, 3]
     assert tracker.completion().text == "b"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_blocks_that_held_drafts_or_pending_tokens_are_cached_later(llama_dir, async_scheduling):
+    """A block registered for the prefix cache must hold known tokens only; one that held drafts
+    (or, under async scheduling, tokens still being sampled) when the step was scheduled is
+    registered by a later step. A request that repeats another's whole history then finds every
+    full block of it cached (lost hits only, never wrong tokens: hence a test of its own)."""
+    motif = [11, 23, 35, 47, 59, 71, 83]  # repeated: prompt lookup proposes drafts
+    prompt = {"prompt_token_ids": motif * 4}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(device="cpu", max_model_len=96, block_size=4, enable_prefix_caching=True)
+    if async_scheduling:
+        llm = LLM(str(llama_dir), async_scheduling=True, **kw)
+    else:
+        llm = LLM(str(llama_dir), speculative_config=NGRAM, **kw)
+        seen = record_acceptance(llm)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    if not async_scheduling:
+        assert seen, "no step carried drafts: the case tests nothing"
+    history = first.prompt_token_ids + first.outputs[0].token_ids
+    again = llm.generate([{"prompt_token_ids": history + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    # Every full block whose KV was computed: all of the history but its last token.
+    assert again.num_cached_tokens == (len(history) - 1) // 4 * 4, (again.num_cached_tokens, len(history))
