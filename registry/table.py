@@ -70,6 +70,7 @@ GGUF_READERS: dict[str, str] = {
     "llama": f"{_M}.llama_gguf:read_llama_gguf",  # also Mistral: llama.cpp writes it as `llama`
     **{arch: f"{_M}.decoder_gguf:read_decoder_gguf" for arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss")},
     "mamba2": f"{_M}.mamba2_gguf:read_mamba2_gguf",
+    "qwen3next": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",
 }
 
 # transformers spells some GGUF architectures with an underscore where llama.cpp has none or a dash
