@@ -29,23 +29,11 @@ from transformers import Mamba2Config
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
-from slotrunner.models.recurrent_gguf import RecurrentCheckpoint
+from slotrunner.models.recurrent_gguf import RecurrentCheckpoint, mamba2_mixer_names
 
 _GLOBAL_NAMES = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
-_LAYER_NAMES = {
-    "attn_norm.weight": "norm.weight",
-    "ssm_in.weight": "mixer.in_proj.weight",
-    "ssm_in.bias": "mixer.in_proj.bias",
-    "ssm_conv1d.weight": "mixer.conv1d.weight",
-    "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_a": "mixer.A_log",
-    "ssm_d": "mixer.D",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight",
-    "ssm_out.bias": "mixer.out_proj.bias",
-}
+_LAYER_NAMES = {"attn_norm.weight": "norm.weight", **mamba2_mixer_names("mixer")}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 

@@ -28,6 +28,20 @@ from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.models.llama_gguf import GGUFCheckpoint
 
 
+# A Mamba2 mixer's tensors (Mamba2Model, and the hybrids built on it): GGUF name after
+# `blk.{i}.` -> HF name after the mixer module (`mixer.` in Mamba2, `mamba.` in Falcon-H1)
+MAMBA2_MIXER_TENSORS = {
+    "ssm_in.weight": "in_proj.weight", "ssm_in.bias": "in_proj.bias", "ssm_conv1d.weight": "conv1d.weight",
+    "ssm_conv1d.bias": "conv1d.bias", "ssm_dt.bias": "dt_bias", "ssm_a": "A_log", "ssm_d": "D",
+    "ssm_norm.weight": "norm.weight", "ssm_out.weight": "out_proj.weight", "ssm_out.bias": "out_proj.bias",
+}  # fmt: skip
+
+
+def mamba2_mixer_names(module: str) -> dict[str, str]:
+    """MAMBA2_MIXER_TENSORS with the HF names under `module` ("mixer", "mamba")."""
+    return {gguf: f"{module}.{hf}" for gguf, hf in MAMBA2_MIXER_TENSORS.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class MixerNames:
     """The HF parameter names (their last dotted parts) of a recurrent mixer's reshaped tensors."""

@@ -105,7 +105,7 @@ GGUF_ARCHITECTURES = {
     "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "mixtral": "llama",
 }  # fmt: skip
 # transformers model_type -> its writer in conformance_gguf_recurrent.py
-RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next"}
+RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1"}
 
 
 def _byte_level_vocab(size: int) -> list[str]:
@@ -178,12 +178,13 @@ def gguf_tensors(names: Any, arch: str, name: str, data: torch.Tensor) -> list[t
         gate, up = data.chunk(2, dim=1)
         block = name.split(".")[2]
         return [(f"blk.{block}.ffn_gate_exps.weight", gate), (f"blk.{block}.ffn_up_exps.weight", up)]
-    stem, suffix = name.rsplit(".", 1)
-    if stem.endswith("mlp.experts"):  # down_proj: [experts, hidden, ff], gguf-py's name has no suffix
+    if name.endswith("mlp.experts.down_proj"):  # [experts, hidden, ff]: the converter appends ".weight"
         stem, suffix = name, "weight"
+    elif names.get_name(name) is not None:  # the whole name first, as the converter looks it up: no suffix
+        return [(names.get_name(name), data)]  # (A_log; Falcon-H1's pre_ff_layernorm.weight -> blk.{i}.ffn_norm)
+    else:
+        stem, suffix = name.rsplit(".", 1)
     gguf_name = names.get_name(stem)
-    if gguf_name is None and names.get_name(name) is not None:  # a bare parameter (A_log): no suffix
-        return [(names.get_name(name), data)]
     if gguf_name is None:
         raise ConformanceError(f"{name} has no GGUF name for {arch}")
     return [(f"{gguf_name}.{suffix}", data)]

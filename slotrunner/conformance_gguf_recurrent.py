@@ -15,16 +15,12 @@ import torch
 
 from slotrunner.conformance_gguf import add_tokenizer, gguf_tensors
 from slotrunner.conformance_oracle import ConformanceError
-from slotrunner.models.recurrent_gguf import to_gguf
+from slotrunner.models.recurrent_gguf import mamba2_mixer_names, to_gguf
 
 # transformers Mamba2 name (after backbone.layers.{i}.) -> llama.cpp's, as Mamba2Model writes it
-_MAMBA2_LAYER_NAMES = {
-    "norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight", "mixer.in_proj.bias": "ssm_in.bias",
-    "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias", "mixer.dt_bias": "ssm_dt.bias",
-    "mixer.A_log": "ssm_a", "mixer.D": "ssm_d", "mixer.norm.weight": "ssm_norm.weight",
-    "mixer.out_proj.weight": "ssm_out.weight", "mixer.out_proj.bias": "ssm_out.bias",
-}  # fmt: skip
-_MIXER_KINDS = {"conv1d.weight": "conv", "A_log": "a_log", "mixer.D": "d", "mixer.norm.weight": "norm"}
+_MAMBA2_LAYER_NAMES = {"norm.weight": "attn_norm.weight"} | {hf: g for g, hf in mamba2_mixer_names("mixer").items()}
+_MIXER_KINDS = {"conv1d.weight": "conv", "A_log": "a_log", "mixer.D": "d", "mixer.norm.weight": "norm", "mamba.D": "d",
+                "mamba.norm.weight": "norm"}  # fmt: skip
 
 
 def _mixer_kind(name: str) -> str | None:
@@ -150,5 +146,78 @@ def write_qwen3next(hf_model: torch.nn.Module, path: Path, tokenizer: str, fused
         else:
             parts = gguf_tensors(names, arch, name, data)
         for gguf_name, part in parts:
+            writer.add_tensor(gguf_name, part.contiguous().numpy())
+    return _finish(writer, path)
+
+
+def falcon_h1_multiplied(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
+    """FalconH1Model.modify_tensors: the muP multipliers folded into the weights, in the
+    converter's order of tests (the model then runs with every multiplier 1)."""
+    if "down_proj" in name:
+        return tensor * config.mlp_multipliers[1]
+    if "gate_proj" in name:
+        return tensor * config.mlp_multipliers[0]
+    if "k_proj" in name:
+        return tensor * config.key_multiplier * config.attention_in_multiplier
+    if "q_proj" in name or "v_proj" in name:
+        return tensor * config.attention_in_multiplier
+    if "o_proj" in name:
+        return tensor * config.attention_out_multiplier
+    if "out_proj" in name:
+        return tensor * config.ssm_out_multiplier
+    if "in_proj" in name:
+        tensor = tensor * config.ssm_in_multiplier
+        inner, bc = config.mamba_d_ssm, config.mamba_n_groups * config.mamba_d_state
+        bounds = [0, inner, 2 * inner, 2 * inner + bc, 2 * inner + 2 * bc, tensor.shape[0]]  # z, x, B, C, dt
+        for multiplier, start, end in zip(config.ssm_multipliers, bounds, bounds[1:]):
+            tensor[start:end] *= multiplier
+        return tensor
+    if "lm_head" in name:
+        return tensor * config.lm_head_multiplier
+    if "embed_tokens" in name:
+        return tensor * config.embedding_multiplier
+    return tensor
+
+
+def write_falcon_h1(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers Falcon-H1 as llama.cpp's FalconH1Model converter writes it: Mamba2Model's
+    mixer tensors and `ssm.*` keys (inner size `mamba_d_ssm`), the attention and MLP under
+    Llama's names, every muP multiplier folded into the weights (`falcon_h1_multiplied`), the
+    attention sizes and the context length that FalconH1Model sets over Mamba2Model's."""
+    import gguf
+
+    config = hf_model.config
+    arch = "falcon-h1"
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("falcon-h1 tiny")
+    writer.add_context_length(config.max_position_embeddings)  # FalconH1Model's values over Mamba2Model's
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_inner_size(config.mamba_d_ssm)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_time_step_rank(config.mamba_d_ssm // config.mamba_d_head)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # in real configs
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    add_tokenizer(writer, config, arch, tokenizer)
+    for name, tensor in hf_model.state_dict().items():
+        data = tensor.detach().float()
+        if (name == "lm_head.weight" and config.tie_word_embeddings) or name.endswith(("mup_vector", "inv_freq")):
+            continue  # buffers, not checkpoint tensors
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif (kind := _mixer_kind(name)) is not None:
+            data = to_gguf(kind, data, groups=config.mamba_n_groups)
+        for gguf_name, part in gguf_tensors(names, arch, name, falcon_h1_multiplied(name, data, config)):
             writer.add_tensor(gguf_name, part.contiguous().numpy())
     return _finish(writer, path)
