@@ -76,8 +76,10 @@ class GGUFCheckpoint:
     # llama.cpp's converter interleaves Q/K rows of the `llama` architecture only; other
     # architectures store them as Hugging Face does (models/decoder_gguf.py).
     permute_rotary: bool = True
-    # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) norms store 1 + w).
+    # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) norms store 1 + w),
+    # except those whose HF name ends with one of `unshifted_norms` (Qwen3-Next's delta-net norm).
     norm_shift: float = 0.0
+    unshifted_norms: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -116,7 +118,8 @@ class GGUFCheckpoint:
                 tensor = PackedWeight.from_ggml(self._file.read_blocks(gguf_name), info.tensor_type.name, info.shape)
             else:
                 tensor = torch.from_numpy(self._file.read_tensor(gguf_name))
-                if self.norm_shift and hf_name.endswith("norm.weight"):  # in float32, before any cast
+                if self.norm_shift and hf_name.endswith("norm.weight") and not hf_name.endswith(self.unshifted_norms):
+                    # in float32, before any cast
                     tensor = tensor.float() - self.norm_shift
                 tensor = tensor.to(self.dtype)
             if ".*." in hf_name:

@@ -1,8 +1,8 @@
 """A Mamba2 GGUF file (llama.cpp's `mamba2` architecture) as a Hugging Face checkpoint.
 
 llama.cpp's converter (`Mamba2Model`) writes the mixer's tensors under `blk.{i}.ssm_*` names and
-reshapes four of them; this reader undoes that and yields transformers' `Mamba2ForCausalLM`
-names:
+reshapes four of them (the conventions every recurrent mixer shares: `recurrent_gguf.py`); this
+reader undoes that and yields transformers' `Mamba2ForCausalLM` names:
 
 | GGUF | as stored | Hugging Face |
 |---|---|---|
@@ -21,53 +21,20 @@ model a tiny file was written from.
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from transformers import Mamba2Config
 
-from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.recurrent_gguf import RecurrentCheckpoint, mamba2_mixer_names
 
 _GLOBAL_NAMES = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
-_LAYER_NAMES = {
-    "attn_norm.weight": "norm.weight",
-    "ssm_in.weight": "mixer.in_proj.weight",
-    "ssm_in.bias": "mixer.in_proj.bias",
-    "ssm_conv1d.weight": "mixer.conv1d.weight",
-    "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_a": "mixer.A_log",
-    "ssm_d": "mixer.D",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight",
-    "ssm_out.bias": "mixer.out_proj.bias",
-}
+_LAYER_NAMES = {"attn_norm.weight": "norm.weight", **mamba2_mixer_names("mixer")}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Mamba2Checkpoint(GGUFCheckpoint):
-    """Yields the tensors in transformers' shapes (see the module docstring)."""
-
-    def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
-        for name, tensor in super().weights():
-            if isinstance(tensor, PackedWeight):
-                if name.endswith("conv1d.weight"):
-                    raise ValueError(f"{self.path}: a quantized ssm_conv1d is not supported (llama.cpp keeps it float).")
-                yield name, tensor
-            elif name.endswith("conv1d.weight"):
-                yield name, tensor.unsqueeze(1)
-            elif name.endswith("A_log"):
-                yield name, torch.log(-tensor.float().reshape(-1)).to(self.dtype)
-            elif name.endswith(("mixer.D", "mixer.norm.weight")):
-                yield name, tensor.reshape(-1)
-            else:
-                yield name, tensor
 
 
 def read_mamba2_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool = False) -> GGUFCheckpoint:
@@ -75,7 +42,7 @@ def read_mamba2_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool =
     Raises ValueError naming the file for tensors or metadata Mamba2 cannot use."""
     gguf_names = _hf_names(gguf, path)
     config = _mamba2_config(gguf, gguf_names, path)
-    return Mamba2Checkpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False)
+    return RecurrentCheckpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False)
 
 
 def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:

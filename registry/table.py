@@ -71,6 +71,8 @@ GGUF_READERS: dict[str, str] = {
     **{arch: f"{_M}.decoder_gguf:read_decoder_gguf" for arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss")},
     "mamba2": f"{_M}.mamba2_gguf:read_mamba2_gguf",
     "deepseek2": f"{_M}.deepseek2_gguf:read_deepseek2_gguf",  # DeepSeek-V2 and V3
+    "qwen3next": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",
+    "falcon-h1": f"{_M}.falcon_h1_gguf:read_falcon_h1_gguf",
 }
 
 # transformers spells some GGUF architectures with an underscore where llama.cpp has none or a dash

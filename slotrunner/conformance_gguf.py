@@ -105,6 +105,9 @@ GGUF_ARCHITECTURES = {
     "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "mixtral": "llama",
 }  # fmt: skip
 
+# transformers model_type -> its writer in conformance_gguf_recurrent.py
+RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1"}
+
 
 def _byte_level_vocab(size: int) -> list[str]:
     """`size` tokens: <s>, </s>, the 256 byte-level symbols, then filler words (no merges)."""
@@ -168,7 +171,27 @@ def _gpt_oss_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.T
     return None
 
 
-def _add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
+def gguf_tensors(names: Any, arch: str, name: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """HF tensor `name` under gguf-py's names for `arch` (`names`: its TensorNameMap). A stacked
+    `mlp.experts.gate_up_proj` ([experts, 2 x ff, hidden]) is split into gate and up stacks, as
+    llama.cpp keeps them (Qwen2MoeModel.modify_tensors); `mlp.experts.down_proj` gets ".weight"."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        gate, up = data.chunk(2, dim=1)
+        block = name.split(".")[2]
+        return [(f"blk.{block}.ffn_gate_exps.weight", gate), (f"blk.{block}.ffn_up_exps.weight", up)]
+    if name.endswith("mlp.experts.down_proj"):  # [experts, hidden, ff]: the converter appends ".weight"
+        stem, suffix = name, "weight"
+    elif names.get_name(name) is not None:  # the whole name first, as the converter looks it up: no suffix
+        return [(names.get_name(name), data)]  # (A_log; Falcon-H1's pre_ff_layernorm.weight -> blk.{i}.ffn_norm)
+    else:
+        stem, suffix = name.rsplit(".", 1)
+    gguf_name = names.get_name(stem)
+    if gguf_name is None:
+        raise ConformanceError(f"{name} has no GGUF name for {arch}")
+    return [(f"{gguf_name}.{suffix}", data)]
+
+
+def add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
     """A vocabulary of the model's size: byte-level BPE (`gpt2`, `tokenizer.ggml.pre` as the
     family's files have it) or SentencePiece (`llama`)."""
     if tokenizer == "gpt2":
@@ -227,12 +250,14 @@ def write_gguf(
     import numpy as np
 
     config = hf_model.config
-    if config.model_type == "mamba2":
-        return _write_mamba2(hf_model, Path(path), tokenizer)
+    if config.model_type in RECURRENT_WRITERS:  # their own metadata and tensor transforms
+        from slotrunner import conformance_gguf_recurrent
+
+        return getattr(conformance_gguf_recurrent, RECURRENT_WRITERS[config.model_type])(hf_model, Path(path), tokenizer)
     if config.model_type in ("deepseek_v2", "deepseek_v3"):
         return _write_deepseek2(hf_model, Path(path), tokenizer, matrix_type, kv_b)
     if config.model_type not in GGUF_ARCHITECTURES:
-        written = sorted([*GGUF_ARCHITECTURES, "mamba2", "deepseek_v2", "deepseek_v3"])
+        written = sorted([*GGUF_ARCHITECTURES, *RECURRENT_WRITERS, "deepseek_v2", "deepseek_v3"])
         raise ConformanceError(f"no GGUF convention is known for {config.model_type!r}; written: {', '.join(written)}")
     arch = GGUF_ARCHITECTURES[config.model_type]
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
@@ -278,7 +303,7 @@ def write_gguf(
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if getattr(config, "sliding_window", None) and arch not in ("qwen2", "llama"):
         writer.add_sliding_window(config.sliding_window)
-    _add_tokenizer(writer, config, arch, tokenizer)
+    add_tokenizer(writer, config, arch, tokenizer)
     shift = 1.0 if arch.startswith("gemma") else 0.0
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -293,25 +318,15 @@ def write_gguf(
                 writer.add_tensor(gguf_name, values)
         if renamed is not None:
             continue
-        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 x ff, hidden]: llama.cpp keeps gate, up apart
-            gate, up = tensor.detach().float().chunk(2, dim=1)
-            block = name.split(".")[2]
-            writer.add_tensor(f"blk.{block}.ffn_gate_exps.weight", gate.contiguous().numpy())
-            writer.add_tensor(f"blk.{block}.ffn_up_exps.weight", up.contiguous().numpy())
-            continue
-        stem, suffix = name.rsplit(".", 1)
-        if stem.endswith("mlp.experts"):  # down_proj: [experts, hidden, ff], gguf-py's name has no suffix
-            stem, suffix = name, "weight"
-        gguf_name = names.get_name(stem)
-        if gguf_name is None:
-            raise ConformanceError(f"{name} has no GGUF name for {arch}")
         data = tensor.detach().float()
+        stem = name.rsplit(".", 1)[0]
         if shift and stem.endswith("norm"):
             data = data + shift
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        _add_matrix(writer, f"{gguf_name}.{suffix}", data, matrix_type)
+        for gguf_name, part in gguf_tensors(names, arch, name, data):
+            _add_matrix(writer, gguf_name, part, matrix_type)
     return _finish(writer, Path(path))
 
 
@@ -335,62 +350,6 @@ def _finish(writer: Any, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-# transformers Mamba2 name (after backbone.layers.{i}.) -> llama.cpp's, as Mamba2Model writes it
-_MAMBA2_LAYER_NAMES = {
-    "norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight", "mixer.in_proj.bias": "ssm_in.bias",
-    "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias", "mixer.dt_bias": "ssm_dt.bias",
-    "mixer.A_log": "ssm_a", "mixer.D": "ssm_d", "mixer.norm.weight": "ssm_norm.weight",
-    "mixer.out_proj.weight": "ssm_out.weight", "mixer.out_proj.bias": "ssm_out.bias",
-}  # fmt: skip
-
-
-def _write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
-    """A transformers Mamba2 as llama.cpp's Mamba2Model converter writes it: the conv weight
-    squeezed to [conv_dim, kernel], A stored as -exp(A_log) and D as [heads, 1], the gated norm
-    as [groups, inner / groups], the `mamba2.ssm.*` keys (float32 tensors)."""
-    import gguf
-
-    config = hf_model.config
-    inner = int(config.expand * config.hidden_size)
-    writer = gguf.GGUFWriter(str(path), "mamba2")
-    writer.add_name("mamba2 tiny")
-    writer.add_context_length(2**20)  # what the converter writes
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(0)
-    writer.add_head_count(0)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_ssm_conv_kernel(config.conv_kernel)
-    writer.add_ssm_inner_size(inner)
-    writer.add_ssm_state_size(config.state_size)
-    writer.add_ssm_time_step_rank(config.num_heads)
-    writer.add_ssm_group_count(config.n_groups)
-    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
-    writer.add_vocab_size(config.vocab_size)
-    _add_tokenizer(writer, config, "mamba2", tokenizer)
-    for name, tensor in hf_model.state_dict().items():
-        data = tensor.detach().float()
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        globals_ = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}  # fmt: skip
-        if name in globals_:
-            writer.add_tensor(globals_[name], data.contiguous().numpy())
-            continue
-        _, _, block, leaf = name.split(".", 3)  # backbone.layers.{i}.<leaf>
-        if leaf not in _MAMBA2_LAYER_NAMES:
-            raise ConformanceError(f"{name} has no GGUF name for mamba2")
-        if leaf == "mixer.conv1d.weight":
-            data = data.squeeze(1)
-        elif leaf == "mixer.A_log":
-            data = (-torch.exp(data)).reshape(-1, 1)
-        elif leaf == "mixer.D":
-            data = data.reshape(-1, 1)
-        elif leaf == "mixer.norm.weight":
-            data = data.reshape(config.n_groups, inner // config.n_groups)
-        writer.add_tensor(f"blk.{block}.{_MAMBA2_LAYER_NAMES[leaf]}", data.contiguous().numpy())
-    return _finish(writer, path)
 
 
 def _write_deepseek2(hf_model: torch.nn.Module, path: Path, tokenizer: str, matrix_type: str, kv_b: str) -> Path:
@@ -463,7 +422,7 @@ def _write_deepseek2(hf_model: torch.nn.Module, path: Path, tokenizer: str, matr
     if config.norm_topk_prob or not split:
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
     writer.add_rope_dimension_count(rope_dim)
-    _add_tokenizer(writer, config, "deepseek2", tokenizer)
+    add_tokenizer(writer, config, "deepseek2", tokenizer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
     heads = config.num_attention_heads
     for name, tensor in hf_model.state_dict().items():

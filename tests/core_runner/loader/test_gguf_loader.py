@@ -170,7 +170,7 @@ def test_truncated_tensor_data(tmp_path) -> None:
 
 def test_other_architecture(tmp_path) -> None:
     path = _write_tiny_llama(tmp_path / "rwkv.gguf", arch="rwkv6")
-    with pytest.raises(ValueError, match=r"rwkv\.gguf: GGUF architecture 'rwkv6' is not supported; supported: deepseek2, gemma2, "):
+    with pytest.raises(ValueError, match=r"rwkv\.gguf: GGUF architecture 'rwkv6' is not supported; supported: deepseek2, falcon-h1, gemma2, "):
         read_gguf(path, torch.float32)
 
 

@@ -1,0 +1,90 @@
+"""llama.cpp's GGUF conventions for recurrent token mixers, both ways, in one place.
+
+Every recurrent mixer llama.cpp's converter writes (`Mamba2Model` and its subclasses
+`FalconH1Model`, `GraniteHybridModel`, `NemotronHModel`; `Qwen3NextModel`'s gated delta-net)
+reshapes the same few tensors:
+
+| HF tensor | in the file |
+|---|---|
+| `conv1d.weight` `[conv_dim, 1, kernel]` | `ssm_conv1d.weight` `[conv_dim, kernel]` (squeezed) |
+| `A_log` `[heads]` | `ssm_a` = -exp(A_log): `[heads, 1]` (Mamba2Model) or `[heads]` (Qwen3NextModel) |
+| `D` `[heads]` | `ssm_d` `[heads, 1]` (Mamba2Model) |
+| the gated norm's `weight` `[inner]` | `ssm_norm.weight` `[groups, inner / groups]` (Mamba2Model) or as is |
+| `dt_bias` | `ssm_dt.bias` (renamed only) |
+
+`to_gguf` is the converter's direction (the conformance writer uses it); `RecurrentCheckpoint`
+undoes it while it yields the weights. A_log comes back through log(-A), so it can differ from
+the original in the last bit (the model computes -exp(A_log) again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from slotrunner.core_runner.cpu.packed import PackedWeight
+from slotrunner.models.llama_gguf import GGUFCheckpoint
+
+
+# A Mamba2 mixer's tensors (Mamba2Model, and the hybrids built on it): GGUF name after
+# `blk.{i}.` -> HF name after the mixer module (`mixer.` in Mamba2, `mamba.` in Falcon-H1)
+MAMBA2_MIXER_TENSORS = {
+    "ssm_in.weight": "in_proj.weight", "ssm_in.bias": "in_proj.bias", "ssm_conv1d.weight": "conv1d.weight",
+    "ssm_conv1d.bias": "conv1d.bias", "ssm_dt.bias": "dt_bias", "ssm_a": "A_log", "ssm_d": "D",
+    "ssm_norm.weight": "norm.weight", "ssm_out.weight": "out_proj.weight", "ssm_out.bias": "out_proj.bias",
+}  # fmt: skip
+
+
+def mamba2_mixer_names(module: str) -> dict[str, str]:
+    """MAMBA2_MIXER_TENSORS with the HF names under `module` ("mixer", "mamba")."""
+    return {gguf: f"{module}.{hf}" for gguf, hf in MAMBA2_MIXER_TENSORS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerNames:
+    """The HF parameter names (their last dotted parts) of a recurrent mixer's reshaped tensors."""
+
+    conv: str = "conv1d.weight"
+    a_log: str = "A_log"
+    d: str = "mixer.D"
+    norm: str = "mixer.norm.weight"  # the gated output norm
+
+
+def to_gguf(kind: str, tensor: torch.Tensor, groups: int | None = None, column: bool = True) -> torch.Tensor:
+    """A mixer tensor as the converter stores it. `kind`: "conv", "a_log", "d" or "norm";
+    `column`: A and D as [heads, 1] (Mamba2Model) rather than [heads] (Qwen3NextModel);
+    `groups`: the norm's groups (Mamba2Model reshapes it to [groups, inner / groups], even for
+    one group); None: the norm as it is (Qwen3NextModel)."""
+    if kind == "conv":
+        return tensor.squeeze(1)
+    if kind == "a_log":
+        tensor = -torch.exp(tensor)
+    if kind in ("a_log", "d") and column:
+        return tensor.reshape(-1, 1)
+    if kind == "norm" and groups is not None:
+        return tensor.reshape(groups, -1)
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentCheckpoint(GGUFCheckpoint):
+    """Yields a recurrent model's tensors in transformers' shapes (see the module docstring)."""
+
+    mixer: MixerNames = MixerNames()
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        for name, tensor in super().weights():
+            if isinstance(tensor, PackedWeight):
+                if name.endswith(self.mixer.conv):
+                    raise ValueError(f"{self.path}: a quantized ssm_conv1d is not supported (llama.cpp keeps it float).")
+                yield name, tensor
+            elif name.endswith(self.mixer.conv):
+                yield name, tensor.unsqueeze(1)
+            elif name.endswith(self.mixer.a_log):
+                yield name, torch.log(-tensor.float().reshape(-1)).to(self.dtype)
+            elif name.endswith((self.mixer.d, self.mixer.norm)):
+                yield name, tensor.reshape(-1)
+            else:
+                yield name, tensor

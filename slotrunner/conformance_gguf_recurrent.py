@@ -1,0 +1,223 @@
+"""Tiny GGUF cases of the recurrent architectures: a transformers model written as llama.cpp's
+converter writes it (`Mamba2Model`, `Qwen3NextModel`), for `conformance_gguf.write_gguf`.
+
+The mixers' shared reshapes (conv squeezed, A = -exp(A_log), ...) are `models/recurrent_gguf.py`'s
+`to_gguf`, the same table the readers undo. Tensors stay float32. transformers' GGUF loader reads
+none of these architectures, so the tests check each file against the model it was written from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slotrunner.conformance_gguf import add_tokenizer, gguf_tensors
+from slotrunner.conformance_oracle import ConformanceError
+from slotrunner.models.recurrent_gguf import mamba2_mixer_names, to_gguf
+
+# transformers Mamba2 name (after backbone.layers.{i}.) -> llama.cpp's, as Mamba2Model writes it
+_MAMBA2_LAYER_NAMES = {"norm.weight": "attn_norm.weight"} | {hf: g for g, hf in mamba2_mixer_names("mixer").items()}
+_MIXER_KINDS = {"conv1d.weight": "conv", "A_log": "a_log", "mixer.D": "d", "mixer.norm.weight": "norm", "mamba.D": "d",
+                "mamba.norm.weight": "norm"}  # fmt: skip
+
+
+def _mixer_kind(name: str) -> str | None:
+    """Which of the mixer's reshaped tensors `name` is (`to_gguf`'s kind), or None."""
+    return next((kind for suffix, kind in _MIXER_KINDS.items() if name.endswith(suffix)), None)
+
+
+def _finish(writer: Any, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers Mamba2 as llama.cpp's Mamba2Model converter writes it: the conv weight
+    squeezed to [conv_dim, kernel], A stored as -exp(A_log) and D as [heads, 1], the gated norm
+    as [groups, inner / groups], the `mamba2.ssm.*` keys (float32 tensors)."""
+    import gguf
+
+    config = hf_model.config
+    inner = int(config.expand * config.hidden_size)
+    writer = gguf.GGUFWriter(str(path), "mamba2")
+    writer.add_name("mamba2 tiny")
+    writer.add_context_length(2**20)  # what the converter writes
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(config.state_size)
+    writer.add_ssm_time_step_rank(config.num_heads)
+    writer.add_ssm_group_count(config.n_groups)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    add_tokenizer(writer, config, "mamba2", tokenizer)
+    globals_ = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}  # fmt: skip
+    for name, tensor in hf_model.state_dict().items():
+        data = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name in globals_:
+            writer.add_tensor(globals_[name], data.contiguous().numpy())
+            continue
+        _, _, block, leaf = name.split(".", 3)  # backbone.layers.{i}.<leaf>
+        if leaf not in _MAMBA2_LAYER_NAMES:
+            raise ConformanceError(f"{name} has no GGUF name for mamba2")
+        if (kind := _mixer_kind(name)) is not None:
+            data = to_gguf(kind, data, groups=config.n_groups)
+        writer.add_tensor(f"blk.{block}.{_MAMBA2_LAYER_NAMES[leaf]}", data.contiguous().numpy())
+    return _finish(writer, path)
+
+
+def split_qkvz(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3NextModel.modify_tensors: HF's in_proj_qkvz rows, [q, k, v, z] per key head, as the
+    `attn_qkv` rows (every head's q, then every k, then every v) and the `attn_gate` rows (z)."""
+    head_k, head_v = config.linear_key_head_dim, config.linear_value_head_dim
+    num_k, num_v, hidden = config.linear_num_key_heads, config.linear_num_value_heads, config.hidden_size
+    sizes = [head_k, head_k, num_v // num_k * head_v, num_v // num_k * head_v]
+    data = weight.permute(1, 0).contiguous().view(-1, num_k, sum(sizes))  # [hidden, key heads, q+k+v+z]
+    q, k, v, z = (part.contiguous().view(hidden, -1) for part in torch.split(data, sizes, dim=-1))
+    return torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous(), z.permute(1, 0).contiguous()
+
+
+def write_qwen3next(hf_model: torch.nn.Module, path: Path, tokenizer: str, fused_qkvz: bool = False) -> Path:
+    """A transformers Qwen3-Next as llama.cpp's Qwen3NextModel converter writes it (with
+    TextModel's and Qwen2MoeModel's keys): every norm but the delta-net's stored as 1 + w, A as
+    -exp(A_log) `[heads]`, the conv squeezed, dt_bias as `ssm_dt.bias`, in_proj_qkvz split into
+    `attn_qkv` and `attn_gate` (`fused_qkvz`: kept whole as `ssm_in`, as converters before the
+    split wrote it), in_proj_ba as `ssm_ba`, the experts as gate/up/down stacks, the shared
+    expert's gate as `ffn_gate_inp_shexp`; `attention.recurrent_layers` from `layer_types`."""
+    import gguf
+
+    config = hf_model.config
+    arch = "qwen3next"
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    rope = config.rope_parameters
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("qwen3next tiny")
+    writer.add_block_count(config.num_hidden_layers)  # TextModel.set_gguf_parameters
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)  # Qwen2MoeModel
+    writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)  # Qwen3NextModel
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    # gguf-py's add_recurrent_layers, which this gguf version lacks: the same key and array
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
+    writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
+    writer.add_rope_dimension_count(int(config.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    writer.add_vocab_size(config.vocab_size)
+    add_tokenizer(writer, config, arch, tokenizer)
+    for name, tensor in hf_model.state_dict().items():
+        data = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif (kind := _mixer_kind(name)) is not None:
+            data = to_gguf(kind, data, column=False)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            data = data + 1
+        if name.endswith("in_proj_qkvz.weight") and not fused_qkvz:
+            qkv, z = split_qkvz(data, config)
+            block = name.split(".")[2]
+            parts = [(f"blk.{block}.attn_qkv.weight", qkv), (f"blk.{block}.attn_gate.weight", z)]
+        else:
+            parts = gguf_tensors(names, arch, name, data)
+        for gguf_name, part in parts:
+            writer.add_tensor(gguf_name, part.contiguous().numpy())
+    return _finish(writer, path)
+
+
+def falcon_h1_multiplied(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
+    """FalconH1Model.modify_tensors: the muP multipliers folded into the weights, in the
+    converter's order of tests (the model then runs with every multiplier 1)."""
+    if "down_proj" in name:
+        return tensor * config.mlp_multipliers[1]
+    if "gate_proj" in name:
+        return tensor * config.mlp_multipliers[0]
+    if "k_proj" in name:
+        return tensor * config.key_multiplier * config.attention_in_multiplier
+    if "q_proj" in name or "v_proj" in name:
+        return tensor * config.attention_in_multiplier
+    if "o_proj" in name:
+        return tensor * config.attention_out_multiplier
+    if "out_proj" in name:
+        return tensor * config.ssm_out_multiplier
+    if "in_proj" in name:
+        tensor = tensor * config.ssm_in_multiplier
+        inner, bc = config.mamba_d_ssm, config.mamba_n_groups * config.mamba_d_state
+        bounds = [0, inner, 2 * inner, 2 * inner + bc, 2 * inner + 2 * bc, tensor.shape[0]]  # z, x, B, C, dt
+        for multiplier, start, end in zip(config.ssm_multipliers, bounds, bounds[1:]):
+            tensor[start:end] *= multiplier
+        return tensor
+    if "lm_head" in name:
+        return tensor * config.lm_head_multiplier
+    if "embed_tokens" in name:
+        return tensor * config.embedding_multiplier
+    return tensor
+
+
+def write_falcon_h1(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers Falcon-H1 as llama.cpp's FalconH1Model converter writes it: Mamba2Model's
+    mixer tensors and `ssm.*` keys (inner size `mamba_d_ssm`), the attention and MLP under
+    Llama's names, every muP multiplier folded into the weights (`falcon_h1_multiplied`), the
+    attention sizes and the context length that FalconH1Model sets over Mamba2Model's."""
+    import gguf
+
+    config = hf_model.config
+    arch = "falcon-h1"
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("falcon-h1 tiny")
+    writer.add_context_length(config.max_position_embeddings)  # FalconH1Model's values over Mamba2Model's
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_inner_size(config.mamba_d_ssm)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_time_step_rank(config.mamba_d_ssm // config.mamba_d_head)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # in real configs
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    add_tokenizer(writer, config, arch, tokenizer)
+    for name, tensor in hf_model.state_dict().items():
+        data = tensor.detach().float()
+        if (name == "lm_head.weight" and config.tie_word_embeddings) or name.endswith(("mup_vector", "inv_freq")):
+            continue  # buffers, not checkpoint tensors
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif (kind := _mixer_kind(name)) is not None:
+            data = to_gguf(kind, data, groups=config.mamba_n_groups)
+        for gguf_name, part in gguf_tensors(names, arch, name, falcon_h1_multiplied(name, data, config)):
+            writer.add_tensor(gguf_name, part.contiguous().numpy())
+    return _finish(writer, path)
