@@ -16,7 +16,6 @@ model a tiny file was written from.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
@@ -24,7 +23,7 @@ from transformers import FalconH1Config
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
-from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint, mamba2_mixer_names
+from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint, mamba2_mixer_names, whole_name_table
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.final_layernorm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
@@ -37,33 +36,15 @@ _LAYER_NAMES = {
     **{f"{g}.{suffix}": f"{hf}.{suffix}" for g, hf in _PROJECTIONS.items() for suffix in ("weight", "bias")},
     **mamba2_mixer_names("mamba"),
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 MIXER = MixerNames(d="mamba.D", norm="mamba.norm.weight")
 
 
 def read_falcon_h1_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool = False) -> GGUFCheckpoint:
     """Read an opened `falcon-h1` GGUF file's config, tokenizer and tensor table (not the data).
     Raises ValueError naming the file for tensors or metadata Falcon-H1 cannot use."""
-    gguf_names = _hf_names(gguf, path)
+    gguf_names = whole_name_table(gguf, path, _GLOBAL_NAMES, _LAYER_NAMES, "model.layers", "FalconH1ForCausalLM")
     config = _config(gguf, gguf_names, path)
     return RecurrentCheckpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False, mixer=MIXER)
-
-
-def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
-    names, unknown = {}, []
-    for gguf_name in gguf.tensors:
-        layer = _LAYER_TENSOR.fullmatch(gguf_name)
-        if gguf_name in _GLOBAL_NAMES:
-            names[_GLOBAL_NAMES[gguf_name]] = gguf_name
-        elif layer and layer.group(2) in _LAYER_NAMES:
-            names[f"model.layers.{layer.group(1)}.{_LAYER_NAMES[layer.group(2)]}"] = gguf_name
-        else:
-            unknown.append(gguf_name)
-    if unknown:
-        raise ValueError(f"{path}: tensors with no FalconH1ForCausalLM equivalent: {', '.join(unknown[:8])}.")
-    if "model.embed_tokens.weight" not in names:
-        raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete falcon-h1 model.")
-    return names
 
 
 def _config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> FalconH1Config:

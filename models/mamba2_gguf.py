@@ -21,7 +21,6 @@ model a tiny file was written from.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
@@ -29,37 +28,19 @@ from transformers import Mamba2Config
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
-from slotrunner.models.recurrent_gguf import RecurrentCheckpoint, mamba2_mixer_names
+from slotrunner.models.recurrent_gguf import RecurrentCheckpoint, mamba2_mixer_names, whole_name_table
 
 _GLOBAL_NAMES = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
 _LAYER_NAMES = {"attn_norm.weight": "norm.weight", **mamba2_mixer_names("mixer")}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def read_mamba2_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: bool = False) -> GGUFCheckpoint:
     """Read an opened `mamba2` GGUF file's config, tokenizer and tensor table (not the data).
     Raises ValueError naming the file for tensors or metadata Mamba2 cannot use."""
-    gguf_names = _hf_names(gguf, path)
+    gguf_names = whole_name_table(gguf, path, _GLOBAL_NAMES, _LAYER_NAMES, "backbone.layers", "Mamba2")
     config = _mamba2_config(gguf, gguf_names, path)
     return RecurrentCheckpoint.of(gguf, path, dtype, config, gguf_names, pack, permute_rotary=False)
-
-
-def _hf_names(gguf: GGUFFile, path: str) -> dict[str, str]:
-    names, unknown = {}, []
-    for gguf_name in gguf.tensors:
-        layer = _LAYER_TENSOR.fullmatch(gguf_name)
-        if gguf_name in _GLOBAL_NAMES:
-            names[_GLOBAL_NAMES[gguf_name]] = gguf_name
-        elif layer and layer.group(2) in _LAYER_NAMES:
-            names[f"backbone.layers.{layer.group(1)}.{_LAYER_NAMES[layer.group(2)]}"] = gguf_name
-        else:
-            unknown.append(gguf_name)
-    if unknown:
-        raise ValueError(f"{path}: tensors with no Mamba2 equivalent: {', '.join(unknown[:8])}.")
-    if "backbone.embeddings.weight" not in names:
-        raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete Mamba2 model.")
-    return names
 
 
 def _mamba2_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Mamba2Config:

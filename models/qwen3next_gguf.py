@@ -29,7 +29,6 @@ model a tiny file was written from.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,7 +38,7 @@ from transformers import Qwen3NextConfig
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
-from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint
+from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint, whole_name_table
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
@@ -59,7 +58,6 @@ _LAYER_NAMES = {f"{g}.weight": f"{hf}.weight" for g, hf in _WEIGHTS.items()} | {
     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
     "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
 }  # fmt: skip
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 MIXER = MixerNames(d="linear_attn.D", norm="linear_attn.norm.weight")  # no D; its norm is not grouped
 # The split in_proj_qkvz: HF's names of its two halves (Qwen3.5's), merged back by the checkpoint.
 _SPLIT = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight")
@@ -118,24 +116,7 @@ def read_qwen3next_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack: boo
 
 
 def _hf_names(gguf: GGUFFile, num_layers: int, path: str) -> dict[str, str]:
-    names, unknown = {}, []
-    for gguf_name in gguf.tensors:
-        layer = _LAYER_TENSOR.fullmatch(gguf_name)
-        if gguf_name in _GLOBAL_NAMES:
-            names[_GLOBAL_NAMES[gguf_name]] = gguf_name
-        elif layer and int(layer.group(1)) >= num_layers:
-            continue  # the multi-token-prediction block(s)
-        elif layer and layer.group(2) in _LAYER_NAMES:
-            names[f"model.layers.{layer.group(1)}.{_LAYER_NAMES[layer.group(2)]}"] = gguf_name
-        else:
-            unknown.append(gguf_name)
-    if unknown:
-        hint = ""
-        if any("ffn_gate_up_exps." in n for n in unknown):
-            hint = " (experts with gate and up fused in one stack are not read yet; convert with them apart)"
-        raise ValueError(f"{path}: tensors with no Qwen3NextForCausalLM equivalent: {', '.join(unknown[:8])}{hint}.")
-    if "model.embed_tokens.weight" not in names:
-        raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete qwen3next model.")
+    names = whole_name_table(gguf, path, _GLOBAL_NAMES, _LAYER_NAMES, "model.layers", "Qwen3NextForCausalLM", num_layers)
     for i in range(num_layers):
         split = [f"model.layers.{i}.{p}" in names for p in _SPLIT]
         if any(split) and not all(split):

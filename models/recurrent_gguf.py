@@ -20,11 +20,13 @@ the original in the last bit (the model computes -exp(A_log) again).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
+from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint
 
 
@@ -88,3 +90,39 @@ class RecurrentCheckpoint(GGUFCheckpoint):
                 yield name, tensor.reshape(-1)
             else:
                 yield name, tensor
+
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def whole_name_table(
+    gguf: GGUFFile,
+    path: str,
+    global_names: Mapping[str, str],  # whole GGUF name -> HF name
+    layer_names: Mapping[str, str],  # GGUF name after blk.{i}. -> HF name after the layer prefix
+    layer_prefix: str,  # "model.layers", "backbone.layers"
+    model: str,  # the HF architecture, for errors
+    num_layers: int | None = None,  # blocks from this one on are skipped (multi-token-prediction blocks)
+) -> dict[str, str]:
+    """`{hf_name: gguf_name}` for every tensor of a file whose tables map whole names (suffix
+    included, as the recurrent converters write some tensors without one); raises, naming the
+    file, on a tensor the model lacks or a file without its token embedding."""
+    names, unknown = {}, []
+    for gguf_name in gguf.tensors:
+        layer = _LAYER_TENSOR.fullmatch(gguf_name)
+        if gguf_name in global_names:
+            names[global_names[gguf_name]] = gguf_name
+        elif layer and num_layers is not None and int(layer.group(1)) >= num_layers:
+            continue
+        elif layer and layer.group(2) in layer_names:
+            names[f"{layer_prefix}.{layer.group(1)}.{layer_names[layer.group(2)]}"] = gguf_name
+        else:
+            unknown.append(gguf_name)
+    if unknown:
+        hint = ""
+        if any("ffn_gate_up_exps." in n for n in unknown):
+            hint = " (experts with gate and up fused in one stack are not read yet; convert with them apart)"
+        raise ValueError(f"{path}: tensors with no {model} equivalent: {', '.join(unknown[:8])}{hint}.")
+    if global_names["token_embd.weight"] not in names:
+        raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete {model} model.")
+    return names

@@ -327,7 +327,7 @@ def write_gguf(
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         for gguf_name, part in gguf_tensors(names, arch, name, data):
             _add_matrix(writer, gguf_name, part, matrix_type)
-    return _finish(writer, Path(path))
+    return finish_writer(writer, Path(path))
 
 
 def _add_matrix(writer: Any, name: str, data: torch.Tensor, matrix_type: str) -> None:
@@ -344,7 +344,8 @@ def _add_matrix(writer: Any, name: str, data: torch.Tensor, matrix_type: str) ->
         writer.add_tensor(name, values)
 
 
-def _finish(writer: Any, path: Path) -> Path:
+def finish_writer(writer: Any, path: Path) -> Path:
+    """Write the header, metadata and tensors to `path` and close the writer."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -450,4 +451,4 @@ def _write_deepseek2(hf_model: torch.nn.Module, path: Path, tokenizer: str, matr
         if gguf_name is None:
             raise ConformanceError(f"{name} has no GGUF name for deepseek2")
         _add_matrix(writer, f"{gguf_name}.{suffix}", data, matrix_type)
-    return _finish(writer, path)
+    return finish_writer(writer, path)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from slotrunner.conformance_gguf import add_tokenizer, gguf_tensors
+from slotrunner.conformance_gguf import add_tokenizer, finish_writer, gguf_tensors
 from slotrunner.conformance_oracle import ConformanceError
 from slotrunner.models.recurrent_gguf import mamba2_mixer_names, to_gguf
 
@@ -26,14 +26,6 @@ _MIXER_KINDS = {"conv1d.weight": "conv", "A_log": "a_log", "mixer.D": "d", "mixe
 def _mixer_kind(name: str) -> str | None:
     """Which of the mixer's reshaped tensors `name` is (`to_gguf`'s kind), or None."""
     return next((kind for suffix, kind in _MIXER_KINDS.items() if name.endswith(suffix)), None)
-
-
-def _finish(writer: Any, path: Path) -> Path:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
@@ -74,7 +66,7 @@ def write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
         if (kind := _mixer_kind(name)) is not None:
             data = to_gguf(kind, data, groups=config.n_groups)
         writer.add_tensor(f"blk.{block}.{_MAMBA2_LAYER_NAMES[leaf]}", data.contiguous().numpy())
-    return _finish(writer, path)
+    return finish_writer(writer, path)
 
 
 def split_qkvz(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +139,7 @@ def write_qwen3next(hf_model: torch.nn.Module, path: Path, tokenizer: str, fused
             parts = gguf_tensors(names, arch, name, data)
         for gguf_name, part in parts:
             writer.add_tensor(gguf_name, part.contiguous().numpy())
-    return _finish(writer, path)
+    return finish_writer(writer, path)
 
 
 def falcon_h1_multiplied(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
@@ -220,4 +212,4 @@ def write_falcon_h1(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Pa
             data = to_gguf(kind, data, groups=config.mamba_n_groups)
         for gguf_name, part in gguf_tensors(names, arch, name, falcon_h1_multiplied(name, data, config)):
             writer.add_tensor(gguf_name, part.contiguous().numpy())
-    return _finish(writer, path)
+    return finish_writer(writer, path)
