@@ -20,8 +20,11 @@ Drafts run unconditionally for the first `WARMUP[method]` measured steps with dr
 lookup finds matches only once the text repeats; a draft model's worth shows at once); then a
 few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN` decisions,
 first after `PROBE_EVERY` decisions, then after twice as many each time the probe confirms the
-choice (up to `MAX_PROBE_EVERY`), so that a settled choice costs little to keep checking. The
-figure of an arm not run since the last probe is stale: a probe's measurement replaces it.
+choice (up to `MAX_PROBE_EVERY`), and never more often than keeps the probes' extra cost under
+`PROBE_BUDGET` of the time (an arm that costs r times the chosen one is probed at most every
+PROBE_LEN * (r - 1) / PROBE_BUDGET decisions: a draft model that is never accepted is checked
+rarely). The figure of an arm not run since the last probe is stale: a probe's measurement
+replaces it.
 Outputs do not depend on the gate (verification is exact): it only decides how many tokens a
 step computes.
 """
@@ -33,6 +36,7 @@ MIN_STEPS = 3  # steps measured without drafts before that figure counts
 PROBE_EVERY = 8  # decisions before the first probe of the arm not chosen
 MAX_PROBE_EVERY = 256  # the longest interval between probes
 PROBE_LEN = 2  # decisions a probe lasts: the second one's step is measured
+PROBE_BUDGET = 0.05  # the probes' extra cost, as a share of the time, at most
 MARGIN = 0.1  # going without drafts must be this much cheaper per token to be chosen
 DECAY = 0.7  # weight of the old average at each new step
 
@@ -58,13 +62,16 @@ class DraftGate:
             self._probe_left -= 1
             return not self._choice
         best = self._cost[True] <= self._cost[False] * (1 + MARGIN)
+        # Probing the other arm costs PROBE_LEN steps at (ratio - 1) more each: keep that in budget.
+        ratio = self._cost[not best] / max(self._cost[best], 1e-12)
+        floor = min(int(PROBE_LEN * max(ratio - 1, 0) / PROBE_BUDGET), MAX_PROBE_EVERY)
         if best != self._choice:  # the measurements changed the choice: check it again soon
-            self._choice, self._interval, self._since_probe = best, PROBE_EVERY, 0
+            self._choice, self._interval, self._since_probe = best, max(PROBE_EVERY, floor), 0
         else:
             self._since_probe += 1
         if self._since_probe >= self._interval:
             self._since_probe = 0
-            self._interval = min(2 * self._interval, MAX_PROBE_EVERY)
+            self._interval = max(min(2 * self._interval, MAX_PROBE_EVERY), floor)
             self._probe_left = PROBE_LEN - 1
             self._stale[not self._choice] = True
             return not self._choice
