@@ -22,7 +22,7 @@ and no Granite multiplier is a Bamba; anything else a GraniteMoeHybrid, its miss
 what llama.cpp assumes (1, attention head_dim**-0.5). Which layers attend: those with a nonzero
 entry in the `attention.head_count_kv` array. A Bamba's partial rotary comes from
 `rope.dimension_count` (its hub configs' `attn_rotary_emb`); llama.cpp rotates the pairs of the
-permuted head, not HF's halves of the rotated part, where they differ slotrunner follows the
+permuted head, not HF's halves of the rotated part: there slotrunner follows the
 model. transformers' GGUF loader does not read `granitehybrid`: the tests check this reader
 against the model a tiny file was written from.
 """
