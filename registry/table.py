@@ -73,6 +73,7 @@ GGUF_READERS: dict[str, str] = {
     "deepseek2": f"{_M}.deepseek2_gguf:read_deepseek2_gguf",  # DeepSeek-V2 and V3
     "qwen3next": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",
     "falcon-h1": f"{_M}.falcon_h1_gguf:read_falcon_h1_gguf",
+    "granitehybrid": f"{_M}.granite_hybrid_gguf:read_granite_hybrid_gguf",  # GraniteMoeHybrid and Bamba
 }
 
 # transformers spells some GGUF architectures with an underscore where llama.cpp has none or a dash

@@ -106,7 +106,8 @@ GGUF_ARCHITECTURES = {
 }  # fmt: skip
 
 # transformers model_type -> its writer in conformance_gguf_recurrent.py
-RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1"}
+RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1",
+                     "bamba": "write_granite_hybrid", "granitemoehybrid": "write_granite_hybrid"}
 
 
 def _byte_level_vocab(size: int) -> list[str]:
@@ -169,6 +170,12 @@ def _gpt_oss_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.T
     if leaf == "down_proj_bias":
         return [(f"{block}.ffn_down_exps.bias", tensor)]
     return None
+
+
+def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Q/K rows interleaved for ggml's rotary, as LlamaModel.permute does (and every converter
+    built on LlamaModel with `undo_permute`)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def gguf_tensors(names: Any, arch: str, name: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -324,7 +331,7 @@ def write_gguf(
             data = data + shift
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
-            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+            data = llama_permute(data, heads)
         for gguf_name, part in gguf_tensors(names, arch, name, data):
             _add_matrix(writer, gguf_name, part, matrix_type)
     return finish_writer(writer, Path(path))

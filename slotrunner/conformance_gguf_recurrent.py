@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from slotrunner.conformance_gguf import add_tokenizer, finish_writer, gguf_tensors
+from slotrunner.conformance_gguf import add_tokenizer, finish_writer, gguf_tensors, llama_permute
 from slotrunner.conformance_oracle import ConformanceError
 from slotrunner.models.recurrent_gguf import mamba2_mixer_names, to_gguf
 
@@ -26,6 +26,16 @@ _MIXER_KINDS = {"conv1d.weight": "conv", "A_log": "a_log", "mixer.D": "d", "mixe
 def _mixer_kind(name: str) -> str | None:
     """Which of the mixer's reshaped tensors `name` is (`to_gguf`'s kind), or None."""
     return next((kind for suffix, kind in _MIXER_KINDS.items() if name.endswith(suffix)), None)
+
+
+def add_ssm_keys(writer: Any, kernel: int, inner: int, state: int, heads: int, groups: int) -> None:
+    """The `ssm.*` keys of a Mamba2 mixer (Mamba2Model.set_gguf_parameters; its subclasses write
+    the same five): heads as `time_step_rank`, as llama.cpp reads them."""
+    writer.add_ssm_conv_kernel(kernel)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_time_step_rank(heads)
+    writer.add_ssm_group_count(groups)
 
 
 def write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
@@ -43,11 +53,7 @@ def write_mamba2(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
     writer.add_feed_forward_length(0)
     writer.add_head_count(0)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_ssm_conv_kernel(config.conv_kernel)
-    writer.add_ssm_inner_size(inner)
-    writer.add_ssm_state_size(config.state_size)
-    writer.add_ssm_time_step_rank(config.num_heads)
-    writer.add_ssm_group_count(config.n_groups)
+    add_ssm_keys(writer, config.conv_kernel, inner, config.state_size, config.num_heads, config.n_groups)
     writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
     writer.add_vocab_size(config.vocab_size)
     add_tokenizer(writer, config, "mamba2", tokenizer)
@@ -189,11 +195,8 @@ def write_falcon_h1(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Pa
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_ssm_conv_kernel(config.mamba_d_conv)
-    writer.add_ssm_inner_size(config.mamba_d_ssm)
-    writer.add_ssm_state_size(config.mamba_d_state)
-    writer.add_ssm_time_step_rank(config.mamba_d_ssm // config.mamba_d_head)
-    writer.add_ssm_group_count(config.mamba_n_groups)
+    add_ssm_keys(writer, config.mamba_d_conv, config.mamba_d_ssm, config.mamba_d_state,
+                 config.mamba_d_ssm // config.mamba_d_head, config.mamba_n_groups)  # fmt: skip
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_head_count_kv(config.num_key_value_heads)
@@ -211,5 +214,97 @@ def write_falcon_h1(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Pa
         elif (kind := _mixer_kind(name)) is not None:
             data = to_gguf(kind, data, groups=config.mamba_n_groups)
         for gguf_name, part in gguf_tensors(names, arch, name, falcon_h1_multiplied(name, data, config)):
+            writer.add_tensor(gguf_name, part.contiguous().numpy())
+    return finish_writer(writer, path)
+
+
+# transformers 5.x keeps GraniteMoeHybrid's experts under other names in memory than on disk,
+# where the converter reads them: in-memory suffix -> the checkpoint's
+_GRANITE_ON_DISK = {".block_sparse_moe.experts.gate_up_proj": ".block_sparse_moe.input_linear.weight",
+                    ".block_sparse_moe.experts.down_proj": ".block_sparse_moe.output_linear.weight",
+                    ".block_sparse_moe.router.weight": ".block_sparse_moe.router.layer.weight"}  # fmt: skip
+
+
+def granite_hybrid_checkpoint(hf_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A Bamba's or GraniteMoeHybrid's tensors under the names its saved checkpoint has."""
+    out = {}
+    for name, tensor in hf_model.state_dict().items():
+        suffix = next((s for s in _GRANITE_ON_DISK if name.endswith(s)), None)
+        out[name if suffix is None else name.removesuffix(suffix) + _GRANITE_ON_DISK[suffix]] = tensor
+    return out
+
+
+def _granite_hybrid_tensors(names: Any, name: str, data: torch.Tensor, config: Any, attention: bool,
+                            experts: bool) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+    """GraniteHybridModel.modify_tensors: the MLP's gate/up halves split (GraniteMoeModel), the
+    shared MLP named as a dense MLP without experts, Q/K rows permuted in attention layers
+    (LlamaModel.permute), the mixer reshaped (Mamba2Model)."""
+    block = name.split(".")[2] if name.startswith("model.layers.") else ""
+    if name.endswith(("block_sparse_moe.input_linear.weight", "shared_mlp.input_linear.weight")):
+        shared = "shared_mlp" in name
+        gate, up = data.split(config.shared_intermediate_size if shared else config.intermediate_size, dim=-2)
+        kind = ("_shexp" if experts else "") if shared else "_exps"
+        return [(f"blk.{block}.ffn_gate{kind}.weight", gate), (f"blk.{block}.ffn_up{kind}.weight", up)]
+    if name.endswith("shared_mlp.output_linear.weight") and not experts:
+        return [(f"blk.{block}.ffn_down.weight", data)]
+    if attention and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+        data = llama_permute(data, heads)
+    elif (kind := _mixer_kind(name)) is not None:
+        data = to_gguf(kind, data, groups=config.mamba_n_groups)
+    return gguf_tensors(names, "granitehybrid", name, data)
+
+
+def write_granite_hybrid(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers GraniteMoeHybrid or Bamba as llama.cpp's GraniteHybridModel converter writes
+    both: TextModel's and LlamaModel's keys (no key_length: GraniteModel drops head_dim), Granite's
+    multipliers as `attention.scale` / `embedding_scale` / `residual_scale` / `logit_scale` where the
+    config has them, the shared MLP width, the `ssm.*` keys, `attention.head_count_kv` per layer (0
+    for Mamba2 layers), `rope.scaling.finetuned` true only for Bamba (else context length 2**20),
+    the tensors as `_granite_hybrid_tensors` writes them. A Bamba's rotary part is written as
+    `rope.dimension_count`, as the converter writes the `attn_rotary_emb` of Bamba's hub configs."""
+    import gguf
+
+    config = hf_model.config
+    arch, bamba = "granitehybrid", config.model_type == "bamba"
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE_HYBRID, config.num_hidden_layers)
+    attention = set(config.attn_layer_indices if bamba else
+                    [i for i, t in enumerate(config.layer_types) if t in ("full_attention", "attention")])  # fmt: skip
+    experts = bool(getattr(config, "num_local_experts", 0))
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"{config.model_type} tiny")
+    writer.add_block_count(config.num_hidden_layers)  # TextModel.set_gguf_parameters
+    writer.add_context_length(config.max_position_embeddings if bamba else 2**20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if not bamba:
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)  # LlamaModel
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if not bamba:  # GraniteModel writes each *_multiplier as a scale; GraniteMoeModel the shared MLP
+        multipliers = {"attention.scale": config.attention_multiplier, "embedding_scale": config.embedding_multiplier,
+                       "residual_scale": config.residual_multiplier, "logit_scale": config.logits_scaling}  # fmt: skip
+        for key, value in multipliers.items():
+            writer.add_float32(f"{arch}.{key}", value)
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    inner = int(config.mamba_expand * config.hidden_size)  # GraniteHybridModel
+    add_ssm_keys(writer, config.mamba_d_conv, inner, config.mamba_d_state, config.mamba_n_heads, config.mamba_n_groups)
+    writer.add_head_count_kv([config.num_key_value_heads if i in attention else 0 for i in range(config.num_hidden_layers)])
+    writer.add_rope_scaling_finetuned(bamba)
+    add_tokenizer(writer, config, arch, tokenizer)
+    for name, tensor in granite_hybrid_checkpoint(hf_model).items():
+        data = tensor.detach().float()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith(".dt_bias"):  # Mamba2Model.filter_tensors
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        in_attention = name.startswith("model.layers.") and int(name.split(".")[2]) in attention
+        for gguf_name, part in _granite_hybrid_tensors(names, name, data, config, in_attention, experts):
             writer.add_tensor(gguf_name, part.contiguous().numpy())
     return finish_writer(writer, path)
