@@ -72,6 +72,8 @@ GGUF_READERS: dict[str, str] = {
     "mamba2": f"{_M}.mamba2_gguf:read_mamba2_gguf",
     "deepseek2": f"{_M}.deepseek2_gguf:read_deepseek2_gguf",  # DeepSeek-V2 and V3
     "qwen3next": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",
+    "qwen35": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",  # Qwen3.5: the Qwen3-Next family
+    "qwen35moe": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",
     "falcon-h1": f"{_M}.falcon_h1_gguf:read_falcon_h1_gguf",
     "granitehybrid": f"{_M}.granite_hybrid_gguf:read_granite_hybrid_gguf",  # GraniteMoeHybrid and Bamba
 }

@@ -71,6 +71,7 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
             f"{transformers.__version__} reads the `llama` architecture without its experts); check the Hugging Face "
             "checkpoint the file was made from instead"
         )
+    _refuse_qwen35_layer_pattern(gguf_file, path)
     rope_tensors = [name for name in _ROPE_SCALING_TENSORS if name in gguf_file.tensors]
     if rope_tensors:
         raise ConformanceError(
@@ -97,6 +98,24 @@ def load_gguf_oracle(path: Path, architecture: str) -> torch.nn.Module:
     return model.eval()
 
 
+def _refuse_qwen35_layer_pattern(gguf_file: Any, path: Path) -> None:
+    """transformers' qwen35 / qwen35moe GGUF reader takes the layer pattern from
+    `full_attention_interval` alone; llama.cpp reads `attention.recurrent_layers` first. Where
+    the two disagree transformers would build another model, so it is no oracle."""
+    arch = gguf_file.metadata.get("general.architecture")
+    recurrent = gguf_file.metadata.get(f"{arch}.attention.recurrent_layers")
+    if arch not in ("qwen35", "qwen35moe") or recurrent is None:
+        return
+    interval = gguf_file.metadata.get(f"{arch}.full_attention_interval", 4)
+    num_layers = gguf_file.metadata[f"{arch}.block_count"] - gguf_file.metadata.get(f"{arch}.nextn_predict_layers", 0)
+    if [bool(r) for r in recurrent[:num_layers]] != [(i + 1) % interval != 0 for i in range(num_layers)]:
+        raise ConformanceError(
+            f"{path}: transformers' GGUF loader is no oracle for this file: it takes the layer pattern from "
+            f"{arch}.full_attention_interval ({interval}) alone, and the file's {arch}.attention.recurrent_layers "
+            "(which llama.cpp reads) differs; check the Hugging Face checkpoint the file was made from instead"
+        )
+
+
 # -- tiny GGUF cases: a transformers model written as llama.cpp's converter writes it ----------
 
 # transformers model_type -> GGUF general.architecture (Mistral is written as `llama`, named so)
@@ -108,6 +127,7 @@ GGUF_ARCHITECTURES = {
 # transformers model_type -> its writer in conformance_gguf_recurrent.py
 RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1",
                      "bamba": "write_granite_hybrid", "granitemoehybrid": "write_granite_hybrid"}
+RECURRENT_WRITERS |= {"qwen3_5_text": "write_qwen35", "qwen3_5_moe_text": "write_qwen35"}  # Qwen3.5, dense and MoE
 
 
 def _byte_level_vocab(size: int) -> list[str]:
@@ -203,7 +223,7 @@ def add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
     family's files have it) or SentencePiece (`llama`)."""
     if tokenizer == "gpt2":
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o", "deepseek2": "deepseek-v3"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
+        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o", "deepseek2": "deepseek-v3", "qwen35": "qwen35", "qwen35moe": "qwen35"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
         writer.add_token_list(_byte_level_vocab(config.vocab_size))
         writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
         writer.add_token_merges([])

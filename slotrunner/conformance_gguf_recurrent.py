@@ -1,5 +1,6 @@
 """Tiny GGUF cases of the recurrent architectures: a transformers model written as llama.cpp's
-converter writes it (`Mamba2Model`, `Qwen3NextModel`), for `conformance_gguf.write_gguf`.
+converter writes it (`Mamba2Model`, `Qwen3NextModel` and its Qwen3.5 subclasses, `FalconH1Model`),
+for `conformance_gguf.write_gguf`.
 
 The mixers' shared reshapes (conv squeezed, A = -exp(A_log), ...) are `models/recurrent_gguf.py`'s
 `to_gguf`, the same table the readers undo. Tensors stay float32. transformers' GGUF loader reads
@@ -8,6 +9,7 @@ none of these architectures, so the tests check each file against the model it w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,29 +95,93 @@ def write_qwen3next(hf_model: torch.nn.Module, path: Path, tokenizer: str, fused
     `attn_qkv` and `attn_gate` (`fused_qkvz`: kept whole as `ssm_in`, as converters before the
     split wrote it), in_proj_ba as `ssm_ba`, the experts as gate/up/down stacks, the shared
     expert's gate as `ffn_gate_inp_shexp`; `attention.recurrent_layers` from `layer_types`."""
+    config = hf_model.config
+
+    def split(name: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        if not name.endswith("in_proj_qkvz.weight") or fused_qkvz:
+            return None
+        qkv, z = split_qkvz(data, config)
+        block = name.split(".")[2]
+        return [(f"blk.{block}.attn_qkv.weight", qkv), (f"blk.{block}.attn_gate.weight", z)]
+
+    return _write_gated_delta_net(hf_model, path, tokenizer, "qwen3next", split=split)
+
+
+def write_qwen35(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers Qwen3.5 or Qwen3.5-MoE as llama.cpp's Qwen3_5TextModel / Qwen3_5MoeTextModel
+    writes it (`qwen35` / `qwen35moe`): Qwen3NextModel's conventions and keys, the value heads
+    tiled (`tile_v_heads`), the four delta-net projections under their own names (`attn_qkv`,
+    `attn_gate`, `ssm_beta`, `ssm_alpha`), a dense model's MLP as `ffn_gate` / `ffn_up` /
+    `ffn_down`, and `rope.dimension_sections` (the config's `mrope_section` padded to four, else
+    [11, 11, 10, 0] as _Qwen35MRopeMixin writes)."""
+    config = hf_model.config
+    arch = "qwen35moe" if getattr(config, "num_experts", 0) else "qwen35"
+    return _write_gated_delta_net(hf_model, path, tokenizer, arch, reorder=lambda name, data: tile_v_heads(name, data, config))
+
+
+def tile_v_heads(name: str, data: torch.Tensor, config: Any) -> torch.Tensor:
+    """_LinearAttentionVReorderBase.modify_tensors: where value heads outnumber key heads, HF's
+    grouped value heads (each key head's together) reordered to tiled (value head i of every key
+    head, then i + 1) in every delta-net tensor that has them: the v rows of in_proj_qkv and of the
+    conv, in_proj_z's rows, in_proj_b / in_proj_a / A_log / dt_bias, out_proj's columns."""
+    num_k, num_v = config.linear_num_key_heads, config.linear_num_value_heads
+    if num_k == num_v or "linear_attn." not in name:
+        return data
+    head_v, key_dim = config.linear_value_head_dim, 2 * num_k * config.linear_key_head_dim  # q and k rows
+
+    def tiled(tensor: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:  # _reorder_v_heads
+        shape = list(tensor.shape)
+        grouped = tensor.reshape(*shape[:dim], num_k, num_v // num_k, head_dim, *shape[dim + 1:])
+        return grouped.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+    if ".in_proj_qkv." in name or ".conv1d." in name:
+        return torch.cat([data[:key_dim], tiled(data[key_dim:], 0, head_v)])
+    if ".in_proj_z." in name:
+        return tiled(data, 0, head_v)
+    if name.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
+        return tiled(data, 0, 1)
+    if ".out_proj." in name:
+        return tiled(data, 1, head_v)
+    return data
+
+
+def _write_gated_delta_net(
+    hf_model: torch.nn.Module,
+    path: Path,
+    tokenizer: str,
+    arch: str,  # "qwen3next", "qwen35", "qwen35moe"
+    reorder: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, data: data,  # before the shared transforms
+    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None] = lambda name, data: None,
+) -> Path:
+    """What Qwen3NextModel and its Qwen3.5 subclasses share: TextModel's keys, Qwen2MoeModel's
+    expert widths, the delta-net's `ssm.*` keys and layer pattern, and the tensor transforms."""
     import gguf
 
     config = hf_model.config
-    arch = "qwen3next"
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     rope = config.rope_parameters
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("qwen3next tiny")
+    writer.add_name(f"{arch} tiny")
     writer.add_block_count(config.num_hidden_layers)  # TextModel.set_gguf_parameters
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if getattr(config, "intermediate_size", None) is not None:  # Qwen3.5-MoE has none
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    if arch != "qwen3next":  # _Qwen35MRopeMixin (TextModel pads a config's sections to four)
+        writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0, 0, 0])[:4])
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "num_experts", 0):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)  # Qwen2MoeModel
-    writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if getattr(config, "num_experts", 0):  # Qwen2MoeModel
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)  # Qwen3NextModel
     writer.add_ssm_state_size(config.linear_key_head_dim)
     writer.add_ssm_group_count(config.linear_num_key_heads)
@@ -128,7 +194,7 @@ def write_qwen3next(hf_model: torch.nn.Module, path: Path, tokenizer: str, fused
     writer.add_vocab_size(config.vocab_size)
     add_tokenizer(writer, config, arch, tokenizer)
     for name, tensor in hf_model.state_dict().items():
-        data = tensor.detach().float()
+        data = reorder(name, tensor.detach().float())
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.endswith(".dt_bias"):
@@ -137,13 +203,7 @@ def write_qwen3next(hf_model: torch.nn.Module, path: Path, tokenizer: str, fused
             data = to_gguf(kind, data, column=False)
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             data = data + 1
-        if name.endswith("in_proj_qkvz.weight") and not fused_qkvz:
-            qkv, z = split_qkvz(data, config)
-            block = name.split(".")[2]
-            parts = [(f"blk.{block}.attn_qkv.weight", qkv), (f"blk.{block}.attn_gate.weight", z)]
-        else:
-            parts = gguf_tensors(names, arch, name, data)
-        for gguf_name, part in parts:
+        for gguf_name, part in split(name, data) or gguf_tensors(names, arch, name, data):
             writer.add_tensor(gguf_name, part.contiguous().numpy())
     return finish_writer(writer, path)
 

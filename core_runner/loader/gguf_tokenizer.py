@@ -34,6 +34,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5 (llama.cpp's QWEN35 pre-type): Qwen2's rules with combining marks (\p{M}) part of words
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # GPT-4o's o200k (GPT-OSS's files: llama.cpp's GPT4O pre-type): words keep their case-split
 # prefix and contraction, up to three digits a token, "/" and newlines stay with punctuation
 _O200K_SPLIT = (
@@ -66,6 +71,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama-v3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
+    "qwen35": (_QWEN35_SPLIT,),
     "gpt-4o": (_O200K_SPLIT,),
     "deepseek-v3": _DEEPSEEK3_SPLITS,
 }
