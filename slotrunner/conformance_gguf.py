@@ -107,7 +107,8 @@ GGUF_ARCHITECTURES = {
 
 # transformers model_type -> its writer in conformance_gguf_recurrent.py
 RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1",
-                     "bamba": "write_granite_hybrid", "granitemoehybrid": "write_granite_hybrid"}
+                     "bamba": "write_granite_hybrid", "granitemoehybrid": "write_granite_hybrid",
+                     "nemotron_h": "write_nemotron_h"}
 
 
 def _byte_level_vocab(size: int) -> list[str]:
