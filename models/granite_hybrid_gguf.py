@@ -38,7 +38,9 @@ from transformers import BambaConfig, GraniteMoeHybridConfig, PretrainedConfig
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
-from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint, mamba2_mixer_names, whole_name_table
+from slotrunner.models.recurrent_gguf import (
+    MixerNames, RecurrentCheckpoint, mamba2_mixer_names, mamba2_sizes, tensor_shape, whole_name_table,
+)
 
 _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj"}  # fmt: skip
@@ -111,12 +113,6 @@ def read_granite_hybrid_gguf(gguf: GGUFFile, path: str, dtype: torch.dtype, pack
     return GraniteHybridCheckpoint.of(gguf, path, dtype, config, names, pack, mixer=MIXER)
 
 
-def _shape(gguf: GGUFFile, names: Mapping[str, str], hf_suffix: str) -> tuple[int, ...] | None:
-    """The shape of the first tensor whose HF name ends with `hf_suffix`, or None."""
-    name = next((n for n in names if n.endswith(hf_suffix)), None)
-    return None if name is None else tuple(gguf.tensors[names[name]].shape)
-
-
 def _common_fields(gguf: GGUFFile, names: Mapping[str, str], path: str) -> tuple[dict, list[int]]:
     """The config fields Bamba and GraniteMoeHybrid share (sizes, the mixer), and the layers that attend."""
     metadata = gguf.metadata
@@ -127,14 +123,9 @@ def _common_fields(gguf: GGUFFile, names: Mapping[str, str], path: str) -> tuple
     attention = [i for i, n in enumerate(kv) if n > 0]
     if len(kv) != num_layers or len({kv[i] for i in attention}) > 1:
         raise ValueError(f"{path}: granitehybrid.attention.head_count_kv {kv} is not one head count per attention layer.")
-    inner, ssm_heads = get("ssm.inner_size"), get("ssm.time_step_rank")
-    state, groups, kernel = get("ssm.state_size"), get("ssm.group_count", 1), get("ssm.conv_kernel")
-    if ssm_heads <= 0 or inner % ssm_heads or groups <= 0 or inner % groups or inner % hidden:
-        raise ValueError(f"{path}: ssm.inner_size {inner} does not split into {ssm_heads} heads, {groups} groups "
-                         f"and an expansion of embedding_length {hidden}.")  # fmt: skip
-    conv = _shape(gguf, names, "mamba.conv1d.weight")
-    if conv is not None and conv != (inner + 2 * groups * state, kernel):
-        raise ValueError(f"{path}: ssm_conv1d has shape {conv}, the metadata implies {(inner + 2 * groups * state, kernel)}.")
+    inner, ssm_heads, state, groups, kernel = mamba2_sizes(gguf, "granitehybrid", names, "mamba.conv1d.weight", path)
+    if inner % hidden:
+        raise ValueError(f"{path}: ssm.inner_size {inner} is not an expansion of embedding_length {hidden}.")
     return dict(
         vocab_size=gguf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
@@ -171,7 +162,7 @@ def _rope(gguf: GGUFFile, path: str, head_dim: int) -> dict:
 
 def _bamba_config(gguf: GGUFFile, names: Mapping[str, str], path: str) -> PretrainedConfig:
     fields, attention = _common_fields(gguf, names, path)
-    gate = _shape(gguf, names, "feed_forward.gate_proj.weight")
+    gate = tensor_shape(gguf, names, "feed_forward.gate_proj.weight")
     fields.update(
         architectures=["BambaForCausalLM"],
         intermediate_size=gate[0] if gate else metadata_getter(gguf, "granitehybrid", path)("feed_forward_length"),
@@ -190,8 +181,8 @@ def _granite_config(gguf: GGUFFile, names: Mapping[str, str], path: str) -> Pret
     if use_rope and rope["partial_rotary_factor"] != 1.0:
         raise ValueError(f"{path}: partial rotary (rope.dimension_count < head dim) with Granite multipliers or experts "
                          "is not supported: GraniteMoeHybrid rotates whole heads.")  # fmt: skip
-    experts_in = _shape(gguf, names, "block_sparse_moe.input_linear.gate")
-    shared = _shape(gguf, names, "shared_mlp.input_linear.gate")
+    experts_in = tensor_shape(gguf, names, "block_sparse_moe.input_linear.gate")
+    shared = tensor_shape(gguf, names, "shared_mlp.input_linear.gate")
     if shared is None and fields["num_hidden_layers"]:
         raise ValueError(f"{path}: no ffn_gate_shexp / ffn_gate tensors: GraniteMoeHybrid needs its shared MLP.")
     num_experts = get("expert_count", 0) if experts_in else 0

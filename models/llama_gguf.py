@@ -76,6 +76,8 @@ class GGUFCheckpoint:
     # llama.cpp's converter interleaves Q/K rows of the `llama` architecture only; other
     # architectures store them as Hugging Face does (models/decoder_gguf.py).
     permute_rotary: bool = True
+    # The HF name parts of the projections whose rows are interleaved: q's, then k's
+    rotary_projections: tuple[str, str] = (".self_attn.q_proj.", ".self_attn.k_proj.")
     # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) norms store 1 + w),
     # except those whose HF name ends with one of `unshifted_norms` (Qwen3-Next's delta-net norm).
     norm_shift: float = 0.0
@@ -125,7 +127,7 @@ class GGUFCheckpoint:
             if ".*." in hf_name:
                 yield from ((hf_name.replace("*", str(e)), expert) for e, expert in enumerate(tensor))
                 continue
-            heads = {".self_attn.q_proj.": num_heads, ".self_attn.k_proj.": num_kv_heads} if self.permute_rotary else {}
+            heads = dict(zip(self.rotary_projections, (num_heads, num_kv_heads))) if self.permute_rotary else {}
             for part, count in heads.items():
                 if part in hf_name:
                     rows = unpermute_rotary_rows(torch.arange(tensor.shape[0]), count)

@@ -27,7 +27,7 @@ import torch
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint
+from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
 
 
 # A Mamba2 mixer's tensors (Mamba2Model, and the hybrids built on it): GGUF name after
@@ -126,3 +126,24 @@ def whole_name_table(
     if global_names["token_embd.weight"] not in names:
         raise ValueError(f"{path}: no token_embd.weight tensor, so this is not a complete {model} model.")
     return names
+
+
+def tensor_shape(gguf: GGUFFile, names: Mapping[str, str], hf_suffix: str) -> tuple[int, ...] | None:
+    """The shape of the first tensor whose HF name (in `names`, {hf: gguf}) ends with `hf_suffix`, or None."""
+    name = next((n for n in names if n.endswith(hf_suffix)), None)
+    return None if name is None else tuple(gguf.tensors[names[name]].shape)
+
+
+def mamba2_sizes(gguf: GGUFFile, arch: str, names: Mapping[str, str], conv: str, path: str) -> tuple[int, ...]:
+    """(inner, heads, state, groups, kernel) from the `{arch}.ssm.*` keys of a Mamba2 mixer
+    (`add_ssm_keys`' five), checked against each other and the conv tensor (HF name suffix `conv`);
+    a ValueError naming the file where they disagree."""
+    get = metadata_getter(gguf, arch, path)
+    inner, heads = get("ssm.inner_size"), get("ssm.time_step_rank")
+    state, groups, kernel = get("ssm.state_size"), get("ssm.group_count", 1), get("ssm.conv_kernel")
+    if heads <= 0 or inner % heads or groups <= 0 or inner % groups:
+        raise ValueError(f"{path}: ssm.inner_size {inner} does not split into {heads} heads and {groups} groups.")
+    shape = tensor_shape(gguf, names, conv)
+    if shape is not None and shape != (inner + 2 * groups * state, kernel):
+        raise ValueError(f"{path}: ssm_conv1d has shape {shape}, the metadata implies {(inner + 2 * groups * state, kernel)}.")
+    return inner, heads, state, groups, kernel

@@ -76,6 +76,8 @@ GGUF_READERS: dict[str, str] = {
     "qwen35moe": f"{_M}.qwen3next_gguf:read_qwen3next_gguf",
     "falcon-h1": f"{_M}.falcon_h1_gguf:read_falcon_h1_gguf",
     "granitehybrid": f"{_M}.granite_hybrid_gguf:read_granite_hybrid_gguf",  # GraniteMoeHybrid and Bamba
+    "nemotron_h": f"{_M}.nemotron_h_gguf:read_nemotron_h_gguf",
+    "nemotron_h_moe": f"{_M}.nemotron_h_gguf:read_nemotron_h_gguf",
 }
 
 # transformers spells some GGUF architectures with an underscore where llama.cpp has none or a dash

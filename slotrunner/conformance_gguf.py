@@ -126,7 +126,8 @@ GGUF_ARCHITECTURES = {
 
 # transformers model_type -> its writer in conformance_gguf_recurrent.py
 RECURRENT_WRITERS = {"mamba2": "write_mamba2", "qwen3_next": "write_qwen3next", "falcon_h1": "write_falcon_h1",
-                     "bamba": "write_granite_hybrid", "granitemoehybrid": "write_granite_hybrid"}
+                     "bamba": "write_granite_hybrid", "granitemoehybrid": "write_granite_hybrid",
+                     "nemotron_h": "write_nemotron_h"}
 RECURRENT_WRITERS |= {"qwen3_5_text": "write_qwen35", "qwen3_5_moe_text": "write_qwen35"}  # Qwen3.5, dense and MoE
 
 

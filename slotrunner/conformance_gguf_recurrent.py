@@ -368,3 +368,76 @@ def write_granite_hybrid(hf_model: torch.nn.Module, path: Path, tokenizer: str) 
         for gguf_name, part in _granite_hybrid_tensors(names, name, data, config, in_attention, experts):
             writer.add_tensor(gguf_name, part.contiguous().numpy())
     return finish_writer(writer, path)
+
+
+def _nemotron_h_tensors(names: Any, name: str, data: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """NemotronHModel.modify_tensors on one of transformers' in-memory tensors: `model.` as the
+    checkpoint's `backbone.`, Q/K rows permuted (LlamaModel.permute, through GraniteHybridModel),
+    the mixer reshaped (Mamba2Model), `dt_bias` and `e_score_correction_bias` renamed as the
+    converter renames them, the experts (stacked in memory as the converter stacks them) under
+    the name it gives the stack."""
+    name = "backbone." + name.removeprefix("model.") if name.startswith("model.") else name
+    block = name.split(".")[2] if name.startswith("backbone.layers.") else ""
+    if name.endswith((".mixer.experts.up_proj", ".mixer.experts.down_proj")):
+        name = f"model.layers.{block}.mlp.experts.{name.rpartition('.')[2]}.weight"
+    elif name.endswith((".dt_bias", ".e_score_correction_bias")):
+        name = name.removesuffix("_bias") + ".bias"
+    elif name.endswith(("q_proj.weight", "k_proj.weight")):
+        data = llama_permute(data, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+    elif (kind := _mixer_kind(name)) is not None:
+        data = to_gguf(kind, data, groups=config.n_groups)
+    return gguf_tensors(names, "nemotron_h", name, data)
+
+
+def write_nemotron_h(hf_model: torch.nn.Module, path: Path, tokenizer: str) -> Path:
+    """A transformers NemotronH as llama.cpp's NemotronHModel converter writes it from a hub
+    config (its `hybrid_override_pattern` string): `nemotron_h_moe` with MoE layers, else
+    `nemotron_h`; GraniteHybridModel's keys (context length 2**20, `ssm.*`, `head_count_kv` per
+    layer, 0 but for attention) and NemotronHModel's (`key_length`, `feed_forward_length` per layer,
+    0 but for MLP or MoE layers; the expert keys), the tensors as `_nemotron_h_tensors` writes
+    them. A config with both MLP and MoE layers has no such file (llama.cpp routes every
+    feed-forward layer of a MoE file) and is refused."""
+    import gguf
+
+    config = hf_model.config
+    kinds = list(config.layers_block_type)
+    moe = "moe" in kinds
+    if moe and "mlp" in kinds:
+        raise ConformanceError("NemotronH with both mlp and moe layers: llama.cpp's files cannot hold it")
+    arch = "nemotron_h_moe" if moe else "nemotron_h"
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(model_arch, len(kinds))
+    ffn = config.moe_intermediate_size if moe else config.intermediate_size
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("nemotron_h tiny")
+    writer.add_block_count(len(kinds))  # TextModel.set_gguf_parameters
+    writer.add_context_length(2**20)  # GraniteHybridModel: no rope
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length([ffn if k in ("mlp", "moe") else 0 for k in kinds])  # NemotronHModel's array
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)  # LlamaModel
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)  # GraniteModel drops head_dim
+    add_ssm_keys(writer, config.conv_kernel, config.mamba_num_heads * config.mamba_head_dim, config.ssm_state_size,
+                 config.mamba_num_heads, config.n_groups)  # fmt: skip
+    writer.add_head_count_kv([config.num_key_value_heads if k == "full_attention" else 0 for k in kinds])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_key_length(config.head_dim)  # NemotronHModel
+    writer.add_value_length(config.head_dim)
+    if moe:
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+    add_tokenizer(writer, config, arch, tokenizer)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        for gguf_name, part in _nemotron_h_tensors(names, name, tensor.detach().float(), config):
+            writer.add_tensor(gguf_name, part.contiguous().numpy())
+    return finish_writer(writer, path)

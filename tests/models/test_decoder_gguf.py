@@ -221,7 +221,10 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    supported = "deepseek2, falcon-h1, gemma2, gemma3, gpt-oss, granitehybrid, llama, mamba2, phi3, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next"
+    supported = (
+        "deepseek2, falcon-h1, gemma2, gemma3, gpt-oss, granitehybrid, llama, mamba2, nemotron_h, nemotron_h_moe, phi3, "
+        "qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next"
+    )
     with pytest.raises(ValueError, match=f"'jamba' is not supported; supported: {supported}") as e:
         read_gguf(tmp_path / "x.gguf", torch.float32)
     assert "transformers' GGUF loader does not read it either" in str(e.value)
