@@ -55,6 +55,17 @@ _DEEPSEEK3_SPLITS = (
     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
     r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
 )
+# DeepSeek-V2 / DeepSeek LLM (llama.cpp's DEEPSEEK_LLM pre-type, as their tokenizer.json splits):
+# newlines alone, a space and a run of letters (an explicit letter class), a space and a run of
+# ASCII / full-width punctuation, trailing spaces, CJK runs, runs of digits
+_DEEPSEEK_LLM_SPLITS = (
+    r"[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+)
 _ONE_DIGIT_SPLIT = r"\p{N}"
 # what llama.cpp uses when tokenizer.ggml.pre is "default" or absent (older files)
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -73,6 +84,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2_SPLIT,),
     "qwen35": (_QWEN35_SPLIT,),
     "gpt-4o": (_O200K_SPLIT,),
+    "deepseek-llm": _DEEPSEEK_LLM_SPLITS,
     "deepseek-v3": _DEEPSEEK3_SPLITS,
 }
 

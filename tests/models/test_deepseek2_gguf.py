@@ -88,6 +88,19 @@ def test_deepseek_v3_pre_tokenizer_splits_like_deepseek_v3():
     assert pieces == ["It", "'s", " ", "123", "45", " ", "日本語", "text", " .", "Net", "!!\n\n", " ", " x"]
 
 
+def test_deepseek_llm_pre_tokenizer_splits_like_deepseek_v2():
+    """`tokenizer.ggml.pre = deepseek-llm` (llama.cpp's DEEPSEEK_LLM, DeepSeek-V2's and DeepSeek
+    LLM's six splits in order): each newline alone, a letter run with at most one space before
+    it, punctuation likewise, trailing spaces, CJK runs, whole digit runs."""
+    from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from tokenizers import Regex, pre_tokenizers
+
+    splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZER_SPLITS["deepseek-llm"]]
+    pieces = [p for p, _ in pre_tokenizers.Sequence(splits).pre_tokenize_str("It's 12345 日本語text .Net!!\n\n  Ωx  ")]
+    # ASCII letters fall inside the punctuation split's [:-~] too, so one after a Greek letter is cut off
+    assert pieces == ["It", "'", "s", " ", "12345", " ", "日本語", "text", " .", "Net", "!!", "\n", "\n", " ", " Ω", "x", "  "]
+
+
 @pytest.mark.parametrize("case", ["v2-split", "v3-split"])
 def test_quantized_file_runs_packed_like_dequantized(case, tmp_path):
     """Q8_0 matrices stay packed -- q_proj / kv_a_proj_with_mqa too, whose interleaved rope rows
