@@ -6,8 +6,8 @@ reading the weights (small batches, a GPU below its compute limit) the extra tok
 free; once it is bound by arithmetic (a CPU at batch 16, or a CPU shared with other work), or
 when the drafts are rarely accepted, the accepted ones no longer pay for the rest. Which regime
 holds depends on the batch, the machine, its load and the text, so the gate measures it: the
-wall time per emitted token of decode-only steps with drafts and without (a decaying average of
-each), and schedules drafts unless going without is cheaper by more than `MARGIN`.
+wall time per emitted token of decode-only steps with drafts and without (decaying sums of each
+arm's seconds and tokens), and schedules drafts unless going without is cheaper by more than `MARGIN`.
 
 The gate decides one step ahead: the scheduler asks it, while scheduling step t, whether step
 t + 1 carries drafts, so that step t proposes them only when they will be used (the runner
@@ -45,6 +45,7 @@ class DraftGate:
     def __init__(self, method: str = "ngram") -> None:
         self.warmup = WARMUP[method]
         self._cost: dict[bool, float] = {}  # arm (drafts or not) -> seconds per emitted token
+        self._sums: dict[bool, tuple[float, float]] = {}  # arm -> decaying sums of (seconds, emitted tokens)
         self._steps = {True: 0, False: 0}
         self._choice = True
         self._interval = PROBE_EVERY
@@ -81,10 +82,14 @@ class DraftGate:
         """A decode-only step took `seconds` and emitted `num_emitted` tokens."""
         if num_emitted <= 0:
             return
-        cost = seconds / num_emitted
-        old = self._cost.get(with_drafts)
-        fresh = old is None or self._stale[with_drafts]
-        self._cost[with_drafts] = cost if fresh else DECAY * old + (1 - DECAY) * cost
+        # Decaying sums of seconds and of tokens, their ratio the cost: acceptance comes in bursts
+        # (a copied span accepts every draft, the next step none), and an average of per-step
+        # ratios would weigh a 1-token step as much as a 5-token one.
+        fresh = with_drafts not in self._sums or self._stale[with_drafts]
+        old_s, old_n = (0.0, 0.0) if fresh else self._sums[with_drafts]
+        keep = 0.0 if fresh else DECAY
+        self._sums[with_drafts] = (keep * old_s + (1 - keep) * seconds, keep * old_n + (1 - keep) * num_emitted)
+        self._cost[with_drafts] = self._sums[with_drafts][0] / self._sums[with_drafts][1]
         self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
 

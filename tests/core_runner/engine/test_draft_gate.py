@@ -71,3 +71,12 @@ def test_follows_a_change_of_regime():
     assert late.count(True) <= 2
     late = run(gate, cost_on=0.5, cost_off=1.0, steps=2 * MAX_PROBE_EVERY + 64, state=state)[-64:]
     assert late.count(False) <= 2
+
+
+def test_cost_is_seconds_over_tokens_when_acceptance_comes_in_bursts():
+    """Steps of 60 ms emitting 5 tokens and 1 token in turn cost 20 ms a token (120 ms for 6), not
+    the 36 ms an average of per-step ratios gives: drafts stay on against a 30 ms plain step."""
+    gate = DraftGate("ngram")
+    for i in range(20):
+        gate.observe(True, 0.060, 5 if i % 2 else 1)
+    assert 0.016 < gate.costs[True] < 0.026, gate.costs
