@@ -81,6 +81,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3_SPLIT,),
     "llama-v3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
+    "falcon-h1": (_LLAMA3_SPLIT,),  # Falcon-H1 files: llama.cpp runs them with Llama 3's rules
     "qwen2": (_QWEN2_SPLIT,),
     "qwen35": (_QWEN35_SPLIT,),
     "gpt-4o": (_O200K_SPLIT,),

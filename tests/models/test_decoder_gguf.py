@@ -129,6 +129,17 @@ def test_qwen2_pre_tokenizer_splits_like_qwen(tmp_path):
     assert pieces == ["It", "'S", " ", "2", "0", "2", "4", " ok", "!!\n\n", " ", " x"]
 
 
+def test_falcon_h1_pre_tokenizer_is_llama3s():
+    """`tokenizer.ggml.pre = falcon-h1`: llama.cpp maps it to its LLAMA3 pre-type (llama-vocab.cpp),
+    Llama 3's rules: digits three at a time."""
+    from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from tokenizers import Regex, pre_tokenizers
+
+    assert PRE_TOKENIZER_SPLITS["falcon-h1"] == PRE_TOKENIZER_SPLITS["llama-bpe"]
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["falcon-h1"][0]), behavior="isolated")
+    assert [p for p, _ in split.pre_tokenize_str("It's 12345")] == ["It", "'s", " ", "123", "45"]
+
+
 def test_gpt4o_pre_tokenizer_splits_like_o200k():
     """`tokenizer.ggml.pre = gpt-4o` (GPT-OSS files; llama.cpp's GPT4O pre-type): o200k's rules --
     a word splits before an inner capital and keeps its contraction (any case), digits go three
