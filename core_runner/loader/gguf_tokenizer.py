@@ -46,6 +46,13 @@ _O200K_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's Tekken (Nemo and the files that reuse its vocabulary; llama.cpp's TEKKEN pre-type, the
+# tokenizer.json regex it quotes): o200k-style case-split words, one digit a token
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # DeepSeek-V3 (llama.cpp's DEEPSEEK3_LLM pre-type, as DeepSeek-V3's tokenizer.json splits): up to
 # three digits a token, runs of CJK ideographs / kana apart, then one punctuation mark may lead
 # ASCII letters, other words take one non-letter before them, punctuation keeps its newlines
@@ -82,6 +89,8 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama-v3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
     "falcon-h1": (_LLAMA3_SPLIT,),  # Falcon-H1 files: llama.cpp runs them with Llama 3's rules
+    "dbrx": (_LLAMA3_SPLIT,),  # cl100k-vocabulary files: llama.cpp runs DBRX with Llama 3's rules
+    "tekken": (_TEKKEN_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "qwen35": (_QWEN35_SPLIT,),
     "gpt-4o": (_O200K_SPLIT,),
