@@ -24,6 +24,33 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each new K/V goes in the flat cache
 
+    @classmethod
+    def for_capture(
+        cls,
+        n: int,  # rows
+        q: int,  # tokens a row
+        max_model_len: int,
+        query_start_loc: torch.Tensor,  # [>= n + 1] persistent buffers the graph reads; sliced here
+        seq_lens: torch.Tensor,  # [>= n]
+        block_tables: torch.Tensor,  # [>= n, max_num_blocks_per_req]
+        slot_mapping: torch.Tensor,  # [>= n * q]
+    ) -> AttentionMetadata:
+        """Metadata of a CUDA-graph capture over the first n rows and n * q tokens of persistent
+        buffers. Host-side fields are upper bounds: the captured kernels read each row's real
+        query and length from the buffers, rewritten before every replay."""
+        return cls(
+            num_reqs=n,
+            num_tokens=n * q,
+            query_start_loc=query_start_loc[: n + 1],
+            query_start_loc_np=np.arange(n + 1) * q,
+            seq_lens=seq_lens[:n],
+            seq_lens_np=np.full(n, max_model_len),
+            max_query_len=q,
+            max_seq_len=max_model_len,
+            block_tables=block_tables[:n],
+            slot_mapping=slot_mapping[: n * q],
+        )
+
 
 @dataclass(frozen=True)
 class FamilyAttnMetadata:

@@ -44,8 +44,7 @@ DECAY = 0.7  # weight of the old average at each new step
 class DraftGate:
     def __init__(self, method: str = "ngram") -> None:
         self.warmup = WARMUP[method]
-        self._cost: dict[bool, float] = {}  # arm (drafts or not) -> seconds per emitted token
-        self._sums: dict[bool, tuple[float, float]] = {}  # arm -> decaying sums of (seconds, emitted tokens)
+        self._sums: dict[bool, tuple[float, float]] = {}  # arm (drafts or not) -> decaying sums of (seconds, tokens)
         self._steps = {True: 0, False: 0}
         self._choice = True
         self._interval = PROBE_EVERY
@@ -62,9 +61,10 @@ class DraftGate:
         if self._probe_left:
             self._probe_left -= 1
             return not self._choice
-        best = self._cost[True] <= self._cost[False] * (1 + MARGIN)
+        cost = self.costs
+        best = cost[True] <= cost[False] * (1 + MARGIN)
         # Probing the other arm costs PROBE_LEN steps at (ratio - 1) more each: keep that in budget.
-        ratio = self._cost[not best] / max(self._cost[best], 1e-12)
+        ratio = cost[not best] / max(cost[best], 1e-12)
         floor = min(int(PROBE_LEN * max(ratio - 1, 0) / PROBE_BUDGET), MAX_PROBE_EVERY)
         if best != self._choice:  # the measurements changed the choice: check it again soon
             self._choice, self._interval, self._since_probe = best, max(PROBE_EVERY, floor), 0
@@ -89,11 +89,10 @@ class DraftGate:
         old_s, old_n = (0.0, 0.0) if fresh else self._sums[with_drafts]
         keep = 0.0 if fresh else DECAY
         self._sums[with_drafts] = (keep * old_s + (1 - keep) * seconds, keep * old_n + (1 - keep) * num_emitted)
-        self._cost[with_drafts] = self._sums[with_drafts][0] / self._sums[with_drafts][1]
         self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
 
     @property
     def costs(self) -> dict[bool, float]:
         """Seconds per emitted token measured so far, per arm (benchmarks and tests read it)."""
-        return dict(self._cost)
+        return {arm: seconds / tokens for arm, (seconds, tokens) in self._sums.items()}

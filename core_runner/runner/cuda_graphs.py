@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -68,17 +67,8 @@ class CudaGraphs:
         lengths from the buffers)."""
         b = self.buffers
         return tuple(
-            AttentionMetadata(
-                num_reqs=n,
-                num_tokens=n * q,
-                query_start_loc=b.query_start_loc[: n + 1],
-                query_start_loc_np=np.arange(n + 1) * q,
-                seq_lens=b.seq_lens[:n],
-                seq_lens_np=np.full(n, self.max_model_len),
-                max_query_len=q,
-                max_seq_len=self.max_model_len,
-                block_tables=b.group_block_tables[g, :n],
-                slot_mapping=b.group_slot_mapping[g, : n * q],
+            AttentionMetadata.for_capture(
+                n, q, self.max_model_len, b.query_start_loc, b.seq_lens, b.group_block_tables[g], b.group_slot_mapping[g]
             )
             for g in range(b.group_block_tables.shape[0])
         )

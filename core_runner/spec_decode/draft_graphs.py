@@ -62,19 +62,8 @@ class DraftDecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def _metadata(self, n: int, q: int) -> AttentionMetadata:
-        """Over the first n rows and n * q tokens of the buffers; host-side sizes are upper
-        bounds (the kernels read each row's real query and length from the buffers)."""
-        return AttentionMetadata(
-            num_reqs=n,
-            num_tokens=n * q,
-            query_start_loc=self.query_start_loc[: n + 1],
-            query_start_loc_np=np.arange(n + 1) * q,
-            seq_lens=self.seq_lens[:n],
-            seq_lens_np=np.full(n, self.max_model_len),
-            max_query_len=q,
-            max_seq_len=self.max_model_len,
-            block_tables=self.block_tables[:n],
-            slot_mapping=self.slot_mapping[: n * q],
+        return AttentionMetadata.for_capture(
+            n, q, self.max_model_len, self.query_start_loc, self.seq_lens, self.block_tables, self.slot_mapping
         )
 
     def _forward(self, n: int, q: int) -> torch.Tensor:  # [n * q, hidden]
