@@ -17,6 +17,7 @@ context once per generated token, over the measured wall time.
     python benchmarks/throughput.py                      # all systems
     python benchmarks/throughput.py --peers none         # slotrunner alone
     python benchmarks/throughput.py --num-requests 64 --peers generate
+    python benchmarks/throughput.py --peers none --prefix-caching-ab 2   # caching's cost, off/on x2
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -75,13 +76,14 @@ def warm_up(llm, prompts: list) -> None:
     llm.reset_prefix_cache()
 
 
-def run_slotrunner(model_dir: str, prompts, out_lens, args) -> dict:
+def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool = True) -> dict:
     from slotrunner import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2100,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              enable_prefix_caching=prefix_caching)
     startup = time.perf_counter() - t0
     warm_up(llm, [{"prompt_token_ids": p} for p in prompts])
     steps = {"n": 0}
@@ -103,7 +105,8 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args) -> dict:
     assert n_out == sum(out_lens), f"generated {n_out} tokens, requested {sum(out_lens)}"
     del llm
     torch.cuda.empty_cache()
-    return dict(system="slotrunner", wall_s=wall, out_tokens=n_out, steps=steps["n"], startup_s=startup)
+    name = "slotrunner" if prefix_caching else "slotrunner, prefix caching off"
+    return dict(system=name, wall_s=wall, out_tokens=n_out, steps=steps["n"], startup_s=startup)
 
 
 def hf_model():
@@ -154,6 +157,21 @@ def run_hf_generate_batch(model, prompts, out_lens) -> dict:
     return dict(system="transformers generate_batch", wall_s=wall, out_tokens=got)
 
 
+def prefix_caching_ab(model_dir: str, prompts, out_lens, args) -> None:
+    """Prefix caching's cost where no prompt shares a block: engines with it off and on,
+    alternating so that the host's drift between runs falls on both."""
+    walls = {False: [], True: []}
+    for _ in range(args.prefix_caching_ab):
+        for on in (False, True):
+            row = run_slotrunner(model_dir, prompts, out_lens, args, prefix_caching=on)
+            walls[on].append(row["wall_s"])
+            print(f"  prefix caching {'on ' if on else 'off'}: {row['wall_s']:.2f} s, {row['out_tokens'] / row['wall_s']:.0f} tok/s",
+                  flush=True)  # fmt: skip
+    off, on = float(np.median(walls[False])), float(np.median(walls[True]))
+    print(f"prefix caching on vs off, nothing shared: median {on:.2f} s vs {off:.2f} s = {100 * (on / off - 1):+.1f}% wall "
+          f"({args.prefix_caching_ab} runs each)", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=256)
@@ -167,6 +185,8 @@ def main() -> None:
     p.add_argument("--peers", default="generate,generate_batch", help="comma list of generate, generate_batch; or none")
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--prefix-caching-ab", type=int, default=0, metavar="N",
+                   help="N pairs of runs with prefix caching off, then on (nothing is shared: its cost alone)")
     args = p.parse_args()
 
     prompts, out_lens = workload(args.num_requests, args.seed, args.min_len, args.max_len)
@@ -185,6 +205,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         report(run_slotrunner(d, prompts, out_lens, args))
+        if args.prefix_caching_ab:
+            prefix_caching_ab(d, prompts, out_lens, args)
     ours = rows[0]
     roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"])
     print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
