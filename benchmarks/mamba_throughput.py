@@ -15,6 +15,7 @@ included.
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 
@@ -93,6 +94,7 @@ def main() -> None:
         print(f"{'system':<24} {'seconds':>9} {'out tok/s':>11}")
         print(f"{'slotrunner':<24} {ours:>9.2f} {n_out / ours:>11.0f}", flush=True)  # before the peer, which may be slow
         del llm
+        gc.collect()  # the engine's reference cycles hold its GPU memory until collected
         if not args.skip_hf:
             hf = hf.to(args.device).eval()
             ids = prompts.to(args.device)
