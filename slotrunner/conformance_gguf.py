@@ -219,12 +219,20 @@ def gguf_tensors(names: Any, arch: str, name: str, data: torch.Tensor) -> list[t
     return [(f"{gguf_name}.{suffix}", data)]
 
 
+# tokenizer.ggml.pre as real files of these architectures have it (llama.cpp's converter picks it
+# from the tokenizer's hash); the rest write "gpt-2", or "qwen2" for Qwen
+_PRE_TOKENIZER_OF = {
+    "gpt-oss": "gpt-4o", "deepseek2": "deepseek-v3", "qwen35": "qwen35", "qwen35moe": "qwen35", "falcon-h1": "falcon-h1",
+    "granitehybrid": "dbrx", "nemotron_h": "pixtral", "nemotron_h_moe": "pixtral",
+}  # fmt: skip
+
+
 def add_tokenizer(writer: Any, config: Any, arch: str, tokenizer: str) -> None:
     """A vocabulary of the model's size: byte-level BPE (`gpt2`, `tokenizer.ggml.pre` as the
     family's files have it) or SentencePiece (`llama`)."""
     if tokenizer == "gpt2":
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre({"gpt-oss": "gpt-4o", "deepseek2": "deepseek-v3", "qwen35": "qwen35", "qwen35moe": "qwen35"}.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
+        writer.add_tokenizer_pre(_PRE_TOKENIZER_OF.get(arch, "qwen2" if arch.startswith("qwen") else "gpt-2"))
         writer.add_token_list(_byte_level_vocab(config.vocab_size))
         writer.add_token_types([3, 3] + [1] * (config.vocab_size - 2))
         writer.add_token_merges([])

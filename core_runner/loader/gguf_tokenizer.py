@@ -89,7 +89,12 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama-v3": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
     "falcon-h1": (_LLAMA3_SPLIT,),  # Falcon-H1 files: llama.cpp runs them with Llama 3's rules
-    "dbrx": (_LLAMA3_SPLIT,),  # cl100k-vocabulary files: llama.cpp runs DBRX with Llama 3's rules
+    # cl100k-vocabulary files (DBRX; Granite 4.0's 100,353-token vocabulary, the hybrids' too):
+    # llama.cpp runs them with Llama 3's rules
+    "dbrx": (_LLAMA3_SPLIT,),
+    # Nemotron-H files (Nemotron 3 Nano's 131,072-token vocabulary): llama.cpp runs them with
+    # Llama 3's rules, not Tekken's, though the vocabulary is Mistral's
+    "pixtral": (_LLAMA3_SPLIT,),
     "tekken": (_TEKKEN_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "qwen35": (_QWEN35_SPLIT,),

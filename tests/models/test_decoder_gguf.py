@@ -140,15 +140,17 @@ def test_falcon_h1_pre_tokenizer_is_llama3s():
     assert [p for p, _ in split.pre_tokenize_str("It's 12345")] == ["It", "'s", " ", "123", "45"]
 
 
-def test_tekken_and_dbrx_pre_tokenizers():
-    """`tekken` (Mistral Nemo's vocabulary): case-split words, one digit a token; `dbrx`: llama.cpp
-    runs it with Llama 3's rules (llama-vocab.cpp)."""
+def test_tekken_dbrx_and_pixtral_pre_tokenizers():
+    """`tekken` (Mistral Nemo's vocabulary): case-split words, one digit a token; `dbrx` (Granite
+    4.0's files) and `pixtral` (Nemotron-H's): llama.cpp runs them with Llama 3's rules
+    (llama-vocab.cpp)."""
     from slotrunner.core_runner.loader.gguf_tokenizer import PRE_TOKENIZER_SPLITS
     from tokenizers import Regex, pre_tokenizers
 
     split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["tekken"][0]), behavior="isolated")
     assert [p for p, _ in split.pre_tokenize_str("HelloWorld 42 a/b\n")] == ["Hello", "World", " ", "4", "2", " a", "/b", "\n"]
     assert PRE_TOKENIZER_SPLITS["dbrx"] == PRE_TOKENIZER_SPLITS["llama-bpe"]
+    assert PRE_TOKENIZER_SPLITS["pixtral"] == PRE_TOKENIZER_SPLITS["llama-bpe"]
 
 
 def test_gpt4o_pre_tokenizer_splits_like_o200k():
