@@ -324,41 +324,102 @@ static inline int64_t chunk_rows(int64_t K) {
 }
 
 #if PAIRED
-/* Decode tiles for 5..8 input rows on AVX-512: two weight rows' dequantized blocks side by side
- * in one 512-bit register, so each FMA advances both (R accumulators, each half accumulating
- * exactly as the AVX2 R x 1 tile does: the same bits, half the FMAs; 1.15-1.2x at 8 rows. At 4
- * rows the AVX2 4 x 2 tile measured as fast, so the pairs start at 5). */
-#define DEFINE_PAIR_ROWS_TILE(FMT, R)                                                             \
-    static void FMT##_ptile_##R(const float *x, int64_t K, const uint8_t *qs, const float *d,     \
-                                const float *m, int64_t n0, const float *bias, float *y, int64_t N) { \
-        __m512 acc[R];                                                                            \
-        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                 \
+/* Decode tiles on AVX-512: blocks of two weight rows are dequantized side by side into 512-bit
+ * registers (row n in the low halves), straight from their packed bytes, so every conversion,
+ * dequantizing FMA and accumulating FMA serves two outputs. Each half computes exactly what the
+ * AVX2 tiles compute for its row: the same values (one FMA d * q + m, or d * q), the same 8-lane
+ * accumulation in K order, the same final sum -- the same bits, about half the instructions. */
+static inline __m512 pair_set(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+static inline void q4_1_block2(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                               int64_t nb, int64_t b, __m512 w[4]) {
+    const int64_t ia = n * nb + b, ib = ia + nb;
+    const __m128i a = _mm_loadu_si128((const __m128i *)(qs + ia * (BLOCK / 2)));
+    const __m128i c = _mm_loadu_si128((const __m128i *)(qs + ib * (BLOCK / 2)));
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(a, c)); /* bytes 0-7 of each row */
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(a, c)); /* bytes 8-15 */
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    const __m512 vd = pair_set(d[ia], d[ib]), vm = pair_set(m[ia], m[ib]);
+    w[0] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_and_si512(lo, mask)), vm); /* values 0-7 */
+    w[1] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_and_si512(hi, mask)), vm); /* 8-15 */
+    w[2] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_srli_epi32(lo, 4)), vm);   /* 16-23 */
+    w[3] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_srli_epi32(hi, 4)), vm);   /* 24-31 */
+}
+/* Int8 blocks of two rows, values 8j .. 8j + 7 of each, sign-extended, times d[0] (values 0-15)
+ * and d[1] (16-31): the same scale twice for Q8_0, the sub-blocks' scales for Q8_16. */
+static inline void int8_block2(const int8_t *qa, const int8_t *qb, __m512 d0, __m512 d1, __m512 w[4]) {
+    const __m128i a0 = _mm_loadu_si128((const __m128i *)qa), a1 = _mm_loadu_si128((const __m128i *)(qa + 16));
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)qb), b1 = _mm_loadu_si128((const __m128i *)(qb + 16));
+    w[0] = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(a0, b0))));
+    w[1] = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(a0, b0))));
+    w[2] = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(a1, b1))));
+    w[3] = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(a1, b1))));
+}
+static inline void q8_0_block2(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                               int64_t nb, int64_t b, __m512 w[4]) {
+    (void)m;
+    const int64_t ia = n * nb + b, ib = ia + nb;
+    const __m512 vd = pair_set(d[ia], d[ib]);
+    int8_block2((const int8_t *)qs + ia * BLOCK, (const int8_t *)qs + ib * BLOCK, vd, vd, w);
+}
+static inline void q8_16_block2(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                                int64_t nb, int64_t b, __m512 w[4]) {
+    (void)m;
+    const int64_t ia = n * nb + b, ib = ia + nb;
+    int8_block2((const int8_t *)qs + ia * BLOCK, (const int8_t *)qs + ib * BLOCK,
+                pair_set(d[2 * ia], d[2 * ib]), pair_set(d[2 * ia + 1], d[2 * ib + 1]), w);
+}
+
+/* R input rows x P pairs of weight rows (columns n0 .. n0 + 2P - 1). Two pairs for up to four
+ * rows: wider tiles (8 pairs for one row) measured slower, their many weight-row streams and
+ * broadcasts outweighing the longer FMA chains. */
+#define DEFINE_PAIR_TILE_2(FMT, R, P)                                                             \
+    static void FMT##_ptile_##R##x##P(const float *x, int64_t K, const uint8_t *qs, const float *d, \
+                                      const float *m, int64_t n0, const float *bias, float *y,    \
+                                      int64_t N) {                                                \
+        __m512 acc[R][P];                                                                         \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int p = 0; p < P; p++) acc[i][p] = _mm512_setzero_ps();                          \
         const int64_t nb = K / BLOCK;                                                             \
         for (int64_t b = 0; b < nb; b++) {                                                        \
-            vec wa[4], wb[4];                                                                     \
-            __m512 w[4];                                                                          \
-            FMT##_block(qs, d, m, n0, nb, b, wa);                                                 \
-            FMT##_block(qs, d, m, n0 + 1, nb, b, wb);                                             \
-            for (int j = 0; j < 4; j++) w[j] = _mm512_insertf32x8(_mm512_castps256_ps512(wa[j]), wb[j], 1); \
             const float *xb = x + b * BLOCK;                                                      \
-            for (int i = 0; i < R; i++)                                                           \
-                for (int j = 0; j < 4; j++)                                                       \
-                    acc[i] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(xb + i * K + 8 * j)), w[j], acc[i]); \
+            for (int p = 0; p < P; p++) {                                                         \
+                __m512 w[4];                                                                      \
+                FMT##_prefetch(qs, d, m, n0 + 2 * P + 2 * p, nb, b);                              \
+                FMT##_prefetch(qs, d, m, n0 + 2 * P + 2 * p + 1, nb, b);                          \
+                FMT##_block2(qs, d, m, n0 + 2 * p, nb, b, w);                                     \
+                for (int i = 0; i < R; i++)                                                       \
+                    for (int j = 0; j < 4; j++)                                                   \
+                        acc[i][p] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(xb + i * K + 8 * j)), \
+                                                    w[j], acc[i][p]);                             \
+            }                                                                                     \
         }                                                                                         \
-        for (int i = 0; i < R; i++) {                                                             \
-            y[i * N + n0] = hsum(_mm512_castps512_ps256(acc[i])) + (bias ? bias[n0] : 0.0f);      \
-            y[i * N + n0 + 1] = hsum(_mm512_extractf32x8_ps(acc[i], 1)) + (bias ? bias[n0 + 1] : 0.0f); \
-        }                                                                                         \
+        for (int i = 0; i < R; i++)                                                               \
+            for (int p = 0; p < P; p++) {                                                         \
+                const int64_t c = n0 + 2 * p;                                                     \
+                y[i * N + c] = hsum(_mm512_castps512_ps256(acc[i][p])) + (bias ? bias[c] : 0.0f); \
+                y[i * N + c + 1] = hsum(_mm512_extractf32x8_ps(acc[i][p], 1)) + (bias ? bias[c + 1] : 0.0f); \
+            }                                                                                     \
     }
+/* [rows][0]: the widest tile for that many rows (pairs_per_tile of them), [rows][1]: one pair. */
 #define DEFINE_PAIR_ROWS(FMT)                                                                     \
-    DEFINE_PAIR_ROWS_TILE(FMT, 5) DEFINE_PAIR_ROWS_TILE(FMT, 6)                                   \
-    DEFINE_PAIR_ROWS_TILE(FMT, 7) DEFINE_PAIR_ROWS_TILE(FMT, 8)                                   \
-    static const tile_fn FMT##_ptiles[MAX_ROWS + 1] = {0, 0, 0, 0, 0, FMT##_ptile_5,              \
-                                                       FMT##_ptile_6, FMT##_ptile_7, FMT##_ptile_8};
-#define PAIR_ROWS_MIN 5
+    DEFINE_PAIR_TILE_2(FMT, 1, 2) DEFINE_PAIR_TILE_2(FMT, 1, 1)                                   \
+    DEFINE_PAIR_TILE_2(FMT, 2, 2) DEFINE_PAIR_TILE_2(FMT, 2, 1)                                   \
+    DEFINE_PAIR_TILE_2(FMT, 3, 2) DEFINE_PAIR_TILE_2(FMT, 3, 1)                                   \
+    DEFINE_PAIR_TILE_2(FMT, 4, 2) DEFINE_PAIR_TILE_2(FMT, 4, 1)                                   \
+    DEFINE_PAIR_TILE_2(FMT, 5, 1) DEFINE_PAIR_TILE_2(FMT, 6, 1)                                   \
+    DEFINE_PAIR_TILE_2(FMT, 7, 1) DEFINE_PAIR_TILE_2(FMT, 8, 1)                                   \
+    static const tile_fn FMT##_ptiles[MAX_ROWS + 1][2] = {                                        \
+        {0, 0},                                                                                   \
+        {FMT##_ptile_1x2, FMT##_ptile_1x1}, {FMT##_ptile_2x2, FMT##_ptile_2x1},                   \
+        {FMT##_ptile_3x2, FMT##_ptile_3x1}, {FMT##_ptile_4x2, FMT##_ptile_4x1},                   \
+        {FMT##_ptile_5x1, FMT##_ptile_5x1}, {FMT##_ptile_6x1, FMT##_ptile_6x1},                   \
+        {FMT##_ptile_7x1, FMT##_ptile_7x1}, {FMT##_ptile_8x1, FMT##_ptile_8x1}};
+static inline int pairs_per_tile(int64_t rows) { return rows <= 4 ? 2 : 1; }
 #else
-#define DEFINE_PAIR_ROWS(FMT) static const tile_fn FMT##_ptiles[MAX_ROWS + 1] = {0};
-#define PAIR_ROWS_MIN (MAX_ROWS + 1)
+#define DEFINE_PAIR_ROWS(FMT) static const tile_fn FMT##_ptiles[MAX_ROWS + 1][2] = {{0, 0}};
+static inline int pairs_per_tile(int64_t rows) { (void)rows; return 0; }
 #endif
 
 #define DEFINE_FORMAT(FMT)                                                                        \
@@ -419,9 +480,13 @@ static inline int64_t chunk_rows(int64_t K) {
             for (int64_t i0 = 0; i0 < M; i0 += MAX_ROWS) {                                        \
                 const int64_t rows = M - i0 < MAX_ROWS ? M - i0 : MAX_ROWS;                       \
                 int64_t n = s * 16;                                                               \
-                if (rows >= PAIR_ROWS_MIN)                                                        \
+                if (PAIRED) {                                                                     \
+                    const int64_t wide = 2 * pairs_per_tile(rows);                                \
+                    for (; n + wide <= n_end; n += wide)                                          \
+                        FMT##_ptiles[rows][0](x + i0 * K, K, qs, d, m, n, bias, y + i0 * N, N);   \
                     for (; n + 2 <= n_end; n += 2)                                                \
-                        FMT##_ptiles[rows](x + i0 * K, K, qs, d, m, n, bias, y + i0 * N, N);      \
+                        FMT##_ptiles[rows][1](x + i0 * K, K, qs, d, m, n, bias, y + i0 * N, N);   \
+                }                                                                                 \
                 for (int lc = 3; lc >= 0; lc--) {                                                 \
                     const int cols = 1 << lc;                                                     \
                     if (cols > tile_cols(rows)) continue;                                         \

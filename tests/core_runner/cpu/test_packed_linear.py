@@ -86,6 +86,24 @@ def test_many_rows_take_the_panel_path_with_the_same_arithmetic(ggml_type: str, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 19, 37])
+def test_every_decode_tile_gives_the_panel_bits(ggml_type: str, n: int) -> None:
+    """Each decode batch size (1..8 rows) and column remainder takes its own register tile (on
+    AVX-512, two weight rows per 512-bit register, odd columns in the 256-bit tiles); every one
+    must give each output the bits of the panel path, which a 40-row call takes."""
+    k = 256
+    raw, _ = _quantized(ggml_type, n, k, seed=n)
+    weight = PackedWeight.from_ggml(raw, ggml_type, (n, k))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n))
+    bias = torch.randn(n)
+    full = packed_linear(x, weight, bias)
+    torch.testing.assert_close(full, packed_linear_ref(x, weight, bias), atol=1e-5, rtol=1e-5)
+    for m in range(1, 9):
+        assert torch.equal(packed_linear(x[3 : 3 + m], weight, bias), full[3 : 3 + m]), m
+
+
+@needs_kernel
 @pytest.mark.parametrize("ggml_type,fmt", [("Q4_K", "q4_1"), ("Q6_K", "q8_16")])
 @pytest.mark.parametrize("m", [1, 9, 40])
 def test_k_quants_run_packed(ggml_type: str, fmt: str, m: int) -> None:
