@@ -18,6 +18,7 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, write_kv
 from slotrunner.core_runner.attention.torch_ref import TorchRefBackend, paged_attention_ref, step_plan
+from slotrunner.core_runner.cpu.layer_ops import write_kv_native
 from slotrunner.core_runner.cpu.native import load_library
 
 # Rows with at most this many query tokens run one native decode per token: a decode with k
@@ -61,7 +62,9 @@ class CpuBackend(TorchRefBackend):
         position_bias: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        lib = load_library()
+        if q.device.type != "cpu" or not write_kv_native(lib, kv_cache, k, v, meta.slot_mapping):
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         native = (
             q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and q.device.type == "cpu"
             and position_bias is None and spec.logits_soft_cap is None and sinks is None
@@ -72,10 +75,12 @@ class CpuBackend(TorchRefBackend):
         plan = step_plan(meta, block_size, q.device)
         rows, picked, longest = native_rows(meta, block_size, spec.sliding_window)
         q = q.contiguous()
-        out = paged_attention_ref(spec, q, kv_cache, meta, out=torch.empty_like(q), skip_rows=picked)
+        out = torch.empty_like(q)
+        if len(picked) < len(plan.rows):
+            paged_attention_ref(spec, q, kv_cache, meta, out=out, skip_rows=picked)
         if picked:
             cache = kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous()
-            status = load_library().sr_decode_attention(
+            status = lib.sr_decode_attention(
                 q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), plan.key_slots.data_ptr(), rows.data_ptr(),
                 rows.shape[0], spec.num_heads, num_kv_heads, head_dim, spec.scale, longest,
                 out.data_ptr(), torch.get_num_threads(),

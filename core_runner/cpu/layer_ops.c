@@ -1,5 +1,5 @@
-/* The small per-layer ops of a decoder on the CPU, float32: RMSNorm (with the residual add)
- * and rotary embedding of q and k. Each is one call where the torch reference issues eight to
+/* The small per-layer ops of a decoder on the CPU, float32: RMSNorm (with the residual add),
+ * rotary embedding of q and k, and the write of new keys and values into the paged cache. Each is one call where the torch reference issues eight to
  * fifteen ops, whose dispatch costs more than their arithmetic at decode sizes.
  *
  * Rounding follows the reference (models/layers/norm.py `rms_norm_ref`, rotary_qk.py
@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -86,4 +87,16 @@ void sr_rotary_qk(const int64_t *positions, int64_t tokens, float *q, int64_t q_
                   const float *cos_sin, int64_t half) {
     rotate(q, q_token_stride, q_head_stride, q_heads, positions, tokens, cos_sin, half);
     rotate(k, k_token_stride, k_head_stride, k_heads, positions, tokens, cos_sin, half);
+}
+
+/* Keys and values of `tokens` tokens (rows of `width` contiguous floats at their own strides)
+ * copied to flat cache slots (block * block_size + offset) of the two halves of the cache, as
+ * the reference's two index_copy_ calls do. A negative slot (none is scheduled) is skipped. */
+void sr_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
+                 int64_t tokens, int64_t width, float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * width, k + t * k_stride, sizeof(float) * width);
+        memcpy(v_cache + slots[t] * width, v + t * v_stride, sizeof(float) * width);
+    }
 }

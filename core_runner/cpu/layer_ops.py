@@ -1,5 +1,6 @@
-"""The per-layer ops of `layer_ops.c` (RMSNorm with the residual add, rotary on q and k) for
-float32 CPU tensors: one native call each where the torch reference issues eight to fifteen ops.
+"""The per-layer ops of `layer_ops.c` (RMSNorm with the residual add, rotary on q and k, the KV
+cache write) for float32 CPU tensors: one native call each where the torch reference issues two
+to fifteen ops.
 
 `models/layers/norm.py` and `rotary_qk.py` dispatch here on a CPU, as they dispatch to Triton on
 a GPU, and keep the reference for everything else (other dtypes, tensors that need gradients,
@@ -58,3 +59,24 @@ def rotary_qk_native(lib, positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
         k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
         cos_sin.data_ptr(), cos_sin.shape[-1] // 2,
     )  # fmt: skip
+
+
+def write_kv_native(lib, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """`write_kv` of k, v [tokens, kv_heads, head_dim] into a contiguous float32 cache in one call
+    (the reference's conversions and two index_copy_ cost ~20 us a layer at decode); False,
+    writing nothing, where it does not apply. Pointer arithmetic, not views: at decode sizes a
+    view or an index costs more than the copy."""
+    _, _, _, heads, dim = kv_cache.shape
+    f32 = torch.float32
+    if (
+        kv_cache.dtype != f32 or k.dtype != f32 or v.dtype != f32 or slot_mapping.dtype != torch.int64
+        or not kv_cache.is_contiguous() or not slot_mapping.is_contiguous()
+        or k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1) or k.shape[1:] != (heads, dim) or v.shape[1:] != (heads, dim)
+    ):  # fmt: skip
+        return False
+    base = kv_cache.data_ptr()
+    lib.sr_write_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), k.shape[0], heads * dim,
+        base, base + kv_cache.stride(0) * 4,
+    )  # fmt: skip
+    return True

@@ -37,6 +37,7 @@ SIGNATURES = {
     "sr_simd_width": ([], ctypes.c_int),
     "sr_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, ctypes.c_int, _I64, _I64, _PTR, _PTR], None),
     "sr_rotary_qk": ([_PTR, _I64] + [_PTR, _I64, _I64, _I64] * 2 + [_PTR, _I64], None),
+    "sr_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR], None),
 }
 
 
