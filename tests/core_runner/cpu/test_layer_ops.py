@@ -77,3 +77,27 @@ def test_what_the_native_code_does_not_cover_takes_the_reference():
     w = torch.randn(16, requires_grad=True)
     y = rms_norm(torch.randn(3, 16), w, 1e-6)
     assert y.grad_fn is not None, "a tensor that needs gradients goes through torch"
+
+
+def test_kv_write_is_the_reference_and_declines_what_it_does_not_cover():
+    """K and V are strided views of the fused qkv output; slots land anywhere in the cache. A
+    float8 cache (bytes, not floats) or a non-contiguous one goes back to the reference."""
+    from slotrunner.core_runner.attention.backend import write_kv
+    from slotrunner.core_runner.cpu.layer_ops import write_kv_native
+    from slotrunner.core_runner.cpu.native import load_library
+
+    lib = load_library()
+    qkv = torch.randn(5, 7 * 12 + 2 * 3 * 12)
+    _, k, v = qkv.split([7 * 12, 3 * 12, 3 * 12], dim=-1)
+    k, v = k.view(5, 3, 12), v.view(5, 3, 12)
+    slots = torch.tensor([0, 17, 63, 5, 40])
+    want, got = torch.randn(2, 4, 16, 3, 12), torch.zeros(2, 4, 16, 3, 12)
+    got.copy_(want)
+    write_kv(want, k, v, slots)
+    assert write_kv_native(lib, got, k, v, slots)
+    assert torch.equal(got, want)
+    fp8 = torch.zeros(2, 4, 16, 3, 12, dtype=torch.float8_e4m3fn)
+    assert not write_kv_native(lib, fp8, k, v, slots)
+    strided = torch.zeros(2, 4, 16, 3, 24)[..., :12]
+    assert not write_kv_native(lib, strided, k, v, slots)
+    assert not strided.any() and not fp8.float().any()
