@@ -1,7 +1,8 @@
 """Where a decode step's GPU time goes: torch-profiler kernel table of steady decode steps.
 
-Builds a random-weight model of one of `mamba_throughput.py`'s shapes (bamba, qwen3-next, llama)
-or `multimodal_throughput.py`'s LLaVA (fed text: `llava`; its LM as a plain decoder: `llava-lm`),
+Builds a random-weight model of one of `mamba_throughput.py`'s shapes (bamba, qwen3-next, llama),
+`moe_throughput.py`'s (deepseek-v2-lite, qwen3-30b-a3b: dummy weights drawn on the GPU, `--layers`
+deep) or `multimodal_throughput.py`'s LLaVA (fed text: `llava`; its LM as a plain decoder: `llava-lm`),
 starts `--batch` requests of `--input-len` random tokens, steps the engine until every row
 decodes, then profiles `--steps` engine steps (CUDA graphs replayed as served) and prints the
 kernels by total GPU time, with the wall time per step. A first round of the same prompts is
@@ -12,6 +13,7 @@ otherwise time their compilation -- whichever shape runs first on a machine with
 (PREFIX.prefill.prof, PREFIX.decode.prof) to compare two shapes' host work.
 
     python benchmarks/profile_decode.py --shape bamba --batch 64
+    python benchmarks/profile_decode.py --shape deepseek-v2-lite --layers 27 --input-len 512
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -26,11 +28,12 @@ import time
 import torch
 
 from mamba_throughput import model_config
+from moe_throughput import SHAPES as MOE_SHAPES
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama", "llava", "llava-lm"), default="bamba",
+    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama", "llava", "llava-lm", *MOE_SHAPES), default="bamba",
                    help="llava / llava-lm: multimodal_throughput.py's LLaVA fed text prompts, its LM as a decoder")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--batch", type=int, default=64)
@@ -53,9 +56,15 @@ def main() -> None:
 
             multimodal_throughput.build(Path(d), argparse.Namespace(tiny=False), torch.bfloat16)
             d = str(Path(d) / ("llava" if args.shape == "llava" else "lm"))
+        elif args.shape in MOE_SHAPES:
+            import json
+            from pathlib import Path
+
+            (Path(d) / "config.json").write_text(json.dumps(MOE_SHAPES[args.shape][0](args.layers)))
         else:
             AutoModelForCausalLM.from_config(model_config(args), dtype=torch.bfloat16).save_pretrained(d)
-        llm = LLM(d, device="cuda", max_model_len=args.input_len + 512, max_num_seqs=args.batch, max_num_batched_tokens=8192)
+        llm = LLM(d, device="cuda", dtype="bfloat16", max_model_len=args.input_len + 512, max_num_seqs=args.batch,
+                  max_num_batched_tokens=8192, load_format="dummy" if args.shape in MOE_SHAPES else "auto")  # fmt: skip
         engine = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
