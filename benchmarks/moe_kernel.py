@@ -1,12 +1,14 @@
 """The fused MoE kernel alone at decode batch sizes: bytes of active expert weights read per
 second, against a device-to-device copy measured in the same run.
 
-Qwen3-30B-A3B's expert shape (128 experts of 768, hidden 2048, top-8, bf16), router logits from
+Qwen3-30B-A3B's expert shape (128 experts of 768, hidden 2048, top-8, bf16; or DeepSeek-V2-Lite's
+routed experts, 64 of 1408, top-6), router logits from
 random weights; per batch size the CUDA-graph-replayed call (align + two grouped GEMMs) timed by
 CUDA events (median), and the weights of the experts the batch routes to (each read once) over
 that time.
 
     python benchmarks/moe_kernel.py --tokens 1,64,256,512
+    python benchmarks/moe_kernel.py --shape deepseek-v2-lite   # 64 experts of 1408, top-6
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -21,13 +23,18 @@ from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
 from slotrunner.models.layers.moe import RouterSpec, select_experts
 
 
+# experts, their intermediate size, hidden size, experts per token
+SHAPES = {"qwen3-30b-a3b": (128, 768, 2048, 8), "deepseek-v2-lite": (64, 1408, 2048, 6)}
+
+
 def main() -> None:
     import triton.testing
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,64,256,512")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-30b-a3b")
     args = p.parse_args()
-    experts, inter, hidden, top_k = 128, 768, 2048, 8
+    experts, inter, hidden, top_k = SHAPES[args.shape]
     g = torch.Generator().manual_seed(0)
     w_in = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).to("cuda", torch.bfloat16)
     w_out = (torch.randn(experts, hidden, inter, generator=g) * 0.02).to("cuda", torch.bfloat16)
