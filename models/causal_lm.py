@@ -19,6 +19,7 @@ from torch import nn
 
 from slotrunner.models.layers.linear import VocabEmbedding
 from slotrunner.models.layers.lm_head import LogitScale, vocab_logits
+from slotrunner.models.layers.native_decode import NativeDecodeStack
 from slotrunner.models.layers.parallel_linear import output_head, vocab_embedding
 from slotrunner.models.weights import WeightLoader
 
@@ -67,6 +68,9 @@ class DecoderStack(nn.Module):
         self.embedding_multiplier = embedding_multiplier
         self.multiply_inputs_embeds = multiply_inputs_embeds
         self.multiplier_in_dtype = multiplier_in_dtype
+        # On a CPU, decode steps of layers in Llama's form run one native call a layer
+        # (models/layers/native_decode.py): the same kernels, the same bits, less Python.
+        self.native_decode = NativeDecodeStack(list(self.layers)) if residual_in_norm else None
 
     @property
     def token_embedding(self) -> VocabEmbedding:
@@ -89,9 +93,13 @@ class DecoderStack(nn.Module):
             for layer in self.layers:
                 x = layer(positions, x)
             return self.output_norm(x)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        native = self.native_decode.run(positions, x) if x.device.type == "cpu" and self.native_decode else None
+        if native is not None:
+            x, residual = native
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         x, _ = self.output_norm(x, residual)
         return x
 

@@ -15,7 +15,9 @@ from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.core_runner.distributed.shard import check_head_split, even_shard
 from slotrunner.models.layers.activation import GatedAct
 from slotrunner.models.causal_lm import CausalLM, DecoderStack, StackNames
+from slotrunner.models.layers.linear import Linear, MergedLinear
 from slotrunner.models.layers.mrope import MRotaryEmbedding
+from slotrunner.models.layers.native_decode import NativeLayerParts
 from slotrunner.models.layers.norm import RMSNorm
 from slotrunner.models.layers.parallel_linear import merged_column_linear, row_linear
 from slotrunner.models.layers.qkv_attention import QKVAttention
@@ -132,6 +134,25 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def native_parts(self) -> NativeLayerParts | None:
+        """The layer's parts for the CPU's one-call decode (models/layers/native_decode.py), or
+        None where it is not exactly this class's form: q/k norms, M-RoPE, tensor-parallel
+        linears, or a subclass's own forward."""
+        attn, mlp = self.self_attn, self.mlp
+        if (
+            type(self).forward is not LlamaDecoderLayer.forward or type(attn).forward is not QKVAttention.forward
+            or type(mlp).forward is not LlamaMLP.forward or attn.qk_norm or type(attn.rotary_emb) is not RotaryEmbedding
+            or type(attn.qkv_proj) is not MergedLinear or type(attn.o_proj) is not Linear
+            or type(mlp.gate_up_proj) is not MergedLinear or type(mlp.down_proj) is not Linear
+            or type(self.input_layernorm).forward is not RMSNorm.forward
+            or type(self.post_attention_layernorm).forward is not RMSNorm.forward
+        ):  # fmt: skip
+            return None
+        return NativeLayerParts(
+            self.input_layernorm, attn.qkv_proj, attn.rotary_emb.cos_sin, attn.attn, attn.o_proj,
+            self.post_attention_layernorm, mlp.gate_up_proj, mlp.act.act, mlp.down_proj,
+        )  # fmt: skip
 
 
 class LlamaForCausalLM(CausalLM):

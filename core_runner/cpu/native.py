@@ -1,4 +1,5 @@
-"""Build and load the native CPU kernels (`packed_linear.c`, `decode_attention.c`, `layer_ops.c`) on first use.
+"""Build and load the native CPU kernels (`packed_linear.c`, `decode_attention.c`, `layer_ops.c`,
+`decoder_layer.c`) on first use.
 
 The source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for the
 host CPU (`-march=native`), and cached under `$SLOTRUNNER_CACHE` (default
@@ -19,7 +20,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.c", "decode_attention.c", "layer_ops.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("packed_linear.c", "decode_attention.c", "layer_ops.c", "decoder_layer.c")
+)
 # Tried in order: with OpenMP threads; without OpenMP (Apple clang), one thread; without
 # -march=native, for compilers that reject it (portable C, no SIMD intrinsics).
 _FLAG_SETS = (
@@ -38,6 +41,7 @@ SIGNATURES = {
     "sr_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, ctypes.c_int, _I64, _I64, _PTR, _PTR], None),
     "sr_rotary_qk": ([_PTR, _I64] + [_PTR, _I64, _I64, _I64] * 2 + [_PTR, _I64], None),
     "sr_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR], None),
+    "sr_llama_layer_decode": ([_PTR] * 6, ctypes.c_int),
 }
 
 

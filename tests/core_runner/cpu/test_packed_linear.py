@@ -228,7 +228,7 @@ def test_failed_compile_falls_back_and_reports(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("SLOTRUNNER_CACHE", str(tmp_path / "cache"))
     native._build_and_load.cache_clear()
     try:
-        with pytest.raises(native.NativeKernelError, match="compiling packed_linear.c, decode_attention.c, layer_ops.c failed: .*fake-cc: error: unsupported"):
+        with pytest.raises(native.NativeKernelError, match="compiling packed_linear.c, decode_attention.c, layer_ops.c, decoder_layer.c failed: .*fake-cc: error: unsupported"):
             native.load_library()
         attempts = len(calls.read_text().splitlines())
         assert attempts == len(native._FLAG_SETS)
