@@ -322,13 +322,16 @@ class LLMEngine:
             group = groups.get(group_id)
             if group is None:
                 continue  # aborted while the step ran
+            touched[group_id] = group
             tracker = group.members[request.sample_index]
+            if final_only and not tracker.needs_every_step and not request.status.finished:
+                tracker.note_arrival(now)  # no output of it this step: its text waits for one
+                continue
             stop_str = tracker.add_tokens(None if row_logprobs is None else row_logprobs.get(request.req_id), now)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            touched[group_id] = group
             if request.status.finished:
                 finished_now.add(group_id)
         outputs = []
