@@ -322,11 +322,13 @@ class LLMEngine:
             group = groups.get(group_id)
             if group is None:
                 continue  # aborted while the step ran
-            touched[group_id] = group
             tracker = group.members[request.sample_index]
             if final_only and not tracker.needs_every_step and not request.status.finished:
-                tracker.note_arrival(now)  # no output of it this step: its text waits for one
+                # No output of it this step: its text waits for one. Its group makes no output
+                # either (this sample runs on), so the outputs keep their order without it.
+                tracker.note_arrival(now)
                 continue
+            touched[group_id] = group
             stop_str = tracker.add_tokens(None if row_logprobs is None else row_logprobs.get(request.req_id), now)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)

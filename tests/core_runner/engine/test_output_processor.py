@@ -30,10 +30,7 @@ def _steps(tracker: RequestTracker, steps: list[list[int]], wait: bool) -> None:
     """Append each step's tokens as Scheduler.update does; feed them or let them wait."""
     request = tracker.request
     for tokens in steps:
-        for token in tokens:
-            request.output_token_ids.append(token)
-            if request.check_stop(max_model_len=100):
-                break
+        request.append_sampled(tokens, max_model_len=100)
         if wait and not tracker.needs_every_step and not request.status.finished:
             tracker.note_arrival(1.0)
         else:
