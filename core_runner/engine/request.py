@@ -99,9 +99,8 @@ class Request:
     def done_when_pending_arrive(self, max_model_len: int) -> bool:
         """Whether the tokens in flight already bring the request to max_tokens or to
         max_model_len: it finishes when they arrive, so no further step is scheduled for it."""
-        max_tokens = self.sampling_params.max_tokens
         num_output = len(self.output_token_ids) + self.num_pending
-        return (max_tokens is not None and num_output >= max_tokens) or self.num_tokens + self.num_pending >= max_model_len
+        return num_output >= min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
 
     def append_sampled(self, token_ids: list[int], max_model_len: int) -> bool:
         """Append a step's sampled tokens (several with drafts) up to the first one that finishes

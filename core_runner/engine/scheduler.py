@@ -326,7 +326,8 @@ class Scheduler:
         the same `schedule()` reads the request again -- preemption victims come from the
         unscheduled tail -- so this happens as soon as the request is scheduled."""
         request.num_computed_tokens = num_computed
-        if self.async_scheduling and num_computed >= request.num_tokens + request.num_pending:
+        num_known = len(request.prompt_token_ids) + len(request.output_token_ids)  # num_tokens, without a call
+        if self.async_scheduling and num_computed >= num_known + request.num_pending:
             request.num_pending += 1  # this step samples its next token
 
     def _with_lookahead(self, num_tokens: int) -> int:
@@ -452,8 +453,9 @@ class Scheduler:
                 request.num_scheduled_drafts = 0
             if next_drafts is not None:
                 request.num_spec_tokens = next_drafts[row]
-            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)  # num_tokens, without a call
-            assert not synchronous or request.num_computed_tokens + 1 == num_known + len(sampled), (
+            assert not synchronous or (
+                request.num_computed_tokens + 1 == len(request.prompt_token_ids) + len(request.output_token_ids) + len(sampled)
+            ), (
                 f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
                 f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
             )
