@@ -312,7 +312,9 @@ class LLMEngine:
         for req_id, lp in runner_out.prompt_logprobs.items():
             if req_id in self._groups:
                 self._groups[req_id].members[0].add_prompt_logprobs(lp)
-        row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else None
+        row_logprobs = None  # most steps: no row asked for logprobs
+        if any(runner_out.logprobs):
+            row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs))
         now = time.time()  # one arrival time for all of the step's tokens (RequestMetrics)
         groups = self._groups
         touched: dict[str, RequestGroup] = {}  # in batch order: the order of the outputs
