@@ -8,10 +8,15 @@ with one step only).
 
 from __future__ import annotations
 
-from slotrunner import SamplingParams
+import pytest
+
+from slotrunner import LLM, SamplingParams
+from slotrunner.conformance import build_case
 from slotrunner.core_runner.engine.output_processor import RequestTracker
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.runner.outputs import TokenLogprobs
+from slotrunner.registry import tiny_config
+from slotrunner.registry.tiny_configs import tiny_tokenizer
 
 EOS = 25  # decodes to "z"
 
@@ -64,3 +69,42 @@ def test_stop_strings_and_logprobs_need_every_step():
     tracker.request.output_token_ids.append(3)
     tracker.add_tokens([TokenLogprobs([3], [-0.5], 1)], 1.0)
     assert tracker.completion().cumulative_logprob == -0.5
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """A tiny random Llama with a word-level fast tokenizer (DecodeStream): "w<id>" is token <id>."""
+    directory = tmp_path_factory.mktemp("tiny_llama_words")
+    build_case(tiny_config("LlamaForCausalLM"), directory)
+    tiny_tokenizer([]).save_pretrained(str(directory))
+    return LLM(str(directory), device="cpu", max_model_len=64, block_size=4)
+
+
+def test_generated_text_equals_streamed_text(llm):
+    """generate() leaves the text to the final output; stream() decodes every step: the same
+    text, with a stop token's text left out by both."""
+    prompt = "w5 w6 w7"
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = llm.generate(prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+    stopped = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[5]])
+    for params in (free, stopped, SamplingParams(temperature=0.9, seed=3, max_tokens=12)):
+        [final] = llm.generate(prompt, params, use_tqdm=False)
+        streamed = "".join(llm.stream(prompt, params))
+        assert final.outputs[0].token_ids == llm.last_stream_output.outputs[0].token_ids
+        assert final.outputs[0].text == streamed != ""
+    assert final.outputs[0].finish_reason == "length"
+
+
+def test_an_aborted_request_shows_the_text_of_every_token(llm):
+    """Tokens whose text waited (nobody streams the request) are in its abort output."""
+    engine, outputs = llm.engine, {}
+    for final_only in (True, False):
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        for _ in range(6):
+            engine.step(final_only)
+        engine.abort_request("a")
+        [out] = [o for o in engine.step(final_only) if o.request_id == "a"]
+        outputs[final_only] = out.outputs[0]
+    assert outputs[True].finish_reason == outputs[False].finish_reason == "abort"
+    assert outputs[True].token_ids == outputs[False].token_ids and len(outputs[True].token_ids) >= 5
+    assert outputs[True].text == outputs[False].text != ""
