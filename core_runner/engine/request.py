@@ -22,9 +22,14 @@ class RequestStatus(enum.Enum):
         self.finished = value not in ("waiting", "running")
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """Engine-side record of a request. The runner never sees this object, only `NewRequestData`."""
+    """Engine-side record of a request. The runner never sees this object, only `NewRequestData`.
+
+    Equal only to itself: the scheduler finds a request in its queues (`list.remove`) for every
+    request that finishes, and a field-by-field comparison with each one before it cost ~0.3 ms
+    at the end of 512 running requests.
+    """
 
     req_id: str
     prompt_token_ids: list[int]
@@ -65,9 +70,9 @@ class Request:
     num_accepted_tokens: int = 0
     # What check_stop reads every token, taken from `sampling_params` once: the request's own
     # copy (intake copies the user's), never changed after the request is made.
-    _stop_ids: frozenset[int] = field(init=False, repr=False, compare=False)  # EOS (unless ignore_eos) and stop_token_ids
-    _max_tokens: int = field(init=False, repr=False, compare=False)  # sys.maxsize when max_tokens is None
-    group_id: str = field(init=False, repr=False, compare=False)  # the user's request id (`group`, else req_id)
+    _stop_ids: frozenset[int] = field(init=False, repr=False)  # EOS (unless ignore_eos) and stop_token_ids
+    _max_tokens: int = field(init=False, repr=False)  # sys.maxsize when max_tokens is None
+    group_id: str = field(init=False, repr=False)  # the user's request id (`group`, else req_id)
 
     def __post_init__(self) -> None:
         self.group_id = self.group if self.group is not None else self.req_id
