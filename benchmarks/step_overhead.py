@@ -8,6 +8,12 @@ model call, which is what is cut out here.
 
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512
     python benchmarks/step_overhead.py --device cpu
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --device cpu --clock thread --profile 30
+
+`--clock thread` counts the CPU time of the main thread instead of wall time: on a shared
+machine other work then moves the figures less (on a GPU it hides time spent waiting for it).
+`--profile N` prints the N functions with the most own time over the timed steps (cProfile;
+its overhead inflates the step times printed beside it).
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -15,7 +21,9 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -31,7 +39,9 @@ CONFIG = dict(
 )
 
 
-def measure(model_dir: str, device: str, batch: int, steps: int) -> dict[str, float]:
+def measure(
+    model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None
+) -> dict[str, float]:
     from slotrunner import LLM, SamplingParams
 
     llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=1024,
@@ -46,20 +56,24 @@ def measure(model_dir: str, device: str, batch: int, steps: int) -> dict[str, fl
     for _ in range(5):  # prefill, then warm decode steps
         engine.step()
     parts: dict[str, list[float]] = {"schedule": [], "prepare+forward": [], "sample+copy": [], "update": [], "total": []}
+    if profile is not None:
+        profile.enable()
     for _ in range(steps):
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         sched = engine.scheduler.schedule()
-        t1 = time.perf_counter()
+        t1 = clock()
         runner.execute_model(sched)
-        t2 = time.perf_counter()
+        t2 = clock()
         out = runner.sample_tokens().get()
-        t3 = time.perf_counter()
+        t3 = clock()
         engine._process(sched, out, final_only=True)  # scheduler update + output processing
-        t4 = time.perf_counter()
+        t4 = clock()
         assert len(sched.num_scheduled_tokens) == batch and all(n == 1 for n in sched.num_scheduled_tokens.values())
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
             parts[k].append(1e3 * v)
+    if profile is not None:
+        profile.disable()
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
@@ -68,16 +82,24 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256,512")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="thread: CPU time of the main thread")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N functions with the most own time, per batch size")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     rows = []
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(CONFIG))
         for b in sizes:
-            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps)))
+            profile = cProfile.Profile() if args.profile else None
+            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile)))
+            if profile is not None:
+                print(f"--- batch {b}: {args.steps} steps")
+                pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"host time per decode step, model forward replaced by a no-op; {name}, median of {args.steps} steps, ms")
+    what = "CPU time of the main thread" if args.clock == "thread" else "wall time"
+    print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, median of {args.steps} steps, ms")
     print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:
         print(f"{r['batch']:>6} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "

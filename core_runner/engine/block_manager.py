@@ -69,6 +69,10 @@ class BlockManager:
         # req_id -> per group, block ids in sequence order (NULL_BLOCK before its first held one).
         self._req_blocks: dict[str, list[list[int]]] = {}
         self._first_held: dict[str, list[int]] = {}  # req_id -> per group, the first position it holds
+        # req_id -> tokens its blocks have room for (every group's list has the same length):
+        # the scheduler reads it for every running request every step, and grows only a request
+        # whose next tokens pass it -- a decode row once every block_size steps.
+        self.room: dict[str, int] = {}
         self._ref_count: dict[int, int] = {}  # holders of each block in use
         self._hash_of: dict[int, tuple[int, bytes]] = {}  # block -> (its group, its content hash), held or free
         self._block_of: list[dict[bytes, int]] = [{} for _ in windows]  # per group: content hash -> block
@@ -99,12 +103,7 @@ class BlockManager:
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
         """Extra blocks `req_id` needs, over all groups, to hold room for `num_tokens` tokens."""
         needed = -(-num_tokens // self.block_size)
-        lists = self._req_blocks.get(req_id)
-        if not lists:
-            return needed * self.num_groups
-        if len(lists) == 1:  # one group: most models
-            return max(0, needed - len(lists[0]))
-        return sum(max(0, needed - len(lst)) for lst in lists)
+        return max(0, needed - self.room.get(req_id, 0) // self.block_size) * self.num_groups
 
     def can_grow(self, req_id: str, num_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Whether `req_id`, after taking the `cached` prefix (`find_cached`; a request that
@@ -139,6 +138,7 @@ class BlockManager:
             new = [self._take_free() for _ in range(max(0, needed - len(lst)))]
             lst.extend(new)
             new_ids.append(new)
+        self.room[req_id] = needed * self.block_size
         return new_ids
 
     def _take_free(self) -> int:
@@ -220,6 +220,7 @@ class BlockManager:
                     self._ref_count[block] += 1
         self._req_blocks[req_id] = [[NULL_BLOCK] * s + list(b) for s, b in zip(cached.starts, cached.blocks)]
         self._first_held[req_id] = list(cached.starts)
+        self.room[req_id] = cached.num_blocks * self.block_size
         self.num_cached_hits += cached.num_blocks
 
     def cache(self, req_id: str, block_hashes: list[bytes], start: int = 0) -> None:
@@ -272,6 +273,7 @@ class BlockManager:
         if lists is None:
             return
         firsts = self._first_held.pop(req_id)
+        del self.room[req_id]
         for i in range(max(len(lst) for lst in lists) - 1, -1, -1):
             for lst, first in zip(lists, firsts):
                 if first <= i < len(lst):
@@ -289,7 +291,10 @@ class BlockManager:
         """Every block is free xor held, refcounts match the holders, hashes map both ways, no
         request holds NULL_BLOCK or a position out of its window (tests)."""
         holders: dict[int, int] = {}
+        assert self.room.keys() == self._req_blocks.keys(), "room is kept for other requests than hold blocks"
         for req_id, lists in self._req_blocks.items():
+            room = self.room[req_id]
+            assert all(len(lst) * self.block_size == room for lst in lists), f"{req_id!r}: room disagrees with its blocks"
             for g, (lst, first) in enumerate(zip(lists, self._first_held[req_id])):
                 assert all(b == NULL_BLOCK for b in lst[:first]), f"{req_id!r} group {g}: a freed position keeps a block"
                 assert self.windows[g] is not None or first == 0, f"{req_id!r}: a full-attention group dropped blocks"

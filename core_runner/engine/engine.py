@@ -312,7 +312,9 @@ class LLMEngine:
         for req_id, lp in runner_out.prompt_logprobs.items():
             if req_id in self._groups:
                 self._groups[req_id].members[0].add_prompt_logprobs(lp)
-        row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs)) if runner_out.logprobs else None
+        row_logprobs = None  # most steps: no row asked for logprobs
+        if any(runner_out.logprobs):
+            row_logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs))
         now = time.time()  # one arrival time for all of the step's tokens (RequestMetrics)
         groups = self._groups
         touched: dict[str, RequestGroup] = {}  # in batch order: the order of the outputs
@@ -323,12 +325,17 @@ class LLMEngine:
             if group is None:
                 continue  # aborted while the step ran
             tracker = group.members[request.sample_index]
+            if final_only and not tracker.needs_every_step and not request.status.finished:
+                # No output of it this step: its text waits for one. Its group makes no output
+                # either (this sample runs on), so the outputs keep their order without it.
+                tracker.note_arrival(now)
+                continue
+            touched[group_id] = group
             stop_str = tracker.add_tokens(None if row_logprobs is None else row_logprobs.get(request.req_id), now)
             if stop_str is not None and not request.status.finished:
                 self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED, stop_str)
             elif stop_str is not None:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            touched[group_id] = group
             if request.status.finished:
                 finished_now.add(group_id)
         outputs = []

@@ -30,22 +30,44 @@ class RequestTracker:
             self.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self.cumulative_logprob = 0.0  # of the sampled tokens, kept when logprobs are asked
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        # Whether the tokens must be processed in the step they arrive: a stop string may end
+        # the request among them, or their logprobs come with that step only. Otherwise their
+        # text can wait until an output is built (`completion`): offline generation of a long
+        # output then decodes it once, at the end, instead of a call per row every step.
+        self.needs_every_step = bool(self.detok.stop) or self.logprobs is not None
 
     def add_tokens(self, logprobs: list[TokenLogprobs | None] | None, now: float | None = None) -> str | None:
         """Feed the tokens `update()` appended (one per step, or several with speculative
         decoding; `logprobs` has one entry per token) that arrived at `now` (`time.time()`,
         default now); returns a stop string they completed. Tokens after the one that
         completes a stop string are dropped, as if never sampled."""
-        output_token_ids = self.request.output_token_ids
-        num_new = len(output_token_ids) - self.num_seen
-        if num_new <= 0:
+        if len(self.request.output_token_ids) <= self.num_seen:
             return None
+        self.note_arrival(now)
+        return self._detokenize(logprobs)
+
+    def note_arrival(self, now: float | None = None) -> None:
+        """Stamp the metrics of tokens that arrived at `now` and leave them to be processed
+        later: only for a request that does not need every step (`needs_every_step`), whose
+        tokens `add_tokens` or `completion` processes when its next output is built."""
         metrics = self.metrics
         metrics.last_token_time = time.time() if now is None else now
         if metrics.first_token_time is None:
             metrics.first_token_time = metrics.last_token_time
+
+    def _detokenize(self, logprobs: list[TokenLogprobs | None] | None) -> str | None:
+        """Feed the output tokens not fed yet to the detokenizer (`logprobs`: theirs, when they
+        arrived in this step); returns a stop string they completed, and drops the tokens after it."""
+        output_token_ids = self.request.output_token_ids
+        num_new = len(output_token_ids) - self.num_seen
         # The EOS or stop token that ended the request adds no text (vLLM's rule).
         hidden = num_new - 1 if self._stopped_by_token() else -1
+        if not self.needs_every_step:  # no stop string to cut at, no logprobs: one call for them all
+            shown = output_token_ids[self.num_seen : self.num_seen + hidden if hidden >= 0 else None]
+            self.num_seen += num_new
+            if shown:
+                self.detok.step(shown)
+            return None
         with_logprobs = self.logprobs is not None and logprobs is not None
         for i, token_id in enumerate(output_token_ids[self.num_seen :]):
             self.num_seen += 1
@@ -83,6 +105,7 @@ class RequestTracker:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def completion(self) -> CompletionOutput:
+        self._detokenize(None)  # tokens whose text waited (note_arrival); they complete no stop string
         r = self.request
         return CompletionOutput(
             index=r.sample_index,

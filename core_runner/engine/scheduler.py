@@ -212,25 +212,30 @@ class Scheduler:
         checkpoints, windows = self.state_checkpoints is not None, self.block_manager.has_windows
         bm, block_size, prefix_caching = self.block_manager, self.block_size, self.prefix_caching
         lookahead, max_model_len = self.num_lookahead_tokens > 0, self.max_model_len
-        cached_reqs = out.cached_reqs
+        room = bm.room  # req_id -> tokens its blocks hold: most decode rows stay within it
+        cached_reqs, num_scheduled, running = out.cached_reqs, out.num_scheduled_tokens, self.running
+        cached_ids, cached_computed = cached_reqs.req_ids, cached_reqs.num_computed_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.num_pending and request.done_when_pending_arrive(max_model_len):
-                i += 1
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            num_pending = request.num_pending
+            if num_pending and request.done_when_pending_arrive(max_model_len):
                 continue
             req_id = request.req_id
             num_computed = request.num_computed_tokens
             num_uncomputed = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
-            num_new = min(num_uncomputed + request.num_pending, budget)
+            num_new = num_uncomputed + num_pending
+            if num_new > budget:
+                num_new = budget
             if checkpoints:
                 num_new = self._to_state_checkpoint(request, num_computed, num_new)
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
-                i += 1
                 continue
             num_drafts = 0
-            decode_only &= num_uncomputed == 1
-            if use_drafts and request.num_spec_tokens and num_uncomputed == 1:
+            if num_uncomputed != 1:
+                decode_only = False
+            elif use_drafts and request.num_spec_tokens:
                 # A decode with drafts: the last token and the drafts after it (their KV is
                 # written too; rejected ones are overwritten later, update() rolls back).
                 num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(max_model_len))
@@ -239,16 +244,17 @@ class Scheduler:
                 bm.free_outside_window(req_id, num_computed)
             end = num_computed + num_new
             num_hold = self._with_lookahead(end) if lookahead else end
-            if bm.num_blocks_to_grow(req_id, num_hold):  # else (most decode steps) its last block has room
+            if num_hold > room.get(req_id, 0):  # a block boundary is crossed: grow
                 new_block_ids = self._grow_or_preempt(request, num_hold, out)
                 if new_block_ids is None:
                     break  # it preempted itself, so it was the last running request
                 cached_reqs.new_block_ids[req_id] = new_block_ids
-            cached_reqs.req_ids.append(req_id)
-            cached_reqs.num_computed_tokens.append(num_computed)
-            out.num_scheduled_tokens[req_id] = num_new
-            request.num_scheduled_drafts = num_drafts
-            drafts_scheduled |= num_drafts > 0
+            if num_drafts:  # else it is 0: update() resets it once it verified the drafts
+                request.num_scheduled_drafts = num_drafts
+                drafts_scheduled = True
+            cached_ids.append(req_id)
+            cached_computed.append(num_computed)
+            num_scheduled[req_id] = num_new
             # Hashes cover known tokens only: blocks that hold drafts are registered later.
             # Most decode steps fill no block: this is _cache_blocks' own check, saving the call.
             if prefix_caching and end // block_size > request.num_registered_blocks:
@@ -257,7 +263,6 @@ class Scheduler:
                 self._checkpoint_state(request, num_computed, num_new, out)
             self._advance(request, end)
             budget -= num_new
-            i += 1
 
         while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -321,7 +326,8 @@ class Scheduler:
         the same `schedule()` reads the request again -- preemption victims come from the
         unscheduled tail -- so this happens as soon as the request is scheduled."""
         request.num_computed_tokens = num_computed
-        if self.async_scheduling and num_computed >= request.num_tokens + request.num_pending:
+        num_known = len(request.prompt_token_ids) + len(request.output_token_ids)  # num_tokens, without a call
+        if self.async_scheduling and num_computed >= num_known + request.num_pending:
             request.num_pending += 1  # this step samples its next token
 
     def _with_lookahead(self, num_tokens: int) -> int:
@@ -429,9 +435,10 @@ class Scheduler:
             self.draft_gate.observe(with_drafts, time.perf_counter() - start, emitted)
         touched: list[Request] = []
         next_drafts = runner_out.num_draft_tokens
-        requests, scheduled, max_model_len = self._requests, sched_out.num_scheduled_tokens, self.max_model_len
+        requests, max_model_len, synchronous = self._requests, self.max_model_len, not self.async_scheduling
+        unscheduled = set(runner_out.req_ids) - sched_out.num_scheduled_tokens.keys()
+        assert not unscheduled, f"runner returned rows for unscheduled {sorted(unscheduled)}"
         for row, (req_id, sampled) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
-            assert req_id in scheduled, f"runner returned a row for unscheduled {req_id!r}"
             request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
@@ -446,16 +453,13 @@ class Scheduler:
                 request.num_scheduled_drafts = 0
             if next_drafts is not None:
                 request.num_spec_tokens = next_drafts[row]
-            assert self.async_scheduling or request.num_computed_tokens == request.num_tokens + len(sampled) - 1, (
+            assert not synchronous or (
+                request.num_computed_tokens + 1 == len(request.prompt_token_ids) + len(request.output_token_ids) + len(sampled)
+            ), (
                 f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
                 f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
             )
-            for token_id in sampled:
-                if request.num_pending:
-                    request.num_pending -= 1
-                request.output_token_ids.append(token_id)
-                if request.check_stop(max_model_len):
-                    self._remove(request)
-                    break  # drop tokens sampled after the stop (speculative rows)
+            if request.append_sampled(sampled, max_model_len):
+                self._remove(request)
             touched.append(request)
         return touched

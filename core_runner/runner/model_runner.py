@@ -128,6 +128,8 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         slots = self.req_state.req_id_to_slot
         idx_mapping_np = np.fromiter((slots[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_cached = len(sched.cached_reqs.req_ids)  # the first rows (batch order: cached, then new)
+        self.req_state.num_computed_tokens_np[idx_mapping_np[:num_cached]] = sched.cached_reqs.num_computed_tokens
         num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         graph_size = self._graph_size(idx_mapping_np, num_scheduled_np)  # the one place that decides graph or eager
         num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
@@ -183,8 +185,10 @@ class ModelRunner:
 
         def finish(host: dict[str, torch.Tensor]) -> ModelRunnerOutput:
             sampled = host["sampled"].tolist()
-            mask = batch.sample_mask_np.tolist()
-            sampled_ids = [[t] if keep else [] for t, keep in zip(sampled, mask)]
+            if batch.sample_mask_np.all():  # every row samples: each decode step
+                sampled_ids = [[t] for t in sampled]
+            else:
+                sampled_ids = [[t] if keep else [] for t, keep in zip(sampled, batch.sample_mask_np.tolist())]
             if "lp_ids" not in host:  # the common case
                 return ModelRunnerOutput(batch.req_ids, sampled_ids, [None] * batch.num_reqs, prompt_logprobs)
             lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
@@ -345,9 +349,6 @@ class ModelRunner:
             if self.speculator is not None:
                 self.speculator.add_request(slot, new.num_computed_tokens)
         cached, slots = sched.cached_reqs, self.req_state.req_id_to_slot
-        if cached.req_ids:  # one assignment for the batch's rows, not one per row
-            cached_slots = [slots[r] for r in cached.req_ids]
-            self.req_state.num_computed_tokens_np[cached_slots] = cached.num_computed_tokens
         for req_id, new_block_ids in cached.new_block_ids.items():
             self.block_tables.append(slots[req_id], new_block_ids)
         self.block_tables.commit()

@@ -300,3 +300,42 @@ def test_a_sliding_window_hit_needs_only_the_blocks_its_window_reads():
     for blocks, start in zip(shorter.blocks, shorter.starts):
         assert len(blocks) == shorter.num_blocks - start
     bm.check_invariants()
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 6)], ids=["one group", "full + sliding"])
+def test_room_is_what_the_blocks_hold(windows):
+    """Guards against the scheduler's growth check (`room`: tokens a request's blocks hold) and
+    the blocks disagreeing: a decode row that passes the last block's end must grow (else its
+    KV goes nowhere), one that does not must not (a block lost per step). Steps of several
+    tokens (drafts) may pass one boundary or two, or end exactly on one."""
+    first = 1 if len(windows) > 1 else 0
+    bm = BlockManager(first + 40, BLOCK_SIZE, windows)
+    assert bm.room.get("a", 0) == 0 and bm.num_blocks_to_grow("a", 1) == len(windows)
+    num_tokens = 0
+    for step in (1, BLOCK_SIZE - 1, 1, 1, BLOCK_SIZE + 3, 2 * BLOCK_SIZE, 1, BLOCK_SIZE - 1):
+        num_tokens += step
+        bm.free_outside_window("a", num_tokens - step)
+        passes = num_tokens > bm.room.get("a", 0)
+        assert (bm.num_blocks_to_grow("a", num_tokens) > 0) == passes
+        new = bm.grow("a", num_tokens)
+        assert any(new) == passes
+        assert bm.room["a"] == -(-num_tokens // BLOCK_SIZE) * BLOCK_SIZE
+        bm.check_invariants()
+    bm.free("a")
+    assert "a" not in bm.room
+    bm.check_invariants()
+
+
+def test_room_of_a_cached_prefix():
+    """A request that starts from cached blocks has room for exactly those blocks' tokens."""
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    tokens = list(range(3 * BLOCK_SIZE))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, len(tokens), BLOCK_SIZE)
+    bm.grow("a", len(tokens))
+    bm.cache("a", hashes)
+    cached = bm.find_cached(hashes, 2)
+    bm.take_cached("b", cached)
+    assert bm.room["b"] == 2 * BLOCK_SIZE and bm.num_blocks_to_grow("b", 2 * BLOCK_SIZE) == 0
+    assert bm.num_blocks_to_grow("b", 2 * BLOCK_SIZE + 1) == 1
+    bm.check_invariants()

@@ -419,3 +419,20 @@ def test_a_sliding_window_group_holds_only_its_window_while_decoding() -> None:
         assert request.output_token_ids == expected_output(8, 52)
     assert max(used[(None,)]) == 15
     assert max(used[(6,)]) <= 3 and used[(6,)][-1] == 0
+
+
+def test_decode_rows_grow_exactly_when_they_cross_a_block_boundary() -> None:
+    """Guards against the growth check that skips the block manager for most decode rows
+    (`BlockManager.room`): a row grows in the step whose token starts a new block, never in
+    another, whatever its prompt's length."""
+    cfg = make_config(max_model_len=64, max_num_batched_tokens=64)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    for prompt_len in (1, 3, 4, 5):
+        sched.add_request(make_request(f"r{prompt_len}", prompt_len, max_tokens=13, ignore_eos=True))
+    step(sched, runner)  # the prefills
+    for _ in range(12):
+        out, _ = step(sched, runner)
+        for req_id, num_computed in zip(out.cached_reqs.req_ids, out.cached_reqs.num_computed_tokens):
+            crossing = num_computed % cfg.block_size == 0  # the token it computes starts a block
+            assert (req_id in out.cached_reqs.new_block_ids) == crossing, (req_id, num_computed)
+    sched.block_manager.check_invariants()
