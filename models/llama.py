@@ -137,21 +137,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def native_parts(self) -> NativeLayerParts | None:
         """The layer's parts for the CPU's one-call decode (models/layers/native_decode.py), or
-        None where it is not exactly this class's form: q/k norms, M-RoPE, tensor-parallel
-        linears, or a subclass's own forward."""
+        None where it is not exactly this class's form: M-RoPE, tensor-parallel linears, or a
+        subclass's own forward."""
         attn, mlp = self.self_attn, self.mlp
         if (
             type(self).forward is not LlamaDecoderLayer.forward or type(attn).forward is not QKVAttention.forward
-            or type(mlp).forward is not LlamaMLP.forward or attn.qk_norm or type(attn.rotary_emb) is not RotaryEmbedding
+            or type(mlp).forward is not LlamaMLP.forward or type(attn.rotary_emb) is not RotaryEmbedding
             or type(attn.qkv_proj) is not MergedLinear or type(attn.o_proj) is not Linear
             or type(mlp.gate_up_proj) is not MergedLinear or type(mlp.down_proj) is not Linear
             or type(self.input_layernorm).forward is not RMSNorm.forward
             or type(self.post_attention_layernorm).forward is not RMSNorm.forward
+            or (attn.qk_norm and not (type(attn.q_norm) is type(attn.k_norm) is RMSNorm))
         ):  # fmt: skip
             return None
         return NativeLayerParts(
             self.input_layernorm, attn.qkv_proj, attn.rotary_emb.cos_sin, attn.attn, attn.o_proj,
             self.post_attention_layernorm, mlp.gate_up_proj, mlp.act.act, mlp.down_proj,
+            attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None,
         )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-/* The attention half and the MLP's up projection of a Llama-form decoder layer, for a step
+/* The attention half and the MLP's up projection of a Llama-form decoder layer (q/k norms or
+ * not), for a step
  * whose every row is a decode (or a decode with a few drafts) on the CPU, float32, packed
  * weights, in one call: input RMSNorm (with the residual add), fused q/k/v, rotary, the KV-cache
  * write, paged decode attention, o, post-attention RMSNorm (with the residual add), fused
@@ -41,6 +42,8 @@ typedef struct {  /* what a layer keeps: weights and its cache, fixed after load
     const float *norm1, *norm2;
     float eps1, eps2;
     int64_t unit_offset;
+    const float *q_norm, *k_norm;  /* per-head RMSNorm of q and k before RoPE (Qwen3), or NULL */
+    float q_eps, k_eps;
     sr_packed qkv, o, gate_up;
     int64_t heads, kv_heads, head_dim, rotary_half;
     const float *cos_sin;
@@ -52,7 +55,7 @@ typedef struct {  /* what a step shares across layers: its rows and scratch */
     int64_t tokens, hidden;
     const int64_t *positions, *slots, *key_slots, *rows;
     int64_t num_rows, longest, threads;
-    float *h, *qkv, *q, *attn, *o;  /* [tokens, hidden | q+2kv | q | q | hidden] */
+    float *h, *qkv, *q, *k, *attn, *o;  /* [tokens, hidden | q+2kv | q | kv | q | hidden] */
 } sr_step;
 
 static void linear(const sr_packed *w, const float *x, int64_t rows, float *y, int threads) {
@@ -74,10 +77,20 @@ int sr_llama_layer_decode(const sr_layer *L, const sr_step *S, const float *x, c
         memcpy(residual_out, x, sizeof(float) * T * H);
     }
     linear(&L->qkv, S->h, T, S->qkv, (int)threads);
-    sr_rotary_qk(S->positions, T, S->qkv, width, D, L->heads, S->qkv + qn, width, D, L->kv_heads, L->cos_sin,
-                 L->rotary_half);
-    sr_write_kv(S->qkv + qn, width, S->qkv + qn + kvn, width, S->slots, T, kvn, L->k_cache, L->v_cache);
-    for (int64_t t = 0; t < T; t++) memcpy(S->q + t * qn, S->qkv + t * width, sizeof(float) * qn);
+    /* q and k into their own contiguous buffers, normed per head where the layer norms them
+     * (each head a row, as the module path's norm of the copied heads sees it) */
+    for (int64_t t = 0; t < T; t++) {
+        const float *qt = S->qkv + t * width, *kt = qt + qn;
+        if (L->q_norm) {
+            sr_rms_norm(qt, D, 0, 0, L->q_norm, L->q_eps, (int)L->unit_offset, L->heads, D, S->q + t * qn, 0);
+            sr_rms_norm(kt, D, 0, 0, L->k_norm, L->k_eps, (int)L->unit_offset, L->kv_heads, D, S->k + t * kvn, 0);
+        } else {
+            memcpy(S->q + t * qn, qt, sizeof(float) * qn);
+            memcpy(S->k + t * kvn, kt, sizeof(float) * kvn);
+        }
+    }
+    sr_rotary_qk(S->positions, T, S->q, qn, D, L->heads, S->k, kvn, D, L->kv_heads, L->cos_sin, L->rotary_half);
+    sr_write_kv(S->k, kvn, S->qkv + qn + kvn, width, S->slots, T, kvn, L->k_cache, L->v_cache);
     const int status = sr_decode_attention(S->q, L->k_cache, L->v_cache, S->key_slots, S->rows, S->num_rows,
                                            L->heads, L->kv_heads, D, L->scale, S->longest, S->attn, (int)threads);
     if (status) return status;

@@ -43,6 +43,8 @@ class NativeLayerParts:
     gate_up: nn.Module
     act: str
     down: nn.Module
+    q_norm: nn.Module | None = None  # per-head RMSNorms of q and k before RoPE (Qwen3)
+    k_norm: nn.Module | None = None
 
 
 class _Packed(ctypes.Structure):
@@ -53,7 +55,8 @@ class _Packed(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
-        ("unit_offset", ctypes.c_int64), ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed),
+        ("unit_offset", ctypes.c_int64), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+        ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float), ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed),
         ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
         ("rotary_half", ctypes.c_int64), ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
@@ -65,7 +68,7 @@ class _Step(ctypes.Structure):
         ("tokens", ctypes.c_int64), ("hidden", ctypes.c_int64), ("positions", ctypes.c_void_p),
         ("slots", ctypes.c_void_p), ("key_slots", ctypes.c_void_p), ("rows", ctypes.c_void_p),
         ("num_rows", ctypes.c_int64), ("longest", ctypes.c_int64), ("threads", ctypes.c_int64),
-        ("h", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("q", ctypes.c_void_p), ("attn", ctypes.c_void_p),
+        ("h", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("attn", ctypes.c_void_p),
         ("o", ctypes.c_void_p),
     ]  # fmt: skip
 
@@ -82,20 +85,21 @@ def _packed(linear: nn.Module) -> _Packed | None:
 def _layer_struct(p: NativeLayerParts) -> _Layer | None:
     """The fixed half of a layer's call, or None when a part does not fit the native path."""
     spec, cache = p.attn.spec, p.attn.kv_cache
-    norms = (p.input_norm, p.post_norm)
+    norms = (p.input_norm, p.post_norm) + (() if p.q_norm is None else (p.q_norm, p.k_norm))
     packed = [_packed(m) for m in (p.qkv, p.o, p.gate_up)]
     if (
         None in packed or cache is None or cache.dtype != torch.float32 or not cache.is_contiguous()
         or spec.sliding_window is not None or spec.logits_soft_cap is not None
         or p.cos_sin.dtype != torch.float32 or not p.cos_sin.is_contiguous()
-        or any(n.weight.dtype != torch.float32 for n in norms) or norms[0].unit_offset != norms[1].unit_offset
+        or any(n.weight.dtype != torch.float32 for n in norms) or any(n.unit_offset != norms[0].unit_offset for n in norms)
         or getattr(p.down, "packed", None) is None or p.qkv.out_features != (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     ):  # fmt: skip
         return None
     base = cache.data_ptr()
+    qk = (None, None, 0.0, 0.0) if p.q_norm is None else (p.q_norm.weight.data_ptr(), p.k_norm.weight.data_ptr(), p.q_norm.eps, p.k_norm.eps)
     return _Layer(
         norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, norms[1].eps, int(norms[0].unit_offset),
-        *packed, spec.num_heads, spec.num_kv_heads, spec.head_dim, p.cos_sin.shape[-1] // 2, p.cos_sin.data_ptr(),
+        *qk, *packed, spec.num_heads, spec.num_kv_heads, spec.head_dim, p.cos_sin.shape[-1] // 2, p.cos_sin.data_ptr(),
         base, base + cache.stride(0) * cache.element_size(), spec.scale,
     )  # fmt: skip
 
@@ -145,11 +149,12 @@ class NativeDecodeStack:
             return None
         tokens, hidden = x.shape
         spec = self._parts[0].attn.spec
-        q_size, width = spec.num_heads * spec.head_dim, self._parts[0].qkv.out_features
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        width = self._parts[0].qkv.out_features
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.contiguous()
         x = x.contiguous()
-        scratch = [torch.empty(tokens, n) for n in (hidden, width, q_size, q_size, hidden)]
+        scratch = [torch.empty(tokens, n) for n in (hidden, width, q_size, kv_size, q_size, hidden)]
         step = _Step(tokens, hidden, positions.data_ptr(), slots.data_ptr(), plan.key_slots.data_ptr(), rows.data_ptr(),
                      rows.shape[0], longest, torch.get_num_threads(), *(t.data_ptr() for t in scratch))  # fmt: skip
         residual = torch.empty(tokens, hidden)

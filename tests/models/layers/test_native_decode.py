@@ -3,7 +3,7 @@
 Guards against: a native step whose bits differ from the module path (a kernel called on other
 inputs, another order, a stride or pointer off, the first layer's residual taken wrong), so a
 request's tokens or logprobs would depend on whether its step held a prefill; the native path
-taking a step it cannot serve (a prefill chunk, a layer with q/k norms) or never being taken.
+taking a step it cannot serve (a prefill chunk, a layer of another form) or never being taken.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ PROMPTS = [[5, 6, 7, 8], list(range(20, 61)), [9] * 3, list(range(70, 95))]
 
 
 def _file(tmp_path, architecture: str, matrix_type: str, **overrides):
-    config = tiny_config(architecture, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, **overrides)  # fmt: skip
+    sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = tiny_config(architecture, **{**sizes, **overrides})
     return write_gguf(build_case(config, tmp_path / "hf"), tmp_path / "m.gguf", matrix_type=matrix_type)
 
 
@@ -51,11 +51,14 @@ def _run(llm: LLM, native: bool, params) -> tuple[list, int]:
     return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs]) for o in outs], taken[0]
 
 
-@pytest.mark.parametrize("architecture,matrix_type", [("LlamaForCausalLM", "Q4_1"), ("Qwen2ForCausalLM", "Q8_0")])
+@pytest.mark.parametrize(
+    "architecture,matrix_type", [("LlamaForCausalLM", "Q4_1"), ("Qwen2ForCausalLM", "Q8_0"), ("Qwen3ForCausalLM", "Q8_0")]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_decode_steps_give_the_module_bits(tmp_path, architecture, matrix_type, threads):
     """Greedy tokens and top logprobs bit for bit, in steps that mix decodes with prefill chunks
-    (taken by the modules) and in decode-only steps (taken natively); Qwen2 adds q/k/v biases."""
+    (taken by the modules) and in decode-only steps (taken natively); Qwen2 adds q/k/v biases,
+    Qwen3 q/k norms."""
     llm = LLM(str(_file(tmp_path, architecture, matrix_type)), device="cpu", dtype="float32", max_model_len=128,
               max_num_batched_tokens=32, max_num_seqs=4)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -86,7 +89,10 @@ def test_drafts_verify_natively_with_the_same_bits(tmp_path):
 
 
 def test_layers_outside_the_form_keep_the_modules(tmp_path):
-    """Qwen3's q/k norms are not the native layer's form: every step takes the modules."""
-    llm = LLM(str(_file(tmp_path, "Qwen3ForCausalLM", "Q8_0")), device="cpu", dtype="float32", max_model_len=128)
+    """Gemma 2's layers (four norms, soft caps) are not the native layer's form: every step takes
+    the modules."""
+    path = _file(tmp_path, "Gemma2ForCausalLM", "Q8_0", head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                 final_logit_softcapping=30.0, tie_word_embeddings=True)  # fmt: skip
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=128)
     _, taken = _run(llm, True, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
     assert taken == 0
