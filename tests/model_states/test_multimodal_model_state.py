@@ -222,7 +222,7 @@ def test_bad_request_leaves_the_others_unaffected(llava_dir):
         outs += [o for o in llm.engine.step() if o.finished]
     assert [o.request_id for o in outs] == ["good"] and outs[0].outputs[0].token_ids == before[0]
     assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == before
-    assert len(llm.engine.runner.model_state.cache) == 0
+    assert llm.engine.runner.model_state.cache.num_held == 0
 
 
 def test_intake_does_not_resolve_the_model_per_request(llava_dir, monkeypatch):
@@ -322,6 +322,32 @@ def test_encoder_cache_keeps_an_embedding_while_a_request_holds_it():
     assert cache.get("a") is None and len(cache) == 0
     with pytest.raises(AssertionError, match="no request holds"):
         cache.put("b", torch.ones(1, 4))
+
+
+def test_encoder_cache_retains_released_embeddings_within_its_rows():
+    """Guards against: media identical to a request's that was just prefilled running the tower
+    again when its own request is admitted a step later (overlapped intake, preemption), and
+    retention growing without bound or evicting an embedding a request still holds."""
+    cache = EncoderCache(max_retained_rows=5)
+    for key, rows in (("a", 2), ("b", 2), ("c", 3)):
+        cache.acquire(key)
+        cache.put(key, torch.ones(rows, 4))
+    cache.release("a")
+    cache.release("b")
+    assert cache.get("a") is not None and cache.get("b") is not None and cache.retained_rows == 4
+    cache.acquire("a")  # held again: no longer counted, never evicted
+    assert cache.retained_rows == 2 and cache.num_held == 2
+    cache.release("c")  # b (2) + c (3) fit in 5
+    assert cache.retained_rows == 5 and cache.get("b") is not None
+    cache.acquire("d")
+    cache.put("d", torch.ones(1, 4))
+    cache.release("d")  # 6 rows: b, the least recently released, goes
+    assert cache.get("b") is None and cache.get("c") is not None and cache.retained_rows == 4
+    cache.acquire("e")
+    cache.put("e", torch.ones(6, 4))
+    cache.release("e")  # larger than the bound: dropped at once, the others stay
+    assert cache.get("e") is None and cache.retained_rows == 4
+    assert cache.get("a") is not None and cache.num_held == 1 and len(cache) == 3
 
 
 def test_a_batch_of_media_prompts_is_read_by_a_pool_of_threads(llava_dir, monkeypatch):
