@@ -450,3 +450,36 @@ def test_bad_prompt_read_while_the_engine_steps_withdraws_the_call(llava_dir, mo
     assert not llm.engine.has_unfinished_requests(), "the good prompts of the refused call were withdrawn"
     assert state.cache.num_held == 0
     assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == expected
+
+
+def test_tower_inputs_are_stacked_in_item_order():
+    """`stack_to_device` (what a tower takes in a step): the items' tensors along the batch dim,
+    in the items' order, dtype kept."""
+    from slotrunner.models.layers.media_item import MediaItem, stack_to_device
+
+    items = [MediaItem("image", {"pixel_values": torch.full((1, 3, 2, 2), float(i))}, 4, str(i)) for i in range(3)]
+    out = stack_to_device(items, "pixel_values", torch.device("cpu"))
+    assert out.shape == (3, 3, 2, 2) and out.dtype == torch.float32
+    assert out[:, 0, 0, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_tower_inputs_do_not_wait_for_queued_kernels():
+    """Guards against: a tower's inputs copied to the GPU from pageable memory, which has the host
+    wait for every kernel queued before the copy -- under async scheduling, the step in flight --
+    non_blocking or not."""
+    import time
+
+    from slotrunner.models.layers.media_item import MediaItem, stack_to_device
+
+    items = [MediaItem("image", {"pixel_values": torch.randn(1, 3, 336, 336)}, 576, str(i)) for i in range(4)]
+    cuda = torch.device("cuda")
+    stack_to_device(items, "pixel_values", cuda)  # the host allocator's first block
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued GPU work
+    start = time.perf_counter()
+    out = stack_to_device(items, "pixel_values", cuda)
+    waited = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert waited < 0.2, f"the copy waited {waited:.2f} s for the kernels queued before it"
+    assert torch.equal(out.cpu(), torch.cat([it.data["pixel_values"] for it in items]))
