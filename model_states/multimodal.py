@@ -4,7 +4,8 @@ Intake (`process_prompt`, in multimodal_intake.py) turns `multi_modal_data` into
 each with its placeholder span in the prompt and a content hash (`MultimodalInputs`).
 
 In the step: a request holds a reference on each item's embedding in the EncoderCache until
-every placeholder of that item has been prefilled. `prepare_inputs_embeds` runs the tower for
+every placeholder of that item has been prefilled; released embeddings stay retained within one
+step's rows (`EncoderCache`). `prepare_inputs_embeds` runs the tower for
 items that are needed by this step and not cached (identical media share one run), then writes
 the rows this step's chunk covers -- a chunk may split a span -- over the text embeddings.
 A batch whose chunks touch no placeholder returns None: the model embeds the ids itself.
@@ -28,7 +29,7 @@ in-tree base that provides it).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
@@ -74,23 +75,58 @@ class MRopeInputs(ModelInputs):
 
 
 class EncoderCache:
-    """Media embeddings by content hash, kept while some request still has to prefill them."""
+    """Media embeddings by content hash, kept while some request still has to prefill them.
 
-    def __init__(self) -> None:
-        self._embeds: dict[str, torch.Tensor] = {}  # hash -> [num_tokens, hidden]
+    An embedding no request holds any more is retained, least recently released evicted first,
+    while the retained ones total at most `max_retained_rows` rows (one step's input embeddings
+    by default): a request with the same media admitted a few steps later -- its prompt read
+    while the first one ran (`LLM.generate` queues prompts as they are read), or re-admitted
+    after a preemption -- takes it instead of running the tower again. Only rows no request
+    holds count towards the bound, so the held ones are never evicted.
+    """
+
+    def __init__(self, max_retained_rows: int = 0) -> None:
+        self._embeds: dict[str, torch.Tensor] = {}  # hash -> [num_tokens, hidden], held or retained
         self._refs: Counter[str] = Counter()
+        self._retained: OrderedDict[str, int] = OrderedDict()  # hash -> rows, least recently released first
+        self._retained_rows = 0
+        self.max_retained_rows = max_retained_rows
 
     def __len__(self) -> int:
         return len(self._embeds)
 
+    @property
+    def num_held(self) -> int:
+        """Media some request still has to prefill (the rest of `len` is retained)."""
+        return len(self._refs)
+
+    @property
+    def retained_rows(self) -> int:
+        return self._retained_rows
+
     def acquire(self, key: str) -> None:
         self._refs[key] += 1
+        rows = self._retained.pop(key, None)
+        if rows is not None:
+            self._retained_rows -= rows
 
     def release(self, key: str) -> None:
         self._refs[key] -= 1
-        if self._refs[key] <= 0:
-            del self._refs[key]
-            self._embeds.pop(key, None)
+        if self._refs[key] > 0:
+            return
+        del self._refs[key]
+        embeds = self._embeds.get(key)
+        if embeds is None:
+            return
+        if embeds.shape[0] > self.max_retained_rows:
+            del self._embeds[key]
+            return
+        self._retained[key] = embeds.shape[0]
+        self._retained_rows += embeds.shape[0]
+        while self._retained_rows > self.max_retained_rows:
+            old, rows = self._retained.popitem(last=False)
+            self._retained_rows -= rows
+            del self._embeds[old]
 
     def get(self, key: str) -> torch.Tensor | None:
         return self._embeds.get(key)
@@ -118,7 +154,7 @@ class MultimodalModelState(ModelState):
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         super().__init__(config, model, device)
         n = config.max_num_seqs
-        self.cache = EncoderCache()
+        self.cache = EncoderCache(max_retained_rows=config.max_num_batched_tokens)
         self.media: list[_SlotMedia | None] = [None] * n
         self.has_pending_np = np.zeros(n, dtype=bool)  # [slots] placeholders still to prefill
         self.num_encoded = 0  # tower runs' items since start (tests read it)

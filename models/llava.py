@@ -15,6 +15,7 @@ from torch import nn
 from slotrunner.models.layers.clip import CLIPVisionTower
 from slotrunner.models.layers.hf_act import Act
 from slotrunner.models.layers.media import ImageHandler, MediaItem
+from slotrunner.models.layers.media_item import stack_to_device
 from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
 from slotrunner.models.weights import QKV_SHARDS
 
@@ -86,7 +87,7 @@ class LlavaForConditionalGeneration(MultimodalLM):
         self.language_model = build_language_model(hf_config)
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
-        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(self.vision_tower.embeddings.class_embedding.device, non_blocking=True)
+        pixels = stack_to_device(items, "pixel_values", self.vision_tower.embeddings.class_embedding.device)
         features = self.vision_tower(pixels)  # [num_images, 1 + patches, dim]
         if self.drop_cls:
             features = features[:, 1:]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slotrunner.models.layers.media import AudioHandler, MediaItem
+from slotrunner.models.layers.media_item import stack_to_device
 from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
 from slotrunner.models.layers.qwen2_audio_encoder import Qwen2AudioEncoder, audio_output_lengths
 
@@ -63,7 +64,7 @@ class Qwen2AudioForConditionalGeneration(MultimodalLM):
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
         device = self.audio_tower.conv1.weight.device
-        features = torch.cat([it.data["input_features"] for it in items]).to(device, non_blocking=True)
-        masks = torch.cat([it.data["feature_attention_mask"] for it in items]).to(device, non_blocking=True)
+        features = stack_to_device(items, "input_features", device)
+        masks = stack_to_device(items, "feature_attention_mask", device)
         out = self.multi_modal_projector.linear(self.audio_tower(features, masks))  # [num_items, frames / 4, hidden]
         return [row[: it.num_tokens] for row, it in zip(out.unbind(0), items)]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from slotrunner.models.layers.media import ImageHandler, MediaItem
+from slotrunner.models.layers.media_item import stack_to_device
 from slotrunner.models.layers.mrope import qwen2_vl_prompt_positions
 from slotrunner.models.multimodal_lm import MultimodalLM, build_language_model
 from slotrunner.models.layers.qwen2_vl_vision import Qwen2VLVisionTower
@@ -84,7 +85,7 @@ class Qwen2VLForConditionalGeneration(MultimodalLM):
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
         device = self.visual.patch_embed.proj.weight.device
-        pixels = torch.cat([it.data["pixel_values"] for it in items]).to(device, non_blocking=True)
+        pixels = stack_to_device(items, "pixel_values", device)
         grids = torch.cat([it.data["image_grid_thw"] for it in items])
         return list(self.visual(pixels, grids).split([it.num_tokens for it in items]))
 

@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -174,8 +175,10 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. `sampling_params=None`
         uses the model's defaults (`get_default_sampling_params`).
 
-        Every prompt is validated before any runs: a bad one raises ValueError naming its index
-        and nothing is generated, so a call either runs all its prompts or none. A call that
+        Prompts are queued in order as they are read (media prompts are read on intake threads
+        while the engine already runs the ones queued before): a bad one raises ValueError naming
+        its index, the call's prompts queued before it are aborted and the rest are not read, so
+        a call returns outputs for all its prompts or none. A call that
         ends early for any other reason -- a step failing its requests (StepFailedError, which
         names them and chains the cause), Ctrl-C -- aborts its own requests and leaves the
         engine ready for the next call; requests of other callers carry on.
@@ -287,13 +290,14 @@ class LLM:
         return self._chat
 
     def _add_requests(self, prompts: list[Any], params: list[Any], name_prompts: bool = True) -> list[str]:
-        """Queue every prompt or none: whatever is raised while adding (a ValueError naming the
-        prompt, or anything else), the prompts added before it are aborted."""
+        """Queue every prompt, in order, or none: whatever is raised while reading or adding (a
+        ValueError naming the prompt, or anything else), the prompts added before it are aborted."""
         added: list[str] = []
-        prompts = self._read_prompts(prompts, name_prompts)
-        with self._lock:  # another thread's step must not start on half of this call's prompts
+        # Other threads wait for this call's prompts: steps run meanwhile only through
+        # _read_prompts, on this thread (the lock is re-entrant), for every consumer.
+        with self._lock, closing(self._read_prompts(prompts, name_prompts)) as read:
             try:
-                for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                for i, (prompt, sp) in enumerate(zip(read, params)):
                     req_id = str(next(self._counter))  # "0", "1", ... as vLLM's LLM
                     try:
                         self.engine.add_request(req_id, prompt, sp)
@@ -308,25 +312,42 @@ class LLM:
                 raise
         return added
 
-    def _read_prompts(self, prompts: list[Any], name_prompts: bool) -> list[Any]:
-        """The prompts read by a pool of threads where the family's intake is heavy (media
-        decoding and preprocessing: `ModelState.intake_workers`), before any is queued; else
-        as given (read one by one as they are added). A bad prompt raises its ValueError, the
-        first in order, before anything is queued."""
+    def _read_prompts(self, prompts: list[Any], name_prompts: bool) -> Iterator[Any]:
+        """The prompts in order, read by a pool of threads where the family's intake is heavy
+        (media decoding and preprocessing: `ModelState.intake_workers`); else as given (read one
+        by one as they are added). While the next prompt is still being read, the engine steps
+        on the ones queued before it: the device starts on the first prompts instead of waiting
+        for the whole call's media (identical media read a few prompts apart still share one
+        tower run: the encoder cache retains what was just released). A bad prompt raises its
+        ValueError when its turn comes; the prompts after it are not read."""
         workers = min(type(self.engine.runner.model_state).intake_workers, os.cpu_count() or 1, len(prompts))
         if workers <= 1:
-            return prompts
-        with ThreadPoolExecutor(workers, thread_name_prefix="slotrunner-intake") as pool:
+            yield from prompts
+            return
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="slotrunner-intake")
+        try:
             futures = [pool.submit(self.engine.process_prompt, p) for p in prompts]
-        read = []
-        for i, future in enumerate(futures):
-            try:
-                read.append(future.result())
-            except ValueError as e:
-                if not name_prompts:
-                    raise
-                raise ValueError(f"prompt {i}: {e}") from None
-        return read
+            for i, future in enumerate(futures):
+                while not future.done() and self._step_while_reading():
+                    pass
+                try:
+                    read = future.result()
+                except ValueError as e:
+                    if not name_prompts:
+                        raise
+                    raise ValueError(f"prompt {i}: {e}") from None
+                yield read
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _step_while_reading(self) -> bool:
+        """One engine step while a prompt is being read (its outputs kept for their consumers,
+        this call's in the outbox); False, stepping nothing, when the engine has no work."""
+        with self._lock:
+            if not self.engine.has_unfinished_requests():
+                return False
+            self._collect(frozenset(), final_only=True)
+            return True
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -222,7 +222,7 @@ def test_bad_request_leaves_the_others_unaffected(llava_dir):
         outs += [o for o in llm.engine.step() if o.finished]
     assert [o.request_id for o in outs] == ["good"] and outs[0].outputs[0].token_ids == before[0]
     assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == before
-    assert len(llm.engine.runner.model_state.cache) == 0
+    assert llm.engine.runner.model_state.cache.num_held == 0
 
 
 def test_intake_does_not_resolve_the_model_per_request(llava_dir, monkeypatch):
@@ -324,6 +324,32 @@ def test_encoder_cache_keeps_an_embedding_while_a_request_holds_it():
         cache.put("b", torch.ones(1, 4))
 
 
+def test_encoder_cache_retains_released_embeddings_within_its_rows():
+    """Guards against: media identical to a request's that was just prefilled running the tower
+    again when its own request is admitted a step later (overlapped intake, preemption), and
+    retention growing without bound or evicting an embedding a request still holds."""
+    cache = EncoderCache(max_retained_rows=5)
+    for key, rows in (("a", 2), ("b", 2), ("c", 3)):
+        cache.acquire(key)
+        cache.put(key, torch.ones(rows, 4))
+    cache.release("a")
+    cache.release("b")
+    assert cache.get("a") is not None and cache.get("b") is not None and cache.retained_rows == 4
+    cache.acquire("a")  # held again: no longer counted, never evicted
+    assert cache.retained_rows == 2 and cache.num_held == 2
+    cache.release("c")  # b (2) + c (3) fit in 5
+    assert cache.retained_rows == 5 and cache.get("b") is not None
+    cache.acquire("d")
+    cache.put("d", torch.ones(1, 4))
+    cache.release("d")  # 6 rows: b, the least recently released, goes
+    assert cache.get("b") is None and cache.get("c") is not None and cache.retained_rows == 4
+    cache.acquire("e")
+    cache.put("e", torch.ones(6, 4))
+    cache.release("e")  # larger than the bound: dropped at once, the others stay
+    assert cache.get("e") is None and cache.retained_rows == 4
+    assert cache.get("a") is not None and cache.num_held == 1 and len(cache) == 3
+
+
 def test_a_batch_of_media_prompts_is_read_by_a_pool_of_threads(llava_dir, monkeypatch):
     """Guards against: the media of one generate() call decoded and preprocessed one prompt
     after another on the engine's thread (`intake_workers`, LLM._read_prompts), and a pool that
@@ -349,3 +375,111 @@ def test_a_batch_of_media_prompts_is_read_by_a_pool_of_threads(llava_dir, monkey
     monkeypatch.setattr(MultimodalModelState, "intake_workers", 1)
     inline = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert readers == [threading.current_thread().name] * 4 and inline == pooled
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Called on an intake thread: hold this prompt back until the engine's steps got somewhere."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine did not step while a prompt was read: {what}")
+        time.sleep(0.005)
+
+
+def test_identical_media_read_after_the_first_was_prefilled_is_encoded_once(llava_dir, monkeypatch):
+    """Guards against: overlapped intake (the engine steps on the prompts queued so far while the
+    next are read) running the tower again for media identical to an earlier prompt's of the same
+    call whose placeholders were already prefilled and released -- the call's last prompt is held
+    back at intake until that has happened. Also: the steps during intake change no tokens."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the intake is not spread over threads")
+    llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4, enable_prefix_caching=False)
+    state = llm.engine.runner.model_state
+    prompts = [
+        {"prompt": "w10 <image> w11", "multi_modal_data": {"image": image(0)}},
+        {"prompt": "w20 <image> w21", "multi_modal_data": {"image": image(1)}},
+        {"prompt": "w30 <image> w31", "multi_modal_data": {"image": image(0)}},
+    ]
+    original = MultimodalModelState.process_prompt.__func__
+
+    def slow_last(cls, prompt, ctx):
+        if prompt is prompts[-1]:
+            wait_for(lambda: state.num_encoded == 2 and state.cache.num_held == 0, "the first two prompts' prefill")
+        return original(cls, prompt, ctx)
+
+    monkeypatch.setattr(MultimodalModelState, "process_prompt", classmethod(slow_last))
+    overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert state.num_encoded == 2, "image 0 ran through the tower twice in one call"
+    assert state.cache.num_held == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(MultimodalModelState, "intake_workers", 1)
+    inline = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert overlapped == inline
+
+
+def test_bad_prompt_read_while_the_engine_steps_withdraws_the_call(llava_dir, monkeypatch):
+    """Guards against: with overlapped intake, the good prompts of a call that the engine already
+    started on staying queued (or their outputs delivered) when a later prompt is refused."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the intake is not spread over threads")
+    llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4)
+    state = llm.engine.runner.model_state
+    good = {"prompt": "w10 <image> w11", "multi_modal_data": {"image": image(3)}}
+    text = {"prompt": "w20 w21 w22"}
+    expected = [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)]
+    bad = {"prompt": "w10 <image> w11", "multi_modal_data": {"image": b"\x89PNG broken"}}
+    original = MultimodalModelState.process_prompt.__func__
+    steps = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda *a, **k: steps.append(1) or step(*a, **k))
+
+    def slow_bad(cls, prompt, ctx):
+        if prompt is bad:
+            wait_for(lambda: len(steps) >= 2, "two steps on the good prompts")
+        return original(cls, prompt, ctx)
+
+    monkeypatch.setattr(MultimodalModelState, "process_prompt", classmethod(slow_bad))
+    with pytest.raises(ValueError, match="prompt 2: image 0 cannot be read"):
+        llm.generate([good, text, bad], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests(), "the good prompts of the refused call were withdrawn"
+    assert state.cache.num_held == 0
+    assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == expected
+
+
+def test_tower_inputs_are_stacked_in_item_order():
+    """`stack_to_device` (what a tower takes in a step): the items' tensors along the batch dim,
+    in the items' order, dtype kept."""
+    from slotrunner.models.layers.media_item import MediaItem, stack_to_device
+
+    items = [MediaItem("image", {"pixel_values": torch.full((1, 3, 2, 2), float(i))}, 4, str(i)) for i in range(3)]
+    out = stack_to_device(items, "pixel_values", torch.device("cpu"))
+    assert out.shape == (3, 3, 2, 2) and out.dtype == torch.float32
+    assert out[:, 0, 0, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_tower_inputs_do_not_wait_for_queued_kernels():
+    """Guards against: a tower's inputs copied to the GPU from pageable memory, which has the host
+    wait for every kernel queued before the copy -- under async scheduling, the step in flight --
+    non_blocking or not."""
+    import time
+
+    from slotrunner.models.layers.media_item import MediaItem, stack_to_device
+
+    items = [MediaItem("image", {"pixel_values": torch.randn(1, 3, 336, 336)}, 576, str(i)) for i in range(4)]
+    cuda = torch.device("cuda")
+    stack_to_device(items, "pixel_values", cuda)  # the host allocator's first block
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued GPU work
+    start = time.perf_counter()
+    out = stack_to_device(items, "pixel_values", cuda)
+    waited = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert waited < 0.2, f"the copy waited {waited:.2f} s for the kernels queued before it"
+    assert torch.equal(out.cpu(), torch.cat([it.data["pixel_values"] for it in items]))
