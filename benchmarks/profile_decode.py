@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=15, help="kernels listed")
     p.add_argument("--host-profile", metavar="PREFIX", help="write cProfile stats of the timed steps")
+    p.add_argument("--prefill-kernels", action="store_true", help="also list the timed prefill's kernels")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -91,8 +92,9 @@ def main() -> None:
         t = time.perf_counter()
         if host:
             host.enable()
-        prefill_steps = prefill_all("")
-        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], enabled=args.prefill_kernels) as pre:
+            prefill_steps = prefill_all("")
+            torch.cuda.synchronize()
         prefill = time.perf_counter() - t
         if host:
             host.disable()
@@ -122,6 +124,8 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
+    if args.prefill_kernels:
+        print_kernels(pre, 1, args.rows, f"prefill of {args.batch} x {args.input_len} tokens, {prefill_steps} steps, {1000 * prefill:.0f} ms wall:")
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
     depth = "" if args.shape.startswith("llava") else f", {args.layers} layers"
@@ -132,6 +136,16 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
         share = e.self_device_time_total / max(total, 1)
         print(f"  {e.self_device_time_total / 1000 / args.steps:7.3f} ms  {share:5.1%}  x{e.count // args.steps:<4} {e.key[:90]}")
+
+
+def print_kernels(prof, per: int, rows: int, title: str) -> None:
+    """The profile's CUDA kernels by total time (divided by `per`: steps), with the total."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"{title} {total / 1000 / per:.2f} ms of kernels")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+        share = e.self_device_time_total / max(total, 1)
+        print(f"  {e.self_device_time_total / 1000 / per:7.3f} ms  {share:5.1%}  x{e.count // per:<4} {e.key[:90]}")
 
 
 def process_probe() -> str:
