@@ -126,16 +126,12 @@ def main() -> None:
             torch.cuda.synchronize()
     if args.prefill_kernels:
         print_kernels(pre, 1, args.rows, f"prefill of {args.batch} x {args.input_len} tokens, {prefill_steps} steps, {1000 * prefill:.0f} ms wall:")
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events)
     depth = "" if args.shape.startswith("llava") else f", {args.layers} layers"
-    print(f"{args.shape} shape{depth}, batch {args.batch} decoding at ~{args.input_len} tokens: "
-          f"{1000 * wall:.2f} ms a decode step wall, {total / 1000 / args.steps:.2f} ms a step of kernels; "
-          f"prefill of {args.batch} x {args.input_len} tokens: {prefill_steps} steps, {1000 * prefill:.0f} ms; "
-          f"{replays[0]} of {args.steps} timed steps replayed a CUDA graph")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
-        share = e.self_device_time_total / max(total, 1)
-        print(f"  {e.self_device_time_total / 1000 / args.steps:7.3f} ms  {share:5.1%}  x{e.count // args.steps:<4} {e.key[:90]}")
+    print_kernels(prof, args.steps, args.rows,
+                  f"{args.shape} shape{depth}, batch {args.batch} decoding at ~{args.input_len} tokens: "
+                  f"{1000 * wall:.2f} ms a decode step wall; prefill of {args.batch} x {args.input_len} tokens: "
+                  f"{prefill_steps} steps, {1000 * prefill:.0f} ms; {replays[0]} of {args.steps} timed steps replayed a "
+                  f"CUDA graph; a step:")  # fmt: skip
 
 
 def print_kernels(prof, per: int, rows: int, title: str) -> None:
