@@ -21,6 +21,7 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import tempfile
 import time
@@ -92,7 +93,8 @@ def main() -> None:
         t = time.perf_counter()
         if host:
             host.enable()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], enabled=args.prefill_kernels) as pre:
+        pre = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if args.prefill_kernels else None
+        with pre or contextlib.nullcontext():
             prefill_steps = prefill_all("")
             torch.cuda.synchronize()
         prefill = time.perf_counter() - t
