@@ -117,6 +117,15 @@ class MLAAttention(PagedCacheLayer):
         k_pe = entries[None, :, self.rank :].expand(self.num_heads, -1, -1)
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)  # [heads, seq_len, nope + rope]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, num_q, nope + rope]
-        allowed = pos[None, :] <= (pos[seq_len - num_q :, None])  # [num_q, seq_len] causal
-        o = F.scaled_dot_product_attention(q, k, kv[..., self.nope :], attn_mask=allowed, scale=self.scale)
-        return o.transpose(0, 1)
+        # Batched 4-D inputs and V padded with zeros to the q/k head size (the output sliced
+        # back): the fused attention kernels take only that, and SDPA's fallback runs a dozen
+        # float32 ops a row (measured on one H200: most of DeepSeek-V2-Lite's prefill).
+        v = kv[..., self.nope :]
+        if v.shape[-1] < q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        if num_q == seq_len:  # the whole sequence is new: plain causal
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale)
+        else:
+            allowed = pos[None, :] <= (pos[seq_len - num_q :, None])  # [num_q, seq_len], causal after the cached part
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed[None, None], scale=self.scale)
+        return o[0, ..., : self.v_head_dim].transpose(0, 1)
