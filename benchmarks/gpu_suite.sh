@@ -77,7 +77,7 @@ for s in "${steps[@]}"; do
     hybrid)
       run_step hybrid 180 python3 benchmarks/mamba_throughput.py --device cuda
       run_step hybrid-llama-yardstick 90 python3 benchmarks/mamba_throughput.py --device cuda --shape llama --skip-hf ;;
-    multimodal) run_step multimodal 240 python3 benchmarks/multimodal_throughput.py --device cuda ;;
+    multimodal) run_step multimodal 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up ;;
     spec)
       run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128
       run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same

@@ -96,7 +96,7 @@ def run_slotrunner(path: str, prompts: list[dict], args: argparse.Namespace) -> 
     llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=False)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    warm_up(llm, prompts)
+    warm_up(llm, prompts, params if args.full_warm_up else None)
     t0 = time.perf_counter()
     list(llm._read_prompts(prompts, name_prompts=True))  # what reading the prompts (media) costs, on an idle engine
     args.intake_s = time.perf_counter() - t0
@@ -172,6 +172,10 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke run)")
     p.add_argument("--tiny-widths", action="store_true",
                    help="the tiny model's widths with 336 px images (576 tokens each): the host's work of the real workload on a cheap model")  # fmt: skip
+    p.add_argument("--full-warm-up", action="store_true",
+                   help="warm up on the whole run (full outputs), not two tokens a request: Triton specializes its "
+                        "kernels on step sizes the short warm-up does not meet, and the first run of the process "
+                        "would otherwise compile them while timed")
     p.add_argument("--profile", action="store_true", help="profile the multimodal run (host and GPU); its wall time then includes the profilers")
     args = p.parse_args()
     args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
