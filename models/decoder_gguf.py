@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter, token_ids
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ATTENTION = {
@@ -306,9 +306,7 @@ def _config(gguf: GGUFFile, conv: Conventions, hf_names: Mapping[str, str], path
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6 if conv.norm_shift else 1e-5),
         max_position_embeddings=get("context_length"),
         tie_word_embeddings="lm_head.weight" not in hf_names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
     )
     if arch not in ("gemma3", "phi3"):
         base["rope_parameters"] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}

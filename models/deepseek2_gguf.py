@@ -44,7 +44,7 @@ import transformers
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
 from slotrunner.models.decoder_gguf import hf_tensor_names
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, make_config, metadata_getter, token_ids
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -173,16 +173,11 @@ def _config(gguf: GGUFFile, shapes: Mapping[str, tuple[int, ...]], path: str) ->
         rope_parameters=_rope(get, path),
         tie_word_embeddings="lm_head.weight" not in shapes,
         attention_bias="model.layers.0.self_attn.kv_a_proj_with_mqa.bias" in shapes,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
         **moe,
     )
     config_class = architecture.replace("ForCausalLM", "Config")
-    try:
-        return getattr(transformers, config_class)(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the deepseek2.* metadata does not make a valid {config_class}: {exc}") from exc
+    return make_config(getattr(transformers, config_class), fields, path, "deepseek2")
 
 
 def _rope(get: Any, path: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 from transformers import FalconH1Config
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, make_config, metadata_getter, token_ids
 from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint, mamba2_mixer_names, whole_name_table
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.final_layernorm.weight",
@@ -96,11 +96,6 @@ def _config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> FalconH1C
         attention_out_multiplier=1.0, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
         ssm_multipliers=[1.0] * 5, mlp_multipliers=[1.0, 1.0],
         tie_word_embeddings="lm_head.weight" not in hf_names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
     )
-    try:
-        return FalconH1Config(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the falcon-h1.* metadata does not make a valid FalconH1Config: {exc}") from exc
+    return make_config(FalconH1Config, fields, path, "falcon-h1")

@@ -37,7 +37,7 @@ from transformers import BambaConfig, GraniteMoeHybridConfig, PretrainedConfig
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, make_config, metadata_getter, token_ids
 from slotrunner.models.recurrent_gguf import (
     MixerNames, RecurrentCheckpoint, mamba2_mixer_names, mamba2_sizes, tensor_shape, whole_name_table,
 )
@@ -144,9 +144,7 @@ def _common_fields(gguf: GGUFFile, names: Mapping[str, str], path: str) -> tuple
         mamba_proj_bias=any(n.endswith("mamba.in_proj.bias") for n in names),
         attention_bias=any(n.endswith("self_attn.q_proj.bias") for n in names),
         tie_word_embeddings="lm_head.weight" not in names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
     ), attention
 
 
@@ -207,7 +205,4 @@ def _granite_config(gguf: GGUFFile, names: Mapping[str, str], path: str) -> Pret
 
 
 def _make(config_cls: type[PretrainedConfig], fields: dict, path: str) -> PretrainedConfig:
-    try:
-        return config_cls(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the granitehybrid.* metadata does not make a valid {config_cls.__name__}: {exc}") from exc
+    return make_config(config_cls, fields, path, "granitehybrid")

@@ -163,6 +163,24 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 _REQUIRED = object()
 
 
+def token_ids(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The special token ids every converter writes, as config fields (None where absent)."""
+    return {
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def make_config(config_cls: type[PretrainedConfig], fields: dict[str, Any], path: str, arch: str) -> PretrainedConfig:
+    """`config_cls(**fields)`, or a ValueError naming the file when transformers' validators
+    refuse the fields (they raise their own exception types)."""
+    try:
+        return config_cls(**fields)
+    except Exception as exc:
+        raise ValueError(f"{path}: the {arch}.* metadata does not make a valid {config_cls.__name__}: {exc}") from exc
+
+
 def metadata_getter(gguf: GGUFFile, arch: str, path: str) -> Callable[..., Any]:
     """`get(key, default)`: the file's `{arch}.{key}` metadata, or `default` when absent; with no
     default the key is required (ValueError naming the file)."""
@@ -243,9 +261,7 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Pre
         tie_word_embeddings="lm_head.weight" not in hf_names,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in hf_names,
         mlp_bias="model.layers.0.mlp.up_proj.bias" in hf_names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
         **rope,
     )
     config_cls = LlamaConfig
@@ -258,10 +274,7 @@ def _llama_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Pre
                 raise ValueError(f"{path}: a Mixtral file with {key.split('_')[0]} biases is not supported.")
         fields.update(architectures=["MixtralForCausalLM"], num_local_experts=num_experts,
                       num_experts_per_tok=get("expert_used_count"), sliding_window=None)  # fmt: skip
-    try:
-        return config_cls(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the llama.* metadata does not make a valid {config_cls.__name__}: {exc}") from exc
+    return make_config(config_cls, fields, path, "llama")
 
 
 def _rope_freqs_parameters(gguf: GGUFFile, theta: float, head_dim: int, context: int, path: str) -> dict[str, Any]:

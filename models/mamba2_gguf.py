@@ -27,7 +27,7 @@ import torch
 from transformers import Mamba2Config
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, make_config, metadata_getter, token_ids
 from slotrunner.models.recurrent_gguf import RecurrentCheckpoint, mamba2_mixer_names, whole_name_table
 
 _GLOBAL_NAMES = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
@@ -71,11 +71,6 @@ def _mamba2_config(gguf: GGUFFile, hf_names: Mapping[str, str], path: str) -> Ma
         use_conv_bias="backbone.layers.0.mixer.conv1d.bias" in hf_names,
         use_bias="backbone.layers.0.mixer.in_proj.bias" in hf_names,
         tie_word_embeddings="lm_head.weight" not in hf_names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
     )
-    try:
-        return Mamba2Config(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the mamba2.* metadata does not make a valid Mamba2Config: {exc}") from exc
+    return make_config(Mamba2Config, fields, path, "mamba2")

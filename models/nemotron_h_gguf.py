@@ -34,7 +34,7 @@ import torch
 from transformers import NemotronHConfig
 
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, make_config, metadata_getter, token_ids
 from slotrunner.models.recurrent_gguf import (
     MixerNames, RecurrentCheckpoint, mamba2_mixer_names, mamba2_sizes, tensor_shape, whole_name_table,
 )
@@ -134,19 +134,14 @@ def _config(gguf: GGUFFile, arch: str, names: Mapping[str, str], kinds: list[str
         mamba_hidden_act="silu",  # llama.cpp's fixed activations
         mlp_hidden_act="relu2",
         tie_word_embeddings="lm_head.weight" not in names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
     )
     dense = _one([f for f, k in zip(ff, kinds) if k == "mlp"], f"{arch}.feed_forward_length", path)
     if dense is not None:
         fields["intermediate_size"] = dense
     if "moe" in kinds:
         fields.update(_moe_fields(gguf, arch, names, path))
-    try:
-        return NemotronHConfig(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the {arch}.* metadata does not make a valid NemotronHConfig: {exc}") from exc
+    return make_config(NemotronHConfig, fields, path, arch)
 
 
 def _moe_fields(gguf: GGUFFile, arch: str, names: Mapping[str, str], path: str) -> dict[str, Any]:

@@ -53,7 +53,7 @@ import transformers
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.loader.gguf_file import GGUFFile
-from slotrunner.models.llama_gguf import GGUFCheckpoint, metadata_getter
+from slotrunner.models.llama_gguf import GGUFCheckpoint, make_config, metadata_getter, token_ids
 from slotrunner.models.recurrent_gguf import MixerNames, RecurrentCheckpoint, whole_name_table
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -261,9 +261,7 @@ def _config(gguf: GGUFFile, arch: str, variant: _Variant, hf_names: Mapping[str,
         linear_num_key_heads=num_k,
         linear_num_value_heads=num_v,
         tie_word_embeddings="lm_head.weight" not in hf_names,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        **token_ids(metadata),
         **variant.fixed,
     )
     if variant.dense_width:
@@ -272,7 +270,4 @@ def _config(gguf: GGUFFile, arch: str, variant: _Variant, hf_names: Mapping[str,
         fields.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
                       moe_intermediate_size=get("expert_feed_forward_length"),
                       shared_expert_intermediate_size=get("expert_shared_feed_forward_length"))  # fmt: skip
-    try:
-        return getattr(transformers, variant.config_class)(**fields)
-    except Exception as exc:  # transformers' config validators raise their own exception types
-        raise ValueError(f"{path}: the {arch}.* metadata does not make a valid {variant.config_class}: {exc}") from exc
+    return make_config(getattr(transformers, variant.config_class), fields, path, arch)
