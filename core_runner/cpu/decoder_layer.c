@@ -1,10 +1,9 @@
-/* The attention half and the MLP's up projection of a Llama-form decoder layer (q/k norms or
- * not), for a step
- * whose every row is a decode (or a decode with a few drafts) on the CPU, float32, packed
- * weights, in one call: input RMSNorm (with the residual add), fused q/k/v, rotary, the KV-cache
- * write, paged decode attention, o, post-attention RMSNorm (with the residual add), fused
- * gate/up. The caller applies the activation (torch's, whose bits the C library's exp would
- * not give) and the down projection.
+/* The attention half and the MLP's up projection of a pre-norm decoder layer, in one call, for
+ * a step whose every row is a decode (or a decode with a few drafts) on the CPU, float32, packed
+ * weights: input RMSNorm (with the residual add), fused q/k/v, optional per-head q/k RMSNorm,
+ * rotary, the KV-cache write, paged decode attention, o, post-attention RMSNorm (with the
+ * residual add), fused gate/up. The caller applies the activation (torch's, whose bits the C
+ * library's exp would not give) and the down projection.
  *
  * It only sequences the kernels the layer's modules call one by one (packed_linear.c,
  * layer_ops.c, decode_attention.c) on the same inputs in the same order, so every output has
@@ -66,7 +65,7 @@ static void linear(const sr_packed *w, const float *x, int64_t rows, float *y, i
 /* x [tokens, hidden]; residual [tokens, hidden] or NULL in the first layer (x is the residual
  * then). residual_out (may be residual itself): x + residual, the layer's new residual;
  * gate_up [tokens, 2 * intermediate]. Returns sr_decode_attention's status. */
-int sr_llama_layer_decode(const sr_layer *L, const sr_step *S, const float *x, const float *residual,
+int sr_decode_layer(const sr_layer *L, const sr_step *S, const float *x, const float *residual,
                           float *residual_out, float *gate_up) {
     const int64_t T = S->tokens, H = S->hidden, D = L->head_dim, threads = S->threads;
     const int64_t qn = L->heads * D, kvn = L->kv_heads * D, width = qn + 2 * kvn;

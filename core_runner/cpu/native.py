@@ -41,7 +41,7 @@ SIGNATURES = {
     "sr_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, ctypes.c_int, _I64, _I64, _PTR, _PTR], None),
     "sr_rotary_qk": ([_PTR, _I64] + [_PTR, _I64, _I64, _I64] * 2 + [_PTR, _I64], None),
     "sr_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR], None),
-    "sr_llama_layer_decode": ([_PTR] * 6, ctypes.c_int),
+    "sr_decode_layer": ([_PTR] * 6, ctypes.c_int),
 }
 
 

@@ -5,7 +5,7 @@ At batch 1 a small model's decode step was mostly Python: ~40 module calls and t
 layer around a few native kernels. When every row of a step is one the CPU attention backend
 serves natively (decodes, decodes with a few drafts), the weights are packed and float32, a
 layer whose parts fit (`NativeLayerParts`, given by the layer itself) runs its attention half
-and its gate/up projection as one `sr_llama_layer_decode` call; the activation (torch's) and
+and its gate/up projection as one `sr_decode_layer` call; the activation (torch's) and
 the down projection follow as the modules would run them. The call sequences the very kernels
 the modules dispatch to, on the same values in the same order, so the bits are the module
 path's: a row decoded here equals the same row in a mixed step that takes the modules.
@@ -159,7 +159,7 @@ class NativeDecodeStack:
                      rows.shape[0], longest, torch.get_num_threads(), *(t.data_ptr() for t in scratch))  # fmt: skip
         residual = torch.empty(tokens, hidden)
         gate_up = torch.empty(tokens, self._parts[0].gate_up.out_features)
-        call, res_ptr = lib.sr_llama_layer_decode, residual.data_ptr()
+        call, res_ptr = lib.sr_decode_layer, residual.data_ptr()
         for i, (layer, part) in enumerate(zip(structs, self._parts)):
             status = call(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), res_ptr if i else None, res_ptr, gate_up.data_ptr())
             if status != 0:
