@@ -60,12 +60,12 @@ def workload(n: int, prefix_len: int, lo: int, hi: int, vocab: int, seed: int) -
     return [prefix + rng.integers(3, vocab, int(k)).tolist() for k in rng.integers(lo, hi + 1, n)]
 
 
-def run(model_dir: str, prompts: list[list[int]], args, caching: bool) -> dict:
+def run(model_dir: str, prompts: list[list[int]], args, caching: bool, cascade: bool = True) -> dict:
     from slotrunner import LLM, SamplingParams
 
     kwargs = dict(device=args.device, load_format="dummy", max_model_len=args.prefix_len + args.max_unique + args.max_tokens + 16,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=caching)
+                  enable_prefix_caching=caching, disable_cascade_attn=not cascade)
     if args.device == "cuda":
         kwargs["dtype"] = "bfloat16"
     llm = LLM(model_dir, **kwargs)
@@ -77,6 +77,8 @@ def run(model_dir: str, prompts: list[list[int]], args, caching: bool) -> dict:
         llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
     llm.reset_prefix_cache()
     engine = llm.engine
+    shared_steps = []  # decode steps that read the shared prefix once for all rows
+    engine.runner.add_step_observer(lambda batch, _: shared_steps.append(batch.shared_prefix_len > 0))
     ids = [f"bench-{i}" for i in range(len(prompts))]
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
@@ -101,7 +103,7 @@ def run(model_dir: str, prompts: list[list[int]], args, caching: bool) -> dict:
     outs = [done[r] for r in ids]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
-    row = dict(caching=caching, wall_s=wall, out_tokens=n_out, tok_s=n_out / wall,
+    row = dict(caching=caching, cascade=cascade, shared_steps=sum(shared_steps), wall_s=wall, out_tokens=n_out, tok_s=n_out / wall,
                mean_ttft_s=float(np.mean([first[r] for r in ids])),
                hit_rate=cached / sum(len(p) for p in prompts),
                all_first_s=max(first.values()), prefill_steps=prefill_steps, steps=steps,
@@ -139,21 +141,29 @@ def main() -> None:
     print(f"shared-prefix workload: {args.num_requests} requests x ({args.prefix_len} shared + "
           f"{args.min_unique}..{args.max_unique} unique tokens), {args.max_tokens} out; {cfg['architectures'][0]} "
           f"{cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, {where}, torch {torch.__version__}")
-    print(f"{'prefix caching':<16} {'seconds':>9} {'out tok/s':>10} {'mean TTFT s':>12} {'hit rate':>9} "
-          f"{'last TTFT s':>11} {'steps to it':>11} {'steps':>6}", flush=True)
+    print(f"{'prefix caching':<22} {'seconds':>9} {'out tok/s':>10} {'mean TTFT s':>12} {'hit rate':>9} "
+          f"{'last TTFT s':>11} {'steps to it':>11} {'steps':>6} {'shared-prefix steps':>20}", flush=True)
+    # On a GPU, also caching on with every row reading the shared prefix itself (the attention
+    # backend's shared-prefix launch off: disable_cascade_attn); the CPU backends have no such launch.
+    settings = [("off", False, True), ("on", True, True)] + ([("on, no shared launch", True, False)] if args.device == "cuda" else [])
     rows = []
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
-        for caching in (False, True):
-            row = run(d, prompts, args, caching)
+        for name, caching, cascade in settings:
+            row = run(d, prompts, args, caching, cascade)
             rows.append(row)
-            print(f"{'on' if caching else 'off':<16} {row['wall_s']:>9.2f} {row['tok_s']:>10.0f} "
+            print(f"{name:<22} {row['wall_s']:>9.2f} {row['tok_s']:>10.0f} "
                   f"{row['mean_ttft_s']:>12.3f} {row['hit_rate']:>9.1%} {row['all_first_s']:>11.3f} "
-                  f"{row['prefill_steps']:>11} {row['steps']:>6}", flush=True)
-    off, on = rows
+                  f"{row['prefill_steps']:>11} {row['steps']:>6} {row['shared_steps']:>20}", flush=True)
+    off, on = rows[:2]
     print(f"caching on: {on['tok_s'] / off['tok_s']:.2f}x throughput, {off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x lower mean TTFT")
+    if len(rows) > 2:
+        print(f"the shared-prefix launch: {on['tok_s'] / rows[2]['tok_s']:.2f}x throughput of caching on without it")
     same = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
     print(f"generated tokens identical with caching on and off: {same}/{len(prompts)} requests")
+    if len(rows) > 2:
+        same = sum(a == b for a, b in zip(rows[2]["tokens"], on["tokens"]))
+        print(f"generated tokens identical with and without the shared-prefix launch: {same}/{len(prompts)} requests")
     if args.json:
         args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in rows], indent=1))
 

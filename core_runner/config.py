@@ -140,6 +140,9 @@ class EngineConfig:
     # Start each request from the longest cached prefix of its tokens (the engine builder turns
     # it on by default where the model's family can reuse KV blocks).
     enable_prefix_caching: bool = False
+    # Decode steps whose rows all share a cached prompt prefix attend it in one launch for many
+    # rows where the attention backend has one (ModelRunner._shared_prefix_len); True: never.
+    disable_cascade_attn: bool = False
     # Families that checkpoint their recurrent state for prefix caching (ModelState.checkpoints_state):
     # how many checkpoints the family's state cache holds (0: none, so no hits) and every how many
     # tokens a prompt's state is checkpointed besides its last full block (rounded down to whole

@@ -106,6 +106,10 @@ class EngineArgs:
     # its window has passed, so the same memory holds more long requests. True: one group, every
     # layer keeps every block (a model whose layers all share one window still frees them).
     disable_hybrid_kv_cache_manager: bool = False
+    # Decode steps over a prompt prefix that prefix caching shares among all their rows attend it
+    # once for many rows (vLLM's cascade attention; docs/architecture.md); True: every row reads
+    # it itself. Outputs do not change.
+    disable_cascade_attn: bool = False
     # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
     trust_remote_code: bool = False
     pipeline_parallel_size: int = 1
@@ -247,6 +251,7 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         cuda_graph_sizes=tuple(args.cuda_graph_sizes),
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=prefix_caching,
+        disable_cascade_attn=args.disable_cascade_attn,
         # A count the user gave takes its memory like the pools do; the default is sized below, from
         # what the family's share of the budget leaves after them.
         num_state_checkpoints=(args.num_state_checkpoints or 0) if checkpoints_state else 0,
@@ -455,7 +460,7 @@ def _check_engine_args(**args: Any) -> None:
     seed = args["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be an int (64-bit), got {seed!r}")
-    for name in ("enforce_eager", "disable_hybrid_kv_cache_manager"):
+    for name in ("enforce_eager", "disable_hybrid_kv_cache_manager", "disable_cascade_attn"):
         if not isinstance(args[name], bool):
             raise ValueError(f"{name} must be True or False, got {args[name]!r}")
     if args["async_scheduling"] is not None and not isinstance(args["async_scheduling"], bool):

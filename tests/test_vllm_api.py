@@ -119,6 +119,7 @@ def test_unknown_options_name_the_nearest(model_dir, name, hint):
         (dict(revision=3), "revision must be a string"),
         (dict(skip_tokenizer_init="yes"), "skip_tokenizer_init must be True or False"),
         (dict(disable_hybrid_kv_cache_manager="yes"), "disable_hybrid_kv_cache_manager must be True or False"),
+        (dict(disable_cascade_attn=1), "disable_cascade_attn must be True or False"),
     ],
 )
 def test_bad_values_of_vllm_options_are_named(kwargs, match):

@@ -23,6 +23,11 @@ class AttentionMetadata:
     max_seq_len: int
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each new K/V goes in the flat cache
+    # [1] int32, or None: the first keys of every row of a decode-only batch, which every row
+    # reads through the same cache blocks (row 0's table names them): a prefix that prefix
+    # caching shares. A backend with `shared_prefix_granule` reads them once for many rows; any
+    # other attends as usual, to the same result.
+    shared_prefix_len: torch.Tensor | None = None
 
     @classmethod
     def for_capture(
@@ -34,6 +39,7 @@ class AttentionMetadata:
         seq_lens: torch.Tensor,  # [>= n]
         block_tables: torch.Tensor,  # [>= n, max_num_blocks_per_req]
         slot_mapping: torch.Tensor,  # [>= n * q]
+        shared_prefix_len: torch.Tensor | None = None,  # [1]: a capture of decode steps with a shared prefix
     ) -> AttentionMetadata:
         """Metadata of a CUDA-graph capture over the first n rows and n * q tokens of persistent
         buffers. Host-side fields are upper bounds: the captured kernels read each row's real
@@ -49,6 +55,7 @@ class AttentionMetadata:
             max_seq_len=max_model_len,
             block_tables=block_tables[:n],
             slot_mapping=slot_mapping[: n * q],
+            shared_prefix_len=shared_prefix_len,
         )
 
 
@@ -86,6 +93,10 @@ class AttentionBackend(abc.ABC):
     """Causal self-attention over a paged KV cache for varlen batches mixing prefill and decode."""
 
     name: str = "abstract"
+    # Tokens: a backend that reads a decode batch's shared prefix once for many rows
+    # (AttentionMetadata.shared_prefix_len) takes prefixes that are a multiple of this; None: it
+    # has no such launch, and the runner never computes the prefix for it.
+    shared_prefix_granule: int | None = None
 
     @abc.abstractmethod
     def forward(

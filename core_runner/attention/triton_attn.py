@@ -1,6 +1,6 @@
 """TritonBackend: paged attention over the KV cache as Triton kernels (GPU; CPU via the interpreter).
 
-Two kernels, each above its wrapper; their torch specifications are `write_kv` (backend.py) and
+Three kernels, each above its wrapper; their torch specifications are `write_kv` (backend.py) and
 `paged_attention_ref` (torch_ref.py):
 
 - `_write_kv_kernel` -> `write_kv_triton()`: one program per token stores its K/V at its flat
@@ -16,12 +16,22 @@ Two kernels, each above its wrapper; their torch specifications are `write_kv` (
       num_kv_heads): one program per (block of BLOCK_Q query tokens of one row, KV head), for
       rows with >= 2 query tokens. Row r owns programs [qsl[r] // BLOCK_Q + r, ...), an
       increasing sequence, so a program finds its row by binary search over query_start_loc.
+- `_shared_prefix_kernel`, before the decode launch of a step whose rows share their first keys
+  (`AttentionMetadata.shared_prefix_len`: a prompt prefix that prefix caching hands to many
+  requests, in whole decode tiles), grid (cdiv(num_reqs, ROWS), num_kv_heads): one program runs
+  those keys for ROWS rows at once, so each key tile is read once per ROWS rows instead of once
+  per row, and stores its online-softmax state (running max, sum, accumulator); the decode
+  launch starts from that state at the first key past the prefix. Layers with a sliding window,
+  a position bias or sinks attend without it (`shared_prefix_applies`).
 
 Batch invariance: a row with one query token always takes the decode launch, a longer row always
 the prefill launch, whatever else is in the batch; a program reads only its own row's keys, in
 key tiles aligned to multiples of TILE_N counted from position 0. A row's output is therefore a
-function of that row alone. CUDA graphs: no host reads of device tensors; the grids depend on
-num_reqs, max_query_len and the query tensor's shape only.
+function of that row alone. The shared-prefix launch keeps this bitwise: it runs the decode
+launch's tile shapes over the same key tiles in the same order, so a decode row's output does not
+depend on whether its batch shares a prefix (tested against the decode launch alone). CUDA
+graphs: no host reads of device tensors; the grids depend on num_reqs, max_query_len and the
+query tensor's shape only.
 """
 
 from __future__ import annotations
@@ -137,6 +147,9 @@ if HAS_TRITON:
         stride_bd,
         num_distances,
         sinks_ptr,  # [num_heads] (unused unless HAS_SINKS)
+        shared_len_ptr,  # [1] int32 keys of the shared prefix (unused unless SHARED_PREFIX)
+        part_acc_ptr,  # [num_reqs, num_heads, HEAD_DIM] fp32 the prefix launch's state (SHARED_PREFIX)
+        part_ml_ptr,  # [num_reqs, num_heads, 2] fp32 its running max and sum (SHARED_PREFIX)
         num_reqs,
         scale,
         soft_cap,
@@ -156,6 +169,7 @@ if HAS_TRITON:
         HAS_SINKS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr,  # float8 cache: keys and values are widened to q's dtype after loading
+        SHARED_PREFIX: tl.constexpr = False,  # decode launch: start from the prefix launch's state
     ):
         kv_head = tl.program_id(1)
         if DECODE:
@@ -216,6 +230,16 @@ if HAS_TRITON:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        if SHARED_PREFIX:
+            # The prefix launch ran this row's first `shared` keys, tile by tile as the loop
+            # below would have: continue from its running max, sum and accumulator.
+            kv_start = tl.load(shared_len_ptr)
+            part = row.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M]
+            m_i = tl.load(part_ml_ptr + 2 * part, mask=row_ok, other=float("-inf"))
+            l_i = tl.load(part_ml_ptr + 2 * part + 1, mask=row_ok, other=0.0)
+            acc = tl.load(
+                part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+            )
         n = tl.arange(0, TILE_N)
         block_row = block_tables_ptr + row.to(tl.int64) * stride_bt
         kv_col = kv_head * HEAD_DIM
@@ -262,6 +286,90 @@ if HAS_TRITON:
             mask=row_ok[:, None] & d_ok[None, :],
         )
 
+
+    @triton.jit
+    def _shared_prefix_kernel(
+        q_ptr,  # [num_tokens, num_heads, head_dim]
+        stride_qt,
+        stride_qh,
+        k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+        v_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+        block_table_ptr,  # [max_num_blocks_per_req] int32: row 0's, whose prefix blocks every row shares
+        shared_len_ptr,  # [1] int32 keys in the shared prefix, a multiple of TILE_N
+        query_start_loc_ptr,  # [num_reqs + 1] int32
+        part_acc_ptr,  # [num_reqs, num_heads, HEAD_DIM] fp32 out: unnormalized accumulator
+        part_ml_ptr,  # [num_reqs, num_heads, 2] fp32 out: running max (log2 units) and running sum
+        num_reqs,
+        scale,
+        soft_cap,
+        NUM_KV_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P2: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        ROWS: tl.constexpr,  # batch rows per program: BLOCK_M // GROUP
+        BLOCK_M: tl.constexpr,  # the decode launch's BLOCK_M, so that both run the same tile shapes
+        TILE_N: tl.constexpr,  # the decode launch's TILE_N
+        USE_SOFT_CAP: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,
+    ):
+        """The shared prefix of a decode batch, read once for ROWS rows at a time: each key tile
+        is loaded once per program instead of once per row. Every step of the online softmax is
+        the decode launch's own (same tile shapes, same key tiles from position 0, same
+        operations in the same order), and the decode launch continues from the state stored
+        here, so a row's output is bitwise what the decode launch alone computes."""
+        kv_head = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        row = tl.program_id(0) * ROWS + m // GROUP  # [BLOCK_M]
+        head = kv_head * GROUP + m % GROUP  # [BLOCK_M]
+        in_batch = (m < ROWS * GROUP) & (row < num_reqs)
+        q_start = tl.load(query_start_loc_ptr + row, mask=in_batch, other=0)
+        num_q = tl.load(query_start_loc_ptr + row + 1, mask=in_batch, other=0) - q_start
+        row_ok = in_batch & (num_q == 1)  # padding rows (no query) take no part
+        d = tl.arange(0, HEAD_DIM_P2)
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + q_start.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, HEAD_DIM_P2]
+        if not KV_FP8:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        n = tl.arange(0, TILE_N)
+        kv_col = kv_head * HEAD_DIM
+        shared = tl.load(shared_len_ptr)
+        for tile_start in range(0, shared, TILE_N):
+            k_pos = tile_start + n  # [TILE_N], all < shared: every key of the tile is real
+            block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+            slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE
+            k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
+            k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None], other=0.0)
+            if KV_FP8:
+                k_t = k_t.to(q.dtype)
+            s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] fp32
+            if USE_SOFT_CAP:
+                s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
+            # Every prefix key precedes every query: only rows outside the batch are masked.
+            s = tl.where(row_ok[:, None], s * 1.4426950408889634, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[None, :]  # [TILE_N, HEAD_DIM_P2]
+            v = tl.load(v_cache_ptr + v_off, mask=d_ok[None, :], other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        part = row.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M]
+        tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
 def write_kv_triton(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous
@@ -337,6 +445,13 @@ def paged_attention(
         )
     assert sinks is None or sinks.shape == (num_heads,), f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     group = num_heads // num_kv_heads
+    decode_block_m = max(16, triton.next_power_of_2(group))
+    shared = meta.shared_prefix_len if shared_prefix_applies(spec, position_bias, sinks) else None
+    part_acc = part_ml = q  # placeholders, never read without a shared prefix
+    if shared is not None:
+        part = torch.empty(meta.num_reqs * num_heads * (head_dim + 2), dtype=torch.float32, device=q.device)
+        split = meta.num_reqs * num_heads * head_dim
+        part_acc, part_ml = part[:split].view(-1, num_heads, head_dim), part[split:].view(-1, num_heads, 2)
     args = (
         q,
         q.stride(0),
@@ -355,6 +470,9 @@ def paged_attention(
         position_bias.stride(1) if position_bias is not None else 0,
         position_bias.shape[1] if position_bias is not None else 1,
         sinks if sinks is not None else q,
+        shared if shared is not None else meta.seq_lens,
+        part_acc,
+        part_ml,
         meta.num_reqs,
         spec.scale,
         spec.logits_soft_cap or 1.0,
@@ -375,14 +493,26 @@ def paged_attention(
         KV_FP8=kv_fp8,
         num_warps=tiles.num_warps,
     )
+    if shared is not None:
+        # The keys every row shares, once per ROWS rows; the decode launch continues from there.
+        rows = decode_block_m // group
+        _shared_prefix_kernel[(triton.cdiv(meta.num_reqs, rows), num_kv_heads)](
+            q, q.stride(0), q.stride(1), kv_cache[0], kv_cache[1], meta.block_tables[0], shared, meta.query_start_loc,
+            part_acc, part_ml, meta.num_reqs, spec.scale, spec.logits_soft_cap or 1.0,
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=common["HEAD_DIM_P2"],
+            BLOCK_SIZE=block_size, ROWS=rows, BLOCK_M=decode_block_m, TILE_N=tiles.decode_tile_n,
+            USE_SOFT_CAP=spec.logits_soft_cap is not None, DOT_PRECISION=common["DOT_PRECISION"], KV_FP8=kv_fp8,
+            num_warps=tiles.num_warps, num_stages=tiles.decode_num_stages,
+        )  # fmt: skip
     # Rows with one query token: always this launch, so a decode row's result never depends on
     # whether prefill rows share its batch.
     _paged_attention_kernel[(meta.num_reqs, num_kv_heads)](
         *args,
         BLOCK_Q=1,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_M=decode_block_m,
         TILE_N=tiles.decode_tile_n,
         DECODE=True,
+        SHARED_PREFIX=shared is not None,
         num_stages=tiles.decode_num_stages,
         **common,
     )
@@ -402,6 +532,13 @@ def paged_attention(
     return out
 
 
+def shared_prefix_applies(spec: AttentionSpec, position_bias: torch.Tensor | None, sinks: torch.Tensor | None) -> bool:
+    """Whether a layer runs a step's shared prefix as its own launch: not with a sliding
+    window (its keys start per row), a position bias (per-distance) or sinks (the decode
+    launch starts from the sink); such layers attend as if there were none."""
+    return spec.sliding_window is None and position_bias is None and sinks is None
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention as Triton kernels: CUDA-graph safe, batch invariant (see the module doc)."""
 
@@ -409,6 +546,8 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, tiles: TileConfig = TileConfig()) -> None:
         self.tiles = tiles
+        # The decode launch's key tile: a shared prefix is a whole number of them.
+        self.shared_prefix_granule = tiles.decode_tile_n
 
     def forward(
         self,

@@ -57,6 +57,15 @@ class BlockTables:
             staged = torch.from_numpy(self.tables_np[:, rows]).to(self.device, non_blocking=True)
             self.tables.index_copy_(1, rows_t, staged)
 
+    def shared_prefix_blocks(self, slots_np: np.ndarray, limit: int) -> int:
+        """How many leading blocks (at most `limit`) every slot of `slots_np` names alike in
+        every group: the blocks of a prompt prefix that prefix caching shares among them."""
+        if limit <= 0 or len(slots_np) < 2:
+            return max(limit, 0) if len(slots_np) == 1 else 0
+        rows = self.tables_np[:, slots_np, :limit]  # [groups, rows, limit]
+        same = (rows == rows[:, :1]).all(axis=(0, 1))  # [limit] column equal in every row
+        return limit if same.all() else int(np.argmin(same))
+
     def gather(self, idx_mapping: torch.Tensor) -> torch.Tensor:  # [num_reqs] -> [num_reqs, max_blocks]
         return self.table.index_select(0, idx_mapping)
 

@@ -12,6 +12,10 @@ rows carry drafts are captured too, at `draft_query_len` tokens per row: a row w
 leaves the rest of its tokens as padding (the kernels read each row's real query length from
 the buffers; host-side sizes are upper bounds), so one graph per batch size serves any mix of
 draft counts.
+
+With prefix caching, decode steps of `shared_prefix_min_rows` rows or more are captured a second
+time with the shared-prefix launch (AttentionMetadata.shared_prefix_len, whose length the
+kernels read from the buffers): a step whose rows share a cached prompt replays that variant.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class CudaGraphs:
         capture_sizes: tuple[int, ...],
         max_model_len: int,
         draft_query_len: int = 1,  # > 1: also capture decode steps with drafts, at this many tokens a row
+        shared_prefix_min_rows: int | None = None,  # also capture one-token rows with a shared prefix from this size
     ) -> None:
         self.model = model
         self.model_state = model_state
@@ -47,12 +52,14 @@ class CudaGraphs:
         self.draft_query_len = draft_query_len
         q = draft_query_len
         self.draft_sizes = [s for s in self.sizes if s * q <= buffers.max_num_tokens] if q > 1 else []
+        m = shared_prefix_min_rows
+        self.shared_prefix_sizes = [] if m is None else [s for s in self.sizes if s >= m]
         self.max_model_len = max_model_len
-        # Keyed by (rows, tokens a row): the graph, its output [rows * tokens, hidden], and the
-        # family inputs it captured.
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._inputs: dict[tuple[int, int], tuple] = {}
+        # Keyed by (rows, tokens a row, shared prefix): the graph, its output [rows * tokens,
+        # hidden], and the family inputs it captured.
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._inputs: dict[tuple[int, int, bool], tuple] = {}
 
     def padded_size(self, num_reqs: int, query_len: int = 1) -> int | None:
         """The captured size a decode batch of `num_reqs` rows replays at, or None (eager):
@@ -61,15 +68,16 @@ class CudaGraphs:
         i = bisect.bisect_left(sizes, num_reqs)
         return sizes[i] if i < len(sizes) else None
 
-    def _metadata(self, n: int, q: int) -> tuple[AttentionMetadata, ...]:
+    def _metadata(self, n: int, q: int, shared: bool) -> tuple[AttentionMetadata, ...]:
         """Metadata over the first n rows and n * q tokens of the persistent buffers, per
         KV-cache group. Host-side fields are upper bounds (the captured kernels read the real
         lengths from the buffers)."""
         b = self.buffers
         return tuple(
             AttentionMetadata.for_capture(
-                n, q, self.max_model_len, b.query_start_loc, b.seq_lens, b.group_block_tables[g], b.group_slot_mapping[g]
-            )
+                n, q, self.max_model_len, b.query_start_loc, b.seq_lens, b.group_block_tables[g], b.group_slot_mapping[g],
+                b.shared_prefix_len if shared else None,
+            )  # fmt: skip
             for g in range(b.group_block_tables.shape[0])
         )
 
@@ -97,10 +105,13 @@ class CudaGraphs:
         b.group_slot_mapping.fill_(-1)
         b.input_ids.zero_()
         b.positions.zero_()
+        b.shared_prefix_len.zero_()
         pool = torch.cuda.graph_pool_handle()
-        keys = [(n, self.draft_query_len) for n in self.draft_sizes] + [(n, 1) for n in self.sizes]
-        for n, q in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first
-            meta = self._metadata(n, q)
+        keys = [(n, self.draft_query_len, False) for n in self.draft_sizes] + [(n, 1, False) for n in self.sizes]
+        keys += [(n, 1, True) for n in self.shared_prefix_sizes]
+        for key in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first
+            n, q, shared = key
+            meta = self._metadata(n, q, shared)
             self._forward(meta, *self._dummy_inputs(n, q))  # warm-up: compiles the kernels outside the capture
             inputs = self._dummy_inputs(n, q)
             torch.cuda.synchronize()
@@ -108,14 +119,14 @@ class CudaGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = self._forward(meta, *inputs)
             # The graph reads these tensors at replay: they must outlive it.
-            self._graphs[n, q], self._outputs[n, q], self._inputs[n, q] = graph, out, inputs
+            self._graphs[key], self._outputs[key], self._inputs[key] = graph, out, inputs
         torch.cuda.synchronize()
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
         n = batch.num_reqs_padded
-        key = (n, batch.num_tokens_padded // n)
+        key = (n, batch.num_tokens_padded // n, batch.shared_prefix_len > 0)
         assert key in self._graphs and batch.num_tokens_padded == n * key[1], (
-            f"no graph captured for {n} rows of {batch.num_tokens_padded} tokens"
+            f"no graph captured for {n} rows of {batch.num_tokens_padded} tokens (shared prefix: {key[2]})"
         )
         self._graphs[key].replay()
         return self._outputs[key][: batch.num_tokens]

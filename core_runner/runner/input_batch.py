@@ -53,6 +53,9 @@ class InputBatch:
     num_draft: torch.Tensor | None = None  # [num_reqs] int32
     cu_num_logits: torch.Tensor | None = None  # [num_reqs + 1] int32
     cu_num_logits_np: np.ndarray | None = None  # [num_reqs + 1]
+    # Keys at the start of every row that all rows read from the same cache blocks (a decode-only
+    # batch over one cached prompt; `buffers.shared_prefix_len` on the device), or 0.
+    shared_prefix_len: int = 0
 
     @property
     def num_logits(self) -> int:
@@ -84,4 +87,5 @@ class InputBatch:
             max_seq_len=self.max_seq_len,
             block_tables=self.group_block_tables[kv_group],
             slot_mapping=self.group_slot_mapping[kv_group],
+            shared_prefix_len=self.buffers.shared_prefix_len if self.shared_prefix_len else None,
         )

@@ -45,6 +45,7 @@ class InputBuffers:
         self.logits_indices = torch.zeros(max_num_reqs * (1 + max_draft), **i64)  # [max_num_reqs * (1 + max_draft)]
         self.num_draft = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] drafts scheduled per row
         self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
+        self.shared_prefix_len = torch.zeros(1, **i32)  # [1] keys every row shares (decode steps; 0: none)
 
         pin = device.type == "cuda"
         self._stage64 = torch.zeros(2 * max_num_reqs, dtype=torch.int64, pin_memory=pin)

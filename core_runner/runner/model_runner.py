@@ -39,6 +39,12 @@ from slotrunner.core_runner.spec_decode.verify import accept_drafts
 
 logger = logging.getLogger(__name__)
 
+# A decode batch whose rows share a cached prompt prefix (prefix caching) attends that prefix in
+# one launch for many rows, reading each key tile once instead of once per row, from this many
+# rows and prefix keys on; below, the launch costs more than the re-reads it saves.
+SHARED_PREFIX_MIN_ROWS = 8
+SHARED_PREFIX_MIN_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class _ExecutedStep:
@@ -92,6 +98,11 @@ class ModelRunner:
             allocate_kv_cache(draft_model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
         self.speculator: Speculator | None = None if spec is None else build_speculator(config, self.attn_backend, draft_model)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Keys of a shared prefix come in multiples of this (None: the backend has no
+        # shared-prefix launch, or no prefix is ever shared, or its cache has several groups).
+        granule = self.attn_backend.shared_prefix_granule
+        shares = config.enable_prefix_caching and not config.disable_cascade_attn and num_groups == 1
+        self._shared_prefix_granule = granule if shares else None
         self.cuda_graphs: CudaGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and not model_state.supports_cuda_graphs:
             logger.info(
@@ -104,7 +115,7 @@ class ModelRunner:
                 logger.info("CUDA graphs: decode steps with drafts run eagerly for %s", type(model).__name__)
             self.cuda_graphs = CudaGraphs(
                 model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len,
-                draft_len,
+                draft_len, SHARED_PREFIX_MIN_ROWS if self._shared_prefix_granule else None,
             )  # fmt: skip
             self.cuda_graphs.capture()
         self._executed: _ExecutedStep | None = None
@@ -135,7 +146,7 @@ class ModelRunner:
         num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
-            num_reqs_padded, num_tokens_padded,
+            num_reqs_padded, num_tokens_padded, self._shared_prefix_len(idx_mapping_np, num_scheduled_np),
         )  # fmt: skip
         ms = self.model_state
         ms.preprocess_state(batch)
@@ -352,6 +363,20 @@ class ModelRunner:
         for req_id, new_block_ids in cached.new_block_ids.items():
             self.block_tables.append(slots[req_id], new_block_ids)
         self.block_tables.commit()
+
+    def _shared_prefix_len(self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray) -> int:
+        """Keys at the start of every row of a decode-only step that all rows read from the same
+        blocks (a prompt prefix they hit in the prefix cache), in whole granules; 0 where the
+        step does not qualify. Every shared key precedes every row's query."""
+        granule = self._shared_prefix_granule
+        if granule is None or len(idx_mapping_np) < SHARED_PREFIX_MIN_ROWS or int(num_scheduled_np.max()) != 1:
+            return 0
+        bs = self.block_tables.block_size
+        context = int(self.req_state.num_computed_tokens_np[idx_mapping_np].min())  # keys cached before the query
+        if context < SHARED_PREFIX_MIN_TOKENS:
+            return 0
+        shared = self.block_tables.shared_prefix_blocks(idx_mapping_np, context // bs) * bs // granule * granule
+        return shared if shared >= SHARED_PREFIX_MIN_TOKENS else 0
 
     def _graph_size(self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray) -> tuple[int, int] | None:
         """(rows, tokens) of the captured graph a decode-only step replays, or None: run eagerly.

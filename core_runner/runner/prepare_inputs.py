@@ -27,6 +27,7 @@ def prepare_inputs(
     buffers: InputBuffers | None = None,
     num_reqs_padded: int | None = None,  # >= num_reqs: CUDA-graph batch size (padding rows are empty)
     num_tokens_padded: int | None = None,  # >= num_tokens: padding tokens are never written to the cache
+    shared_prefix_len: int = 0,  # keys every row reads from the same blocks (InputBatch.shared_prefix_len)
 ) -> InputBatch:
     num_reqs = len(req_ids)
     num_computed_np = state.num_computed_tokens_np[idx_mapping_np]
@@ -75,6 +76,8 @@ def prepare_inputs(
     else:
         torch.sub(b.query_start_loc[1 : num_reqs + 1], 1, out=b.logits_indices[:num_reqs])
     num_logits = num_reqs if cu_num_logits_np is None else int(cu_num_logits_np[-1])
+    if shared_prefix_len:
+        b.shared_prefix_len.fill_(shared_prefix_len)
     return InputBatch(
         req_ids=req_ids,
         num_reqs=num_reqs,
@@ -103,6 +106,7 @@ def prepare_inputs(
         num_draft=b.num_draft[:num_reqs] if speculative else None,
         cu_num_logits=b.cu_num_logits[: num_reqs + 1] if speculative else None,
         cu_num_logits_np=cu_num_logits_np,
+        shared_prefix_len=shared_prefix_len,
     )
 
 

@@ -229,6 +229,51 @@ def check_freed_blocks_before_the_window_are_ignored() -> None:
         torch.testing.assert_close(out, expected, atol=FP32_TOL, rtol=FP32_TOL, msg=lambda m: f"{backend.name}: {m}")
 
 
+def with_shared_prefix(case: Case, device: str, shared: int, seed: int = 0):
+    """`build(case)` whose rows all read their first `shared` keys from row 0's blocks (as
+    prefix caching leaves rows that hit one cached prompt), with the metadata of both launches:
+    without and with `shared_prefix_len`."""
+    spec, q, k, v, cache, meta, bias, num_real = build(case, device, seed)
+    tables = meta.block_tables.clone()
+    num_shared_blocks = shared // case.block_size
+    real = [r for r, (_, n) in enumerate(case.rows) if n]
+    tables[real, :num_shared_blocks] = tables[0, :num_shared_blocks]
+    plain = dataclasses.replace(meta, block_tables=tables)
+    with_prefix = dataclasses.replace(plain, shared_prefix_len=torch.tensor([shared], dtype=torch.int32, device=device))
+    return spec, q, k, v, cache, plain, with_prefix, num_real
+
+
+SHARED_CASES = [  # decode-only batches (CUDA-graph padding rows at the end), shared prefix in keys
+    (Case("group 2, two programs of rows", tuple((40 + 3 * r, 1) for r in range(10)) + ((0, 0),) * 3, pad_tokens=3), 32),
+    (Case("group 3, dim 40, soft cap", tuple((33 + r, 1) for r in range(7)), num_heads=6, head_dim=40, soft_cap=5.0), 32),
+    (Case("group 1, prefix up to the shortest row", ((48, 1), (49, 1), (60, 1)), num_heads=2, num_kv_heads=2), 48),
+    (Case("fp8 cache", tuple((35 + 2 * r, 1) for r in range(5)), cache_dtype=torch.float8_e4m3fn), 16),
+    (Case("nothing shared", ((20, 1), (21, 1)), pad_tokens=1), 0),
+]
+
+
+def check_shared_prefix() -> None:
+    """Run in the interpreter subprocess: the shared-prefix launch plus the decode launch give
+    bitwise the decode launch's own output, and the reference's within tolerance."""
+    failures = []
+    for case, shared in SHARED_CASES:
+        spec, q, k, v, cache, plain, with_prefix, num_real = with_shared_prefix(case, "cpu", shared)
+        backend = TritonBackend(case.tiles)
+        expected = backend.forward(spec, q, k, v, cache.clone(), plain)
+        out = backend.forward(spec, q, k, v, cache.clone(), with_prefix)
+        ref_meta = dataclasses.replace(plain, num_tokens=num_real, slot_mapping=plain.slot_mapping[:num_real])
+        ref = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], cache.clone(), ref_meta)
+        if not torch.equal(out, expected):
+            failures.append(f"[{case.name}] differs from the decode launch alone by {(out - expected).abs().max()}")
+        if not torch.allclose(out[:num_real].float(), ref.float(), atol=1e-4, rtol=1e-4):
+            failures.append(f"[{case.name}] differs from the reference by {(out[:num_real] - ref).abs().max()}")
+    assert not failures, "\n".join(failures)
+
+
+def test_triton_shared_prefix_equals_decode_launch(run_interpreted):
+    run_interpreted(check_shared_prefix)
+
+
 def test_triton_and_reference_ignore_freed_blocks_before_the_window(run_interpreted):
     run_interpreted(check_freed_blocks_before_the_window_are_ignored)
 
@@ -362,3 +407,26 @@ def test_gpu_decode_cuda_graph_replay():
     assert torch.equal(bufs["cache"], ref_cache)
     torch.testing.assert_close(out[:num_real], expected, atol=GPU_BF16_TOL, rtol=GPU_BF16_TOL)
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8 cache"])
+def test_gpu_shared_prefix_equals_decode_launch(cache_dtype):
+    """At real sizes (Qwen3-0.6B's heads, 2,000 shared keys, 200 rows and graph padding), the
+    shared-prefix launch plus the decode launch give bitwise the decode launch's own output,
+    also when both are replayed from a CUDA graph."""
+    rows = [(2000 + (37 * r) % 400, 1) for r in range(200)] + [(0, 0)] * 8
+    case = dataclasses.replace(qwen3_case("shared", rows, pad_tokens=8), cache_dtype=cache_dtype)
+    spec, q, k, v, cache, plain, with_prefix, num_real = with_shared_prefix(case, "cuda", 1984)
+    backend = TritonBackend()
+    expected = backend.forward(spec, q, k, v, cache.clone(), plain)
+    out = backend.forward(spec, q, k, v, cache.clone(), with_prefix)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected), f"differs by {(out.float() - expected.float()).abs().max()}"
+    graph_cache = cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = backend.forward(spec, q, k, v, graph_cache, with_prefix)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, expected)

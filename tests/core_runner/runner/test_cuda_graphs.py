@@ -190,3 +190,35 @@ def test_draft_model_graphs_equal_eager(qwen3_dir, dtype):
         if dtype == "float32":
             assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens for o in outs)
     assert runs[0] == runs[1]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prefix_steps_replay_their_graphs(tmp_path, dtype):
+    """Requests over one cached 300-token prompt: their decode steps replay the graphs captured
+    with the shared-prefix launch, and give the same ids and logprobs, bit for bit, as an engine
+    whose steps never take it (disable_cascade_attn=True)."""
+    from slotrunner.conformance import build_case
+
+    config = tiny_config("Qwen3ForCausalLM")
+    config.max_position_embeddings = 512
+    build_case(config, tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(5, 200, (300,), generator=gen).tolist()
+    prompts = [{"prompt_token_ids": prefix + torch.randint(5, 200, (1 + 5 * i,), generator=gen).tolist()} for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, ignore_eos=True, logprobs=1) for i in range(12)]
+
+    def run(disable_cascade_attn: bool) -> tuple[list, list[int]]:
+        llm = LLM(str(tmp_path), device="cuda", dtype=dtype, max_model_len=512, max_num_seqs=16, block_size=16,
+                  disable_cascade_attn=disable_cascade_attn)  # fmt: skip
+        graphs = llm.engine.runner.cuda_graphs
+        shared, replay = [], graphs.run
+        graphs.run = lambda batch: (shared.append(batch.shared_prefix_len), replay(batch))[1]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [list(p.items()) for p in o.outputs[0].logprobs]) for o in outs], shared
+
+    got, shared = run(False)
+    assert sum(1 for s in shared if s) >= 10 and set(shared) <= {0, 256}, shared
+    want, shared = run(True)
+    assert not any(shared)
+    assert got == want
