@@ -13,6 +13,13 @@ from slotrunner.core_runner.runner.outputs import PromptLogprobs, TokenLogprobs
 from slotrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 
 
+# RequestGroup.output copies RequestMetrics field by field: a new field must be copied there too.
+assert [f.name for f in dataclasses.fields(RequestMetrics)] == [
+    "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
+    "num_generation_tokens", "num_draft_tokens", "num_accepted_tokens",
+], "RequestMetrics changed: update RequestGroup.output's copy"  # fmt: skip
+
+
 class RequestTracker:
     """What the engine keeps for a request between steps, beyond the scheduler's record."""
 
@@ -35,6 +42,15 @@ class RequestTracker:
         # text can wait until an output is built (`completion`): offline generation of a long
         # output then decodes it once, at the end, instead of a call per row every step.
         self.needs_every_step = bool(self.detok.stop) or self.logprobs is not None
+        # The prompt's ids as every RequestOutput of this request shows them: one copy, made
+        # once (the engine's own list stays private). Copied per output, a 2,000-token prompt
+        # cost a streaming step of 256 rows several ms of host time.
+        self._prompt_token_ids: list[int] | None = None
+
+    def prompt_token_ids(self) -> list[int]:
+        if self._prompt_token_ids is None:
+            self._prompt_token_ids = list(self.request.prompt_token_ids)
+        return self._prompt_token_ids
 
     def add_tokens(self, logprobs: list[TokenLogprobs | None] | None, now: float | None = None) -> str | None:
         """Feed the tokens `update()` appended (one per step, or several with speculative
@@ -149,8 +165,10 @@ class RequestGroup:
         finished = self.finished
         if finished and parent.metrics.finished_time is None:
             parent.metrics.finished_time = time.time()
-        metrics = dataclasses.replace(
-            parent.metrics,
+        pm = parent.metrics  # a snapshot, field by field (dataclasses.replace inspects the fields every call)
+        metrics = RequestMetrics(
+            arrival_time=pm.arrival_time, first_scheduled_time=pm.first_scheduled_time, first_token_time=pm.first_token_time,
+            last_token_time=pm.last_token_time, finished_time=pm.finished_time,
             num_generation_tokens=sum(len(m.request.output_token_ids) for m in self.members.values()),
             num_draft_tokens=r.num_draft_tokens,
             num_accepted_tokens=r.num_accepted_tokens,
@@ -159,7 +177,7 @@ class RequestGroup:
         return RequestOutput(
             r.req_id,
             r.prompt,
-            list(r.prompt_token_ids),
+            parent.prompt_token_ids(),
             [self.members[i].completion() for i in sorted(self.members)],
             finished,
             prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs),
