@@ -6,6 +6,11 @@ one line per TileConfig (keys per tile, warps, pipeline stages): ms per call and
 read per second, to compare with the ~4.8 TB/s of one H200.
 
     python benchmarks/attention_kernel.py --batch 256 --min-len 100 --max-len 1400
+    python benchmarks/attention_kernel.py --batch 256 --min-len 2100 --max-len 2400 --shared-prefix 2048
+
+With `--shared-prefix N` every row's first N keys are one set of blocks (as prefix caching leaves
+requests over one cached prompt): the decode launch alone against the shared-prefix launch plus
+the decode launch, at the default tiles, over the shared-prefix launch's pipeline stages.
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -13,6 +18,7 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import time
 
@@ -29,6 +35,7 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1400)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of 64)")
     args = p.parse_args()
     B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
     lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)
@@ -37,6 +44,7 @@ def main() -> None:
     dev, dt = "cuda", torch.bfloat16
     cache = torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), dtype=dt, device=dev)
     tables = torch.randperm(num_blocks, device=dev).view(B, max_blocks).int()
+    tables[:, : args.shared_prefix // bs] = tables[0, : args.shared_prefix // bs]
     seq = torch.tensor(lens, device=dev, dtype=torch.int32)
     slots = tables[torch.arange(B, device=dev), (seq - 1) // bs].long() * bs + (seq - 1) % bs
     qsl = torch.arange(B + 1, device=dev, dtype=torch.int32)
@@ -46,6 +54,19 @@ def main() -> None:
     k, v = torch.randn(B, Hk, D, dtype=dt, device=dev), torch.randn(B, Hk, D, dtype=dt, device=dev)
     kv_bytes = int(lens.sum()) * Hk * D * 2 * 2
     print(f"decode batch {B}, lengths {args.min_len}-{args.max_len}, {Hq}/{Hk} heads x {D}, bf16, {torch.cuda.get_device_name()}")
+    if args.shared_prefix:
+        shared_meta = dataclasses.replace(meta, shared_prefix_len=torch.tensor([args.shared_prefix], dtype=torch.int32, device=dev))
+        unique = (int(lens.sum()) - B * args.shared_prefix + args.shared_prefix) * Hk * D * 2 * 2
+        print(f"{args.shared_prefix} keys shared: {kv_bytes / 1e9:.2f} GB of KV read per row, {unique / 1e9:.2f} GB distinct")
+        base = timed(TritonBackend(), spec, q, k, v, cache, meta, args.iters)
+        print(f"decode launch alone: {base * 1e3:.3f} ms", flush=True)
+        for stages in (1, 2, 3, 4):
+            backend = TritonBackend(TileConfig(shared_num_stages=stages))
+            t = timed(backend, spec, q, k, v, cache, shared_meta, args.iters)
+            same = torch.equal(backend.forward(spec, q, k, v, cache, shared_meta), TritonBackend().forward(spec, q, k, v, cache, meta))
+            print(f"shared-prefix launch, {stages} stages, + decode launch: {t * 1e3:.3f} ms ({base / t:.2f}x), "
+                  f"outputs {'bitwise equal' if same else 'DIFFER'}", flush=True)
+        return
     for tile, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
         backend = TritonBackend(TileConfig(decode_tile_n=tile, num_warps=warps, decode_num_stages=stages))
         for _ in range(3):
@@ -57,6 +78,17 @@ def main() -> None:
         torch.cuda.synchronize()
         dt_s = (time.perf_counter() - t) / args.iters
         print(f"tile {tile:>3} warps {warps} stages {stages}: {dt_s * 1e3:.3f} ms  {kv_bytes / dt_s / 1e12:.2f} TB/s", flush=True)
+
+
+def timed(backend, spec, q, k, v, cache, meta, iters: int) -> float:
+    for _ in range(3):
+        backend.forward(spec, q, k, v, cache, meta)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        backend.forward(spec, q, k, v, cache, meta)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
 
 
 if __name__ == "__main__":

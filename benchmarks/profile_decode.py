@@ -9,11 +9,14 @@ kernels by total GPU time, with the wall time per step. A first round of the sam
 prefilled and aborted before the timed one: the prefill's Triton kernels compile on their first
 launch (decode kernels compile at graph capture), and a process that meets them first would
 otherwise time their compilation -- whichever shape runs first on a machine with a cold cache.
-`--host-profile PREFIX` writes cProfile stats of the timed prefill and decode steps
+`--shape qwen3-0.6b` is the bench workload's model (`throughput.py`); `--shared-prefix N` gives the
+timed prompts one first N tokens (prefix caching shares them: decode steps take the shared-prefix
+attention launch unless `--disable-cascade-attn`). `--host-profile PREFIX` writes cProfile stats of the timed prefill and decode steps
 (PREFIX.prefill.prof, PREFIX.decode.prof) to compare two shapes' host work.
 
     python benchmarks/profile_decode.py --shape bamba --batch 64
     python benchmarks/profile_decode.py --shape deepseek-v2-lite --layers 27 --input-len 512
+    python benchmarks/profile_decode.py --shape qwen3-0.6b --batch 256 --input-len 2300 --shared-prefix 2000
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -34,7 +37,8 @@ from moe_throughput import SHAPES as MOE_SHAPES
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama", "llava", "llava-lm", *MOE_SHAPES), default="bamba",
+    p.add_argument("--shape", choices=("bamba", "qwen3-next", "llama", "llava", "llava-lm", "qwen3-0.6b", *MOE_SHAPES),
+                   default="bamba",
                    help="llava / llava-lm: multimodal_throughput.py's LLaVA fed text prompts, its LM as a decoder")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--batch", type=int, default=64)
@@ -43,6 +47,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=15, help="kernels listed")
     p.add_argument("--host-profile", metavar="PREFIX", help="write cProfile stats of the timed steps")
     p.add_argument("--prefill-kernels", action="store_true", help="also list the timed prefill's kernels")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens at the start of every timed prompt alike")
+    p.add_argument("--disable-cascade-attn", action="store_true", help="decode steps never take the shared-prefix launch")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -58,22 +64,29 @@ def main() -> None:
 
             multimodal_throughput.build(Path(d), argparse.Namespace(tiny=False), torch.bfloat16)
             d = str(Path(d) / ("llava" if args.shape == "llava" else "lm"))
-        elif args.shape in MOE_SHAPES:
+        elif args.shape in MOE_SHAPES or args.shape == "qwen3-0.6b":
             import json
             from pathlib import Path
 
-            (Path(d) / "config.json").write_text(json.dumps(MOE_SHAPES[args.shape][0](args.layers)))
+            from throughput import qwen3_06b_config
+
+            cfg = qwen3_06b_config() if args.shape == "qwen3-0.6b" else MOE_SHAPES[args.shape][0](args.layers)
+            (Path(d) / "config.json").write_text(json.dumps(cfg))
         else:
             AutoModelForCausalLM.from_config(model_config(args), dtype=torch.bfloat16).save_pretrained(d)
         llm = LLM(d, device="cuda", dtype="bfloat16", max_model_len=args.input_len + 512, max_num_seqs=args.batch,
-                  max_num_batched_tokens=8192, load_format="dummy" if args.shape in MOE_SHAPES else "auto")  # fmt: skip
+                  max_num_batched_tokens=8192, load_format="dummy" if args.shape in (*MOE_SHAPES, "qwen3-0.6b") else "auto",
+                  disable_cascade_attn=args.disable_cascade_attn)  # fmt: skip
         engine = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
         def prefill_all(tag: str) -> int:
-            """Add `--batch` random prompts and step until every one is prefilled; returns the steps."""
+            """Add `--batch` random prompts (their first `--shared-prefix` tokens alike) and step
+            until every one is prefilled; returns the steps."""
+            high = min(32000, engine.config.vocab_size - 1)
+            shared = torch.randint(10, high, (args.shared_prefix,), generator=g).tolist()
             for i in range(args.batch):
-                prompt = torch.randint(10, min(32000, engine.config.vocab_size - 1), (args.input_len,), generator=g).tolist()
+                prompt = shared + torch.randint(10, high, (args.input_len - args.shared_prefix,), generator=g).tolist()
                 engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, sp)
             steps = 0
             while engine.scheduler.waiting or any(
@@ -106,10 +119,11 @@ def main() -> None:
         torch.cuda.synchronize()
         print(process_probe())
         host = cProfile.Profile() if args.host_profile else None
-        graphs, replays = engine.runner.cuda_graphs, [0]
+        graphs, replays, shared_steps = engine.runner.cuda_graphs, [0], []
         if graphs is not None:  # count the timed steps served by a graph replay
             replay = graphs.run
             graphs.run = lambda batch: (replays.__setitem__(0, replays[0] + 1), replay(batch))[1]
+        forget = engine.runner.add_step_observer(lambda batch, _: shared_steps.append(batch.shared_prefix_len > 0))
         t = time.perf_counter()
         if host:
             host.enable()
@@ -119,6 +133,7 @@ def main() -> None:
         wall = (time.perf_counter() - t) / args.steps
         if graphs is not None:
             graphs.run = replay
+        forget()
         if host:
             host.disable()
             host.dump_stats(f"{args.host_profile}.decode.prof")
@@ -133,7 +148,7 @@ def main() -> None:
                   f"{args.shape} shape{depth}, batch {args.batch} decoding at ~{args.input_len} tokens: "
                   f"{1000 * wall:.2f} ms a decode step wall; prefill of {args.batch} x {args.input_len} tokens: "
                   f"{prefill_steps} steps, {1000 * prefill:.0f} ms; {replays[0]} of {args.steps} timed steps replayed a "
-                  f"CUDA graph; a step:")  # fmt: skip
+                  f"CUDA graph, {sum(shared_steps)} took the shared-prefix launch; a step:")  # fmt: skip
 
 
 def print_kernels(prof, per: int, rows: int, title: str) -> None:

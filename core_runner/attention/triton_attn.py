@@ -58,6 +58,7 @@ class TileConfig:
     num_warps: int = 4
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
+    shared_num_stages: int = 3  # the shared-prefix launch (its tile shapes are the decode launch's)
 
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
@@ -502,7 +503,7 @@ def paged_attention(
             NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=common["HEAD_DIM_P2"],
             BLOCK_SIZE=block_size, ROWS=rows, BLOCK_M=decode_block_m, TILE_N=tiles.decode_tile_n,
             USE_SOFT_CAP=spec.logits_soft_cap is not None, DOT_PRECISION=common["DOT_PRECISION"], KV_FP8=kv_fp8,
-            num_warps=tiles.num_warps, num_stages=tiles.decode_num_stages,
+            num_warps=tiles.num_warps, num_stages=tiles.shared_num_stages,
         )  # fmt: skip
     # Rows with one query token: always this launch, so a decode row's result never depends on
     # whether prefill rows share its batch.
