@@ -149,7 +149,8 @@ class EngineConfig:
     # blocks, at least one; engine/state_checkpoints.py).
     num_state_checkpoints: int = 0
     state_checkpoint_interval: int = 512
-    # Speculative decoding, or None. Runs with synchronous scheduling only (checked here).
+    # Speculative decoding, or None. With async scheduling, steps that carry or propose drafts are
+    # processed before the next one is scheduled (SchedulerOutput.needs_settling).
     speculative_config: SpeculativeConfig | None = None
     # The paged KV cache's dtype where a layer's spec leaves it open: None is `dtype`;
     # torch.float8_e4m3fn halves (bf16) the bytes attention reads (kv_cache_dtype="fp8").
@@ -190,14 +191,7 @@ class EngineConfig:
                 "lower max_model_len or give the cache more memory"
             )
         if self.async_scheduling is None:
-            # Speculative decoding needs each step's accepted count before the next is scheduled.
-            auto = self.device.type == "cuda" and self.speculative_config is None
-            object.__setattr__(self, "async_scheduling", auto)
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError(
-                "speculative_config needs synchronous scheduling (the tokens a step accepts decide the next "
-                "step's schedule): pass async_scheduling=False or leave it unset"
-            )
+            object.__setattr__(self, "async_scheduling", self.device.type == "cuda")
         if not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
 

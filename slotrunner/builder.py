@@ -481,8 +481,6 @@ def _check_engine_args(**args: Any) -> None:
     _check_device(args["device"])
     if args["speculative_config"] is not None:
         SpeculativeConfig.from_dict(args["speculative_config"])  # ValueError naming the key
-        if args["async_scheduling"]:
-            raise ValueError("speculative_config needs synchronous scheduling: pass async_scheduling=False or leave it unset")
     media_root(args["allowed_local_media_path"])  # an existing directory, or None
     check_vllm_options(args)
 

@@ -56,7 +56,7 @@ def _speculative(cls: type[ModelState]) -> str:
     if not cls.supports_speculative_rollback:
         return "refused"
     graphs = cls.supports_cuda_graphs and cls.cuda_graphs_with_drafts
-    return "yes (sync scheduling; draft steps replay CUDA graphs)" if graphs else "yes (sync scheduling; draft steps eager)"
+    return "yes (draft steps replay CUDA graphs)" if graphs else "yes (draft steps eager)"
 
 
 FEATURES: tuple[Feature, ...] = (

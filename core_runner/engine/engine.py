@@ -203,13 +203,20 @@ class LLMEngine:
             return self._settle(sched_out, pending, final_only)
         previous = self._in_flight
         self._in_flight = None if sched_out.is_empty else (sched_out, pending)
-        if previous is None:
-            return []
-        try:
-            return self._settle(*previous, final_only)
-        except BaseException:
-            self._undelivered += self._drain(final_only)  # a failure never leaves a step in flight
-            raise
+        outputs: list[RequestOutput] = []
+        if previous is not None:
+            try:
+                outputs = self._settle(*previous, final_only)
+            except BaseException:
+                self._undelivered += self._drain(final_only)  # a failure never leaves a step in flight
+                raise
+        if sched_out.needs_settling:  # speculative decoding: the next schedule needs this step's tokens
+            try:
+                outputs += self._drain(final_only)
+            except BaseException:
+                self._undelivered += outputs
+                raise
+        return outputs
 
     def _mark_scheduled(self, sched_out: SchedulerOutput) -> None:
         """Stamp RequestOutput.metrics.first_scheduled_time of requests admitted for the first time."""

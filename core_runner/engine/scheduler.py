@@ -76,7 +76,7 @@ class Scheduler:
         # last one proposed them.
         self.draft_gate = DraftGate(spec.method) if spec is not None else None
         self._drafts_proposed = spec is not None
-        self._timed_step: tuple[float, bool] | None = None  # (start, drafts scheduled) of a decode-only step
+        self._last_update: float | None = None  # when update() last ran (the draft gate's clock)
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -202,8 +202,7 @@ class Scheduler:
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
         use_drafts = self._drafts_proposed
-        if self.draft_gate is not None:
-            out.propose_drafts = self._drafts_proposed = self.draft_gate.want_drafts()
+        out.propose_drafts = self._drafts_proposed = self.draft_gate is not None and self.draft_gate.want_drafts()
         decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
         drafts_scheduled = False
 
@@ -314,11 +313,11 @@ class Scheduler:
 
         if self.state_checkpoints is not None:
             self.state_checkpoints.end_step()
-        self._timed_step = None
+        out.carries_drafts = drafts_scheduled
         # Measured: decode-only steps that carry drafts and propose the next, or do neither.
         if (self.draft_gate is not None and decode_only and out.num_scheduled_tokens and not out.new_reqs
                 and use_drafts == out.propose_drafts):  # fmt: skip
-            self._timed_step = (time.perf_counter(), drafts_scheduled)
+            out.gate_arm, out.scheduled_at = drafts_scheduled, time.perf_counter()
         return out
 
     def _advance(self, request: Request, num_computed: int) -> None:
@@ -428,11 +427,15 @@ class Scheduler:
         Returns the requests that got tokens this step, finished ones included, in batch order.
         """
         assert len(runner_out.req_ids) == len(runner_out.sampled_token_ids), "one sampled list per batch row"
-        if self._timed_step is not None:
-            start, with_drafts = self._timed_step
-            self._timed_step = None
-            emitted = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
-            self.draft_gate.observe(with_drafts, time.perf_counter() - start, emitted)
+        if self.draft_gate is not None:
+            # A step's cost: from its schedule() to its update() when steps run one after the
+            # other; when async scheduling overlaps them (steps without drafts), from the
+            # previous step's update() -- the pipeline's period. Both arms are measured alike.
+            now, last = time.perf_counter(), self._last_update
+            self._last_update = now
+            if sched_out.gate_arm is not None:
+                emitted = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
+                self.draft_gate.observe(sched_out.gate_arm, now - max(sched_out.scheduled_at, last or 0.0), emitted)
         touched: list[Request] = []
         next_drafts = runner_out.num_draft_tokens
         requests, max_model_len, synchronous = self._requests, self.max_model_len, not self.async_scheduling

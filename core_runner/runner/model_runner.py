@@ -66,7 +66,6 @@ class ModelRunner:
         self.model_state = model_state
         spec = config.speculative_config
         max_draft = 0 if spec is None else spec.num_speculative_tokens
-        assert spec is None or not config.async_scheduling, "speculative decoding runs with synchronous scheduling"
         assert spec is None or model_state.supports_speculative_rollback, (
             f"{type(model_state).__name__} cannot roll back rejected drafts (the engine builder refuses this)"
         )
@@ -230,6 +229,12 @@ class ModelRunner:
             positions_np = np.repeat(batch.seq_lens_np - num_draft_np, num_logits_np) + j_np
             positions = torch.from_numpy(positions_np).to(self.device, non_blocking=True)
             out = self._sample(rows_idx, num_output_np, positions, logits)
+            # Without drafts every sampling row emits one token: the history's length is known
+            # now, as async scheduling needs before the next step (steps that carry drafts are
+            # processed before another is scheduled: SchedulerOutput.needs_settling).
+            counts_known = max_draft == 0
+            if counts_known:
+                rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
             picks, num_accepted = accept_drafts(
                 out.sampled, rs.draft_tokens, batch.idx_mapping, batch.num_draft, batch.cu_num_logits, max_draft
             )
@@ -265,8 +270,8 @@ class ModelRunner:
             counts = host["num_sampled"].tolist()
             picks_rows = host["picks"].tolist()
             sampled_ids = [row[:n] for row, n in zip(picks_rows, counts)]
-            # The history grew by the emitted tokens (synchronous scheduling: before the next step).
-            rs.num_tokens_np[idx] += host["num_sampled"].numpy()
+            if not counts_known:  # the history grew by the emitted tokens (before the next step is scheduled)
+                rs.num_tokens_np[idx] += host["num_sampled"].numpy()
             row_logprobs: list = [None] * num_reqs
             if "lp_ids" in host:
                 lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])

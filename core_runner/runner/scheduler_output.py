@@ -67,6 +67,22 @@ class SchedulerOutput:
     # Speculative decoding: whether the speculator proposes drafts after this step (the draft
     # gate wants them for the next one); False: it is skipped, and the next step has none.
     propose_drafts: bool = True
+    # Whether some row of this step carries drafts: its accepted count decides the next step's
+    # schedule, so the engine processes it before scheduling another (as it does one that
+    # proposes drafts), even with async scheduling.
+    carries_drafts: bool = False
+    # The draft gate measures this step (a decode-only step that carries drafts and proposes the
+    # next, or does neither): True / False for the arm it measures; None: not measured.
+    gate_arm: bool | None = None
+    scheduled_at: float = 0.0  # time.perf_counter() at the end of schedule(), for a measured step
+
+
+    @property
+    def needs_settling(self) -> bool:
+        """Whether the next step may be scheduled only after this one's output is processed:
+        it carries drafts, or its speculator proposes some (the scheduler sets propose_drafts
+        False where nothing speculates). Async scheduling overlaps only steps that do neither."""
+        return self.carries_drafts or self.propose_drafts
 
     @property
     def total_num_scheduled_tokens(self) -> int:

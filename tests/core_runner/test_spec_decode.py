@@ -5,7 +5,8 @@ Covers greedy and seeded rows (with filters, logprobs, min_tokens; penalised row
 token per step) in one batch, under chunked prefill and under preemption; drafts accepted not
 at all, partly and fully; max_tokens and stop tokens landing inside a run of accepted drafts;
 a multimodal model (drafts after an image prompt, M-RoPE positions) and an encoder-decoder
-(decoder-side drafts); the refusals (async scheduling, bad configs). Recurrent hybrids roll their
+(decoder-side drafts); async scheduling, which overlaps the steps that neither carry nor
+propose drafts; the refusals (bad configs). Recurrent hybrids roll their
 state back: tests/model_states/test_recurrent_rollback.py.
 
 Guards against: a draft accepted against the wrong position's noise or logits row, the KV of
@@ -113,6 +114,49 @@ def test_same_tokens_with_and_without_speculation(llama_dir, baseline, engine_ar
     assert all(o.metrics.num_draft_tokens == 0 for o in penalised), "rows with penalties must not be speculated"
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
+
+
+class CyclingGate:
+    """A draft gate that wants drafts for two steps, then none for three, over and over."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def want_drafts(self) -> bool:
+        self.calls += 1
+        return self.calls % 5 < 2
+
+    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [dict(max_num_seqs=12), dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=30)],
+    ids=["one-batch", "preempting"],
+)
+def test_async_scheduling_overlaps_the_steps_without_drafts(llama_dir, baseline, engine_args):
+    """With async scheduling, a step that neither carries nor proposes drafts is scheduled while
+    the one before it runs, and one that does is processed before the next is scheduled: the
+    tokens (and logprobs) are those of plain decoding, as in synchronous scheduling."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM,
+              async_scheduling=True, **engine_args)  # fmt: skip
+    engine = llm.engine
+    engine.scheduler.draft_gate = CyclingGate()
+    seen = record_acceptance(llm)
+    overlapped, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (overlapped.append(engine._in_flight is not None), schedule())[1]
+    prompts, params = make_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == token_ids(baseline)
+    for got, want in zip(outs, baseline):
+        if want.outputs[0].logprobs is not None:
+            assert [a.keys() for a in got.outputs[0].logprobs] == [b.keys() for b in want.outputs[0].logprobs]
+    assert any(a > 0 for _, a in seen), "no draft was accepted: the case tests nothing"
+    assert sum(overlapped) >= 5, f"{sum(overlapped)} of {len(overlapped)} steps were scheduled while one ran"
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == sum(a for _, a in seen)
+    if "num_kv_blocks" in engine_args:
+        assert engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
 
 def test_sliding_window_groups_keep_every_block_a_rollback_needs(tmp_path):
@@ -235,8 +279,6 @@ def test_refusals(tmp_path, llama_dir):
         EngineArgs(speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="must be one of"):
         EngineArgs(speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="synchronous scheduling"):
-        EngineArgs(speculative_config=NGRAM, async_scheduling=True)
 
 
 def test_stop_string_inside_several_tokens_drops_the_rest():

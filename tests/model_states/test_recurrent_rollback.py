@@ -123,8 +123,22 @@ def _with_long_memory(case):
     return case
 
 
+class CyclingGate:
+    """Drafts for three steps, none for two: with async scheduling the draft-free steps overlap."""
+
+    calls = 0
+
+    def want_drafts(self) -> bool:
+        self.calls += 1
+        return self.calls % 5 < 3
+
+    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "BambaForCausalLM"])
-def test_same_tokens_and_logprobs_with_and_without_speculation(arch, tmp_path):
+def test_same_tokens_and_logprobs_with_and_without_speculation(arch, tmp_path, async_scheduling):
     case = _with_long_memory(tiny_case(arch, tmp_path))
     rng = random.Random(0)
     prompts, params = [], []
@@ -135,7 +149,9 @@ def test_same_tokens_and_logprobs_with_and_without_speculation(arch, tmp_path):
         params.append(SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, logprobs=2, max_tokens=20, ignore_eos=True))
     with single_thread():
         want = case.make_llm(max_num_seqs=8).generate(prompts, params, use_tqdm=False)
-        llm = case.make_llm(max_num_seqs=3, max_num_batched_tokens=9, speculative_config=NGRAM, async_scheduling=False)
+        llm = case.make_llm(max_num_seqs=3, max_num_batched_tokens=9, speculative_config=NGRAM, async_scheduling=async_scheduling)
+        if async_scheduling:
+            llm.engine.scheduler.draft_gate = CyclingGate()
         got = llm.generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids

@@ -178,12 +178,13 @@ class PeriodicGate:
         pass
 
 
-@pytest.mark.parametrize("period", [2, 5])
-def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline, period):
+@pytest.mark.parametrize(("period", "async_scheduling"), [(2, False), (5, False), (5, True)])
+def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline, period, async_scheduling):
     """The draft gate (core_runner/engine/draft_gate.py) withholding drafts changes no output,
     and the draft catches up on the tokens of the steps that skipped it: an equal draft is
-    always accepted."""
-    llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8, speculative_config=draft_config(dirs / "target"))
+    always accepted. With async scheduling the steps without drafts overlap."""
+    llm = LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
+              speculative_config=draft_config(dirs / "target"), async_scheduling=async_scheduling)  # fmt: skip
     gate = llm.engine.scheduler.draft_gate = PeriodicGate(period)
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
