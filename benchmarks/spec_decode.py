@@ -108,7 +108,9 @@ def main() -> None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
-    common = dict(device=args.device, max_model_len=1024, max_num_seqs=32, enable_prefix_caching=False, async_scheduling=False)
+    # Both engines schedule as the device's default does (async on CUDA: the steps without drafts
+    # overlap, those with drafts are processed before the next is scheduled).
+    common = dict(device=args.device, max_model_len=1024, max_num_seqs=32, enable_prefix_caching=False)
     base = LLM(model, **common)
     if args.draft_model is not None:
         # "same": a draft sharing the target's weights proposes the target's own greedy tokens
