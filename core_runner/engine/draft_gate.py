@@ -17,7 +17,9 @@ neither: the steps where the decision changes pay for the speculator once withou
 drafts, or use drafts without proposing, and would mislead both averages.
 
 Drafts run unconditionally for the first `WARMUP[method]` measured steps with drafts (prompt
-lookup finds matches only once the text repeats; a draft model's worth shows at once); then a
+lookup finds matches only once the text repeats; a draft model's worth shows at once), or for
+`WARMUP[method]` decisions if no step carried drafts by then (text where prompt lookup finds
+nothing: proposing keeps each step synchronous under async scheduling, for nothing); then a
 few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN` decisions,
 first after `PROBE_EVERY` decisions, then after twice as many each time the probe confirms the
 choice (up to `MAX_PROBE_EVERY`), and never more often than keeps the probes' extra cost under
@@ -47,6 +49,7 @@ class DraftGate:
         self._sums: dict[bool, tuple[float, float]] = {}  # arm (drafts or not) -> decaying sums of (seconds, tokens)
         self._steps = {True: 0, False: 0}
         self._choice = True
+        self._decisions = 0
         self._interval = PROBE_EVERY
         self._since_probe = 0
         self._probe_left = 0  # decisions of the running probe still to give
@@ -54,7 +57,8 @@ class DraftGate:
 
     def want_drafts(self) -> bool:
         """Whether the step after the one being scheduled should carry drafts."""
-        if self._steps[True] < self.warmup:
+        self._decisions += 1
+        if self._steps[True] < self.warmup and (self._steps[True] or self._decisions <= self.warmup):
             return True
         if self._steps[False] < MIN_STEPS:
             return False
@@ -62,10 +66,11 @@ class DraftGate:
             self._probe_left -= 1
             return not self._choice
         cost = self.costs
+        cost.setdefault(True, float("inf"))  # no step has carried drafts yet: only a probe can tell
         best = cost[True] <= cost[False] * (1 + MARGIN)
         # Probing the other arm costs PROBE_LEN steps at (ratio - 1) more each: keep that in budget.
         ratio = cost[not best] / max(cost[best], 1e-12)
-        floor = min(int(PROBE_LEN * max(ratio - 1, 0) / PROBE_BUDGET), MAX_PROBE_EVERY)
+        floor = int(min(PROBE_LEN * max(ratio - 1, 0) / PROBE_BUDGET, MAX_PROBE_EVERY))
         if best != self._choice:  # the measurements changed the choice: check it again soon
             self._choice, self._interval, self._since_probe = best, max(PROBE_EVERY, floor), 0
         else:

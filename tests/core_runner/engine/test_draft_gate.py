@@ -44,6 +44,22 @@ def test_drafts_through_the_warm_up_then_the_cheaper_arm_with_rarer_probes():
     assert gate._steps[True] >= WARMUP["ngram"] + len(probes) - 1
 
 
+def test_a_speculator_that_proposes_nothing_stops_being_asked():
+    """Prompt lookup that never finds a match carries no drafts: after the warm-up's decisions
+    the gate stops asking for proposals (each keeps a step synchronous under async scheduling)
+    but for rare probes."""
+    gate = DraftGate("ngram")
+    proposed, asked = True, []
+    for _ in range(1000):
+        use, proposed = proposed, gate.want_drafts()
+        asked.append(proposed)
+        if use == proposed:
+            gate.observe(False, 10.0, 10)  # measured, and nothing was carried
+    assert all(asked[: WARMUP["ngram"]]) and not any(asked[WARMUP["ngram"] : WARMUP["ngram"] + MIN_STEPS])
+    later = asked[WARMUP["ngram"] + MIN_STEPS :]
+    assert 0 < sum(later) <= PROBE_LEN * (len(later) // MAX_PROBE_EVERY + 1), sum(later)
+
+
 def test_a_draft_model_warms_up_briefly():
     gate = DraftGate("draft_model")
     d = run(gate, cost_on=5.0, cost_off=1.0, steps=300)
