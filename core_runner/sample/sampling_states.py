@@ -46,15 +46,18 @@ class PenaltyParams:
 
 @dataclass(frozen=True)
 class BatchSamplingParams:
-    """Sampling parameters of one step's rows; a stage that no row uses is None."""
+    """Sampling parameters of one step's rows; a stage that no row uses is None. A batch whose
+    rows are all greedy (`all_greedy`) takes only the argmax: it gets no temperature, seeds or
+    filters (each would be a host->device copy per step)."""
 
-    temperature: torch.Tensor  # [rows] float32, 0 for greedy rows
-    seeds: torch.Tensor  # [rows] int64
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [rows] float32, 1 for greedy rows (their logits are not scaled)
+    greedy: torch.Tensor | None  # [rows] bool, rows that take the plain argmax; None when no row is greedy
+    seeds: torch.Tensor | None  # [rows] int64
     top_k: torch.Tensor | None  # [rows] int64
     max_top_k: int  # the largest top_k of the rows (host copy: sizes the top-k without a sync)
     top_p: torch.Tensor | None  # [rows] float32
     min_p: torch.Tensor | None  # [rows] float32
-    all_greedy: bool
     bias: SparseBias | None  # logit_bias, plus -inf for banned tokens (bad words, min_tokens)
     allowed_mask: torch.Tensor | None  # [rows, vocab] bool; only built when a row restricts tokens
     penalties: PenaltyParams | None
@@ -118,18 +121,30 @@ class SamplingStates:
         idx = idx_mapping_np
         t = self.temperature_np[idx]
         sampling = t > 0  # filters only matter for sampled rows
-        top_k, top_p, min_p = self.top_k_np[idx], self.top_p_np[idx], self.min_p_np[idx]
+        all_greedy = not sampling.any()
         rep, freq, pres = self.repetition_np[idx], self.frequency_np[idx], self.presence_np[idx]
         penalized = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
         num_logprobs = self.num_logprobs_np[idx]
+        temperature = greedy = seeds = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            temperature = self._dev(np.where(sampling, t, np.float32(1.0)))
+            greedy = None if sampling.all() else self._dev(~sampling)
+            seeds = self._dev(self.seeds_np[idx])
+            k, p, m = self.top_k_np[idx], self.top_p_np[idx], self.min_p_np[idx]
+            top_k = self._dev(k) if (sampling & (k > 0)).any() else None
+            max_top_k = int(np.where(k > 0, k, self.vocab_size).max())
+            top_p = self._dev(p) if (sampling & (p < 1.0)).any() else None
+            min_p = self._dev(m) if (sampling & (m > 0.0)).any() else None
         return BatchSamplingParams(
-            temperature=self._dev(t),
-            seeds=self._dev(self.seeds_np[idx]),
-            top_k=self._dev(top_k) if (sampling & (top_k > 0)).any() else None,
-            max_top_k=int(np.where(top_k > 0, top_k, self.vocab_size).max()) if idx.size else 0,
-            top_p=self._dev(top_p) if (sampling & (top_p < 1.0)).any() else None,
-            min_p=self._dev(min_p) if (sampling & (min_p > 0.0)).any() else None,
-            all_greedy=not sampling.any(),
+            all_greedy=all_greedy,
+            temperature=temperature,
+            greedy=greedy,
+            seeds=seeds,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
             bias=self._bias(idx, num_output_tokens_np, token_history),
             allowed_mask=self._allowed_mask(idx),
             penalties=None
