@@ -49,12 +49,13 @@ def prepare_inputs(
     num_draft_np = np.maximum(seq_lens_np - state.num_tokens_np[idx_mapping_np], 0) if speculative else None
 
     b = buffers
-    b.stage(idx_mapping_np, num_computed_np, query_start_loc_np, sample_mask_np, num_reqs_padded, num_draft_np)
+    # seq_lens and (without drafts) the logits rows come from the host: it knows them, and a
+    # kernel launch costs more host time than their bytes in the one staging copy.
+    b.stage(idx_mapping_np, num_computed_np, query_start_loc_np, seq_lens_np, sample_mask_np, num_reqs_padded, num_draft_np)
     idx_mapping, num_computed = b.idx_mapping[:num_reqs], b.num_computed[:num_reqs]
     ik.prepare_input_ids_positions(
         idx_mapping, b.query_start_loc, num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
     )
-    ik.prepare_seq_lens(b.query_start_loc, num_computed, b.seq_lens, num_reqs_padded)
     max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
     for g in range(block_tables.num_groups):  # each KV-cache group's slots and table rows
         ik.compute_slot_mapping(
@@ -72,8 +73,6 @@ def prepare_inputs(
         )
         cu_num_logits_np = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(1 + num_draft_np, out=cu_num_logits_np[1:])
-    else:
-        torch.sub(b.query_start_loc[1 : num_reqs + 1], 1, out=b.logits_indices[:num_reqs])
     num_logits = num_reqs if cu_num_logits_np is None else int(cu_num_logits_np[-1])
     return InputBatch(
         req_ids=req_ids,
