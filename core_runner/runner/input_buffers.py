@@ -9,11 +9,41 @@ on the device.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 
 _NP_DTYPE = {torch.int32: np.int32, torch.int64: np.int64}
+# Token counts whose views stay cached: decode steps repeat a few, prefill chunks vary.
+_CACHED_TOKEN_COUNTS = 64
+
+
+class RowViews(NamedTuple):
+    """The first `num_reqs` rows of the per-row buffers."""
+
+    idx_mapping: torch.Tensor  # [num_reqs]
+    num_computed: torch.Tensor  # [num_reqs]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs]
+    num_sampled: torch.Tensor  # [num_reqs]
+    num_rejected: torch.Tensor  # [num_reqs]
+    num_draft: torch.Tensor  # [num_reqs]
+    cu_num_logits: torch.Tensor  # [num_reqs + 1]
+    logits_indices: torch.Tensor  # [num_reqs], the logits rows of a step without drafts
+    group_block_tables: torch.Tensor  # [groups, num_reqs, max_blocks]
+    block_tables_of: tuple[torch.Tensor, ...]  # per KV-cache group, [num_reqs, max_blocks]
+
+
+class TokenViews(NamedTuple):
+    """The first `num_tokens` entries of the per-token buffers."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    group_slot_mapping: torch.Tensor  # [groups, num_tokens]
+    slot_mapping_of: tuple[torch.Tensor, ...]  # per KV-cache group, [num_tokens]
 
 
 class InputBuffers:
@@ -75,6 +105,26 @@ class InputBuffers:
         self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
         # The staging is rewritten next step only after this step's copy has read it.
         self._copied = torch.cuda.Event() if pin else None
+        # A step's InputBatch is views of these buffers; the views of a size are made once (each
+        # slice is host time, ~15 a step).
+        self.rows = functools.lru_cache(maxsize=None)(self._rows)  # at most max_num_reqs + 1 sizes
+        self.tokens = functools.lru_cache(maxsize=_CACHED_TOKEN_COUNTS)(self._tokens)
+        self.block_tables_of = tuple(self.group_block_tables)  # per KV-cache group, [max_num_reqs, max_blocks]
+        self.slot_mapping_of = tuple(self.group_slot_mapping)  # per KV-cache group, [max_num_tokens]
+
+    @torch.inference_mode(False)  # plain views, whoever asks first: they may be written later
+    def _rows(self, n: int) -> RowViews:
+        return RowViews(
+            self.idx_mapping[:n], self.num_computed[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
+            self.num_sampled[:n], self.num_rejected[:n], self.num_draft[:n], self.cu_num_logits[: n + 1],
+            self.logits_indices[:n], self.group_block_tables[:, :n], tuple(t[:n] for t in self.group_block_tables),
+        )  # fmt: skip
+
+    @torch.inference_mode(False)
+    def _tokens(self, t: int) -> TokenViews:
+        return TokenViews(
+            self.input_ids[:t], self.positions[:t], self.group_slot_mapping[:, :t], tuple(m[:t] for m in self.group_slot_mapping)
+        )
 
     def stage(
         self,

@@ -179,7 +179,7 @@ class ModelRunner:
             # The sampled token takes position seq_len: that position keys its Gumbel noise.
             out = self._sample(idx, rs.num_tokens_np[idx] - rs.prompt_len_np[idx], batch.seq_lens, logits)
             post_update(self.req_state, batch, out.sampled)
-            self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.num_rejected[: batch.num_reqs])
+            self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.rows(batch.num_reqs).num_rejected)
         tensors = {"sampled": out.sampled}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
