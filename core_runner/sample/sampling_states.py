@@ -86,6 +86,7 @@ class SamplingStates:
         # Per slot, whether the sparse stages have anything to do: a step looks only at the rows
         # that do (host time per step must not grow with the rows that use none of them).
         self.sparse_np = np.zeros(max_num_reqs, dtype=bool)  # logit_bias, bad words or min_tokens
+        self.penalized_np = np.zeros(max_num_reqs, dtype=bool)  # repetition, frequency or presence penalty
         self.multi_token_bad_words_np = np.zeros(max_num_reqs, dtype=bool)
         self.restricted_np = np.zeros(max_num_reqs, dtype=bool)  # allowed_token_ids
         self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs  # suppressed until min_tokens
@@ -110,6 +111,8 @@ class SamplingStates:
         self.sparse_np[slot] = bool(p.logit_bias) or bool(req.bad_words_token_ids) or (p.min_tokens > 0 and bool(self.stop_ids[slot]))
         self.multi_token_bad_words_np[slot] = any(len(w) > 1 for w in req.bad_words_token_ids)
         self.restricted_np[slot] = p.allowed_token_ids is not None
+        # As stored (float32): a penalty that rounds to none is none.
+        self.penalized_np[slot] = self.repetition_np[slot] != 1.0 or self.frequency_np[slot] != 0.0 or self.presence_np[slot] != 0.0
 
     def gather(
         self,
@@ -122,8 +125,7 @@ class SamplingStates:
         t = self.temperature_np[idx]
         sampling = t > 0  # filters only matter for sampled rows
         all_greedy = not sampling.any()
-        rep, freq, pres = self.repetition_np[idx], self.frequency_np[idx], self.presence_np[idx]
-        penalized = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+        penalized = np.flatnonzero(self.penalized_np[idx])
         num_logprobs = self.num_logprobs_np[idx]
         temperature = greedy = seeds = top_k = top_p = min_p = None
         max_top_k = 0
@@ -153,9 +155,9 @@ class SamplingStates:
                 rows=self._dev(penalized),
                 rows_np=penalized,
                 slots=self._dev(idx[penalized]),
-                repetition=self._dev(rep[penalized]),
-                frequency=self._dev(freq[penalized]),
-                presence=self._dev(pres[penalized]),
+                repetition=self._dev(self.repetition_np[idx[penalized]]),
+                frequency=self._dev(self.frequency_np[idx[penalized]]),
+                presence=self._dev(self.presence_np[idx[penalized]]),
             ),
             max_num_logprobs=int(num_logprobs.max()) if len(idx) else -1,
             num_logprobs_np=num_logprobs,
@@ -166,9 +168,7 @@ class SamplingStates:
         output count (speculative decoding verifies them exactly). Penalties and multi-token bad
         words read the history, which would have to include the drafts before each position:
         such rows decode one token per step."""
-        idx = idx_mapping_np
-        penalized = (self.repetition_np[idx] != 1.0) | (self.frequency_np[idx] != 0.0) | (self.presence_np[idx] != 0.0)
-        return ~(penalized | self.multi_token_bad_words_np[idx])
+        return ~(self.penalized_np[idx_mapping_np] | self.multi_token_bad_words_np[idx_mapping_np])
 
     def needs_history(self, idx_mapping_np: np.ndarray) -> bool:
         """Whether `gather` needs the rows' token history (multi-token bad words)."""
