@@ -7,13 +7,22 @@ each step has exactly `batch` rows. Steps run eagerly: a CUDA-graph replay would
 model call, which is what is cut out here.
 
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512
-    python benchmarks/step_overhead.py --device cpu
+    python benchmarks/step_overhead.py --device cpu --count-ops 10 --temperature 0.8
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --device cpu --clock thread --profile 30
 
 `--clock thread` counts the CPU time of the main thread instead of wall time: on a shared
 machine other work then moves the figures less (on a GPU it hides time spent waiting for it).
 `--profile N` prints the N functions with the most own time over the timed steps (cProfile;
 its overhead inflates the step times printed beside it).
+
+`--count-ops N` counts, over N more steps after the timed ones, what the host dispatches per step
+(median), by the step's parts: `calls`, torch calls made from Python (functions and tensor
+methods; reads of shape, dtype, strides and the like left out), each costing host time on any
+device and on a GPU mostly a kernel launch or a copy; `aten`, the operators they reach (device
+work; on a CPU the host->device copies are no-ops and do not show); `kernels`, Triton launches on
+a GPU -- on a CPU the torch reference that stands in for each Triton kernel counts as one launch
+and the torch calls inside it are left out, so the CPU's figures match the GPU's path.
+`--list-ops` prints the calls of one counted step by name.
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -26,10 +35,16 @@ import json
 import pstats
 import statistics
 import tempfile
+import sys
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # A small Qwen3-shaped config: only its sizes matter (the forward never runs).
 CONFIG = dict(
@@ -39,8 +54,102 @@ CONFIG = dict(
 )
 
 
+# Tensor metadata reads: no dispatch to a kernel, left out of `calls`.
+_METADATA = frozenset({"__get__", "dim", "size", "stride", "numel", "is_contiguous", "data_ptr", "__len__", "element_size",
+                       "storage_offset", "__hash__", "__eq__", "__bool__", "__index__", "__int__"})
+
+
+class OpCounter:
+    """Counts torch calls, aten operators and kernel launches (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.aten: Counter[str] = Counter()
+        self.kernels: Counter[str] = Counter()
+        self._inside_kernel = 0
+        counter = self
+
+        class _Calls(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", str(func))
+                if not counter._inside_kernel and name not in _METADATA:
+                    counter.calls[name] += 1
+                return func(*args, **(kwargs or {}))
+
+        class _Aten(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not counter._inside_kernel:
+                    counter.aten[func.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (_Calls(), _Aten())
+
+    def kernel(self, name: str, launch):
+        def counted(*args, **kwargs):
+            self.kernels[name] += 1
+            self._inside_kernel += 1
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self._inside_kernel -= 1
+
+        return counted
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        with self._modes[0], self._modes[1]:
+            yield
+
+    def totals(self) -> tuple[int, int, int]:
+        return sum(self.calls.values()), sum(self.aten.values()), sum(self.kernels.values())
+
+
+@contextmanager
+def kernels_counted_by(counter: OpCounter) -> Iterator[None]:
+    """Route every Triton launch, and every torch reference that stands in for a Triton kernel
+    (`op_ref` beside `_op_kernel`, STYLE.md), through `counter.kernel`."""
+    patched = []
+    for mod in [m for n, m in sys.modules.items() if n.startswith("slotrunner") and m is not None]:
+        for name, fn in list(vars(mod).items()):
+            if name.endswith("_ref") and callable(fn) and f"_{name[:-4]}_kernel" in vars(mod):
+                patched.append((mod, name, fn))
+                setattr(mod, name, counter.kernel(name[:-4], fn))
+    jit = None
+    try:
+        from triton.runtime.jit import JITFunction as jit
+
+        run = jit.run
+        jit.run = lambda fn, *a, **kw: counter.kernel(fn.__name__, lambda: run(fn, *a, **kw))()
+    except ImportError:
+        pass
+    try:
+        yield
+    finally:
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+        if jit is not None:
+            jit.run = run
+
+
+PARTS = ("schedule", "prepare+forward", "sample+copy", "update")
+
+
+def one_step(engine, runner, batch: int, part: Callable[[str], object]) -> None:
+    """One engine step as `LLMEngine.step` runs it, each part inside `part(name)` (a context)."""
+    with part("schedule"):
+        sched = engine.scheduler.schedule()
+    with part("prepare+forward"):
+        runner.execute_model(sched)
+    with part("sample+copy"):
+        out = runner.sample_tokens().get()
+    with part("update"):
+        engine._process(sched, out, final_only=True)  # scheduler update + output processing
+    assert len(sched.num_scheduled_tokens) == batch and all(n == 1 for n in sched.num_scheduled_tokens.values())
+
+
 def measure(
-    model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None
+    model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None,
+    count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0,
 ) -> dict[str, float]:
     from slotrunner import LLM, SamplingParams
 
@@ -49,32 +158,52 @@ def measure(
     engine, runner = llm.engine, llm.engine.runner
     hidden = torch.zeros(runner.config.max_num_batched_tokens, CONFIG["hidden_size"], device=device)
     runner.model.forward = lambda input_ids, positions, inputs_embeds=None, **kw: hidden[: input_ids.shape[0]]
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 50, ignore_eos=True)
-    for i in range(batch):
+    for i in range(batch):  # temperature > 0: seeded sampling (Gumbel noise keyed on each request's seed)
+        sp = SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=steps + count_steps + 50, ignore_eos=True)
         engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i + j) % 1000 for j in range(8)]}, sp)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(5):  # prefill, then warm decode steps
         engine.step()
-    parts: dict[str, list[float]] = {"schedule": [], "prepare+forward": [], "sample+copy": [], "update": [], "total": []}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS + ("total",)}
+
+    @contextmanager
+    def timed(name: str) -> Iterator[None]:
+        t0 = clock()
+        yield
+        parts[name].append(1e3 * (clock() - t0))
+
     if profile is not None:
         profile.enable()
     for _ in range(steps):
         sync()
         t0 = clock()
-        sched = engine.scheduler.schedule()
-        t1 = clock()
-        runner.execute_model(sched)
-        t2 = clock()
-        out = runner.sample_tokens().get()
-        t3 = clock()
-        engine._process(sched, out, final_only=True)  # scheduler update + output processing
-        t4 = clock()
-        assert len(sched.num_scheduled_tokens) == batch and all(n == 1 for n in sched.num_scheduled_tokens.values())
-        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
-            parts[k].append(1e3 * v)
+        one_step(engine, runner, batch, timed)
+        parts["total"].append(1e3 * (clock() - t0))
     if profile is not None:
         profile.disable()
-    return {k: statistics.median(v) for k, v in parts.items()}
+    result = {k: statistics.median(v) for k, v in parts.items()}
+    counts: dict[str, list[tuple[int, int, int]]] = {k: [] for k in PARTS + ("total",)}
+    for i in range(count_steps):
+        step_counters = {k: OpCounter() for k in PARTS}
+
+        @contextmanager
+        def counted(name: str) -> Iterator[None]:
+            c = step_counters[name]
+            with kernels_counted_by(c), c.counting():
+                yield
+
+        one_step(engine, runner, batch, counted)
+        for k, c in step_counters.items():
+            counts[k].append(c.totals())
+        counts["total"].append(tuple(sum(c.totals()[j] for c in step_counters.values()) for j in range(3)))
+        if list_ops and i == 0:
+            for k, c in step_counters.items():
+                print(f"--- batch {batch}, {k}: calls {dict(c.calls.most_common())}")
+                print(f"    kernels {dict(c.kernels)}")
+    for k, v in counts.items():
+        if v:
+            result[f"{k} ops"] = tuple(int(statistics.median(x[j] for x in v)) for j in range(3))
+    return result
 
 
 def main() -> None:
@@ -84,6 +213,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="thread: CPU time of the main thread")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N functions with the most own time, per batch size")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling at this temperature (default greedy)")
+    p.add_argument("--count-ops", type=int, default=0, metavar="N", help="count torch calls, aten ops and kernels over N more steps")
+    p.add_argument("--list-ops", action="store_true", help="with --count-ops: print one counted step's calls by name")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -93,17 +225,23 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(CONFIG))
         for b in sizes:
             profile = cProfile.Profile() if args.profile else None
-            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile)))
+            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops, args.temperature)))
             if profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     what = "CPU time of the main thread" if args.clock == "thread" else "wall time"
-    print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, median of {args.steps} steps, ms")
+    sampling = f"seeded sampling at temperature {args.temperature}" if args.temperature else "greedy"
+    print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, median of {args.steps} steps, ms")
     print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:
         print(f"{r['batch']:>6} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "
               f"{r['sample+copy']:>8.3f} {r['update']:>8.3f}")
+    if args.count_ops:
+        print(f"per decode step, median of {args.count_ops} steps: torch calls / aten ops / kernels")
+        print(f"{'batch':>6} {'total':>14} {'schedule':>14} {'prepare':>14} {'sample':>14} {'update':>14}")
+        for r in rows:
+            print(f"{r['batch']:>6}" + "".join(f" {'/'.join(map(str, r[k + ' ops'])):>14}" for k in ("total",) + PARTS))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

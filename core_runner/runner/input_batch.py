@@ -41,6 +41,8 @@ class InputBatch:
     # The same per KV-cache group (core_runner/runner/kv_cache.py); index 0 is the two above.
     group_block_tables: torch.Tensor  # [num_groups, num_reqs, max_num_blocks_per_req] int32
     group_slot_mapping: torch.Tensor  # [num_groups, num_tokens] int64
+    block_tables_of: tuple[torch.Tensor, ...]  # group_block_tables[g], per group
+    slot_mapping_of: tuple[torch.Tensor, ...]  # group_slot_mapping[g], per group
     # CUDA-graph padding: the tensors above are the first num_reqs / num_tokens entries of
     # `buffers`, whose entries up to the padded sizes are valid empty rows / skipped tokens.
     num_reqs_padded: int
@@ -85,7 +87,7 @@ class InputBatch:
             seq_lens_np=self.seq_lens_np,
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
-            block_tables=self.group_block_tables[kv_group],
-            slot_mapping=self.group_slot_mapping[kv_group],
+            block_tables=self.block_tables_of[kv_group],
+            slot_mapping=self.slot_mapping_of[kv_group],
             shared_prefix_len=self.buffers.shared_prefix_len if self.shared_prefix_len else None,
         )

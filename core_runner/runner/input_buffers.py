@@ -2,14 +2,48 @@
 
 A step's inputs are written into the same persistent tensors every step (sized for the largest
 batch), so a CUDA graph captured once reads each new step's values. The host's small per-step
-description (idx_mapping, query_start_loc, cached lengths, which rows sample) goes through one
-pinned staging buffer and two non-blocking copies; everything else is built on the device.
+description (idx_mapping, query_start_loc, cached and total lengths, which rows sample, logits
+rows) goes through one pinned staging area and one non-blocking copy; everything else is built
+on the device.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
 import torch
+
+
+_NP_DTYPE = {torch.int32: np.int32, torch.int64: np.int64}
+# Token counts whose views stay cached: decode steps repeat a few, prefill chunks vary.
+_CACHED_TOKEN_COUNTS = 64
+
+
+class RowViews(NamedTuple):
+    """The first `num_reqs` rows of the per-row buffers."""
+
+    idx_mapping: torch.Tensor  # [num_reqs]
+    num_computed: torch.Tensor  # [num_reqs]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs]
+    num_sampled: torch.Tensor  # [num_reqs]
+    num_rejected: torch.Tensor  # [num_reqs]
+    num_draft: torch.Tensor  # [num_reqs]
+    cu_num_logits: torch.Tensor  # [num_reqs + 1]
+    logits_indices: torch.Tensor  # [num_reqs], the logits rows of a step without drafts
+    group_block_tables: torch.Tensor  # [groups, num_reqs, max_blocks]
+    block_tables_of: tuple[torch.Tensor, ...]  # per KV-cache group, [num_reqs, max_blocks]
+
+
+class TokenViews(NamedTuple):
+    """The first `num_tokens` entries of the per-token buffers."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    group_slot_mapping: torch.Tensor  # [groups, num_tokens]
+    slot_mapping_of: tuple[torch.Tensor, ...]  # per KV-cache group, [num_tokens]
 
 
 class InputBuffers:
@@ -27,12 +61,41 @@ class InputBuffers:
         self.max_num_tokens = max_num_tokens
         self.device = device
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.idx_mapping = torch.zeros(max_num_reqs, **i64)  # [max_num_reqs] batch row -> slot
-        self.num_computed = torch.zeros(max_num_reqs, **i64)  # [max_num_reqs] tokens cached before the step
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
-        self.num_sampled = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 1 if the row samples
+        # What the host stages lives in one device area filled by one copy a step from one
+        # pinned staging area of the same layout: each copy is a launch (host time), the bytes
+        # are few. Each field is a typed view of both areas at a fixed offset.
+        staged = {  # name -> (dtype, entries)
+            "idx_mapping": (torch.int64, max_num_reqs),
+            "num_computed": (torch.int64, max_num_reqs),
+            "logits_indices": (torch.int64, max_num_reqs * (1 + max_draft)),
+            "query_start_loc": (torch.int32, max_num_reqs + 1),
+            "seq_lens": (torch.int32, max_num_reqs),
+            "num_sampled": (torch.int32, max_num_reqs),
+            "num_draft": (torch.int32, max_num_reqs),
+            "shared_prefix_len": (torch.int32, 1),
+        }
+        pin = device.type == "cuda"
+        nbytes = sum(-(-n * dtype.itemsize // 8) * 8 for dtype, n in staged.values())  # 8-byte aligned fields
+        self._staged = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        dev: dict[str, torch.Tensor] = {}
+        self._np: dict[str, np.ndarray] = {}  # the staging views
+        offset = 0
+        for name, (dtype, n) in staged.items():
+            end = offset + n * dtype.itemsize
+            dev[name] = self._staged[offset:end].view(dtype)
+            self._np[name] = self._staging.numpy()[offset:end].view(_NP_DTYPE[dtype])
+            offset += -(-n * dtype.itemsize // 8) * 8
+        self.idx_mapping = dev["idx_mapping"]  # [max_num_reqs] batch row -> slot
+        self.num_computed = dev["num_computed"]  # [max_num_reqs] tokens cached before the step
+        # One logits row per batch row, plus one per draft (speculative decoding), rows in order.
+        self.logits_indices = dev["logits_indices"]  # [max_num_reqs * (1 + max_draft)]
+        self.query_start_loc = dev["query_start_loc"]  # [max_num_reqs + 1]
+        self.seq_lens = dev["seq_lens"]  # [max_num_reqs] 0 on padding rows
+        self.num_sampled = dev["num_sampled"]  # [max_num_reqs] 1 if the row samples
+        self.num_draft = dev["num_draft"]  # [max_num_reqs] drafts scheduled per row
+        self.shared_prefix_len = dev["shared_prefix_len"]  # [1] keys every row shares (decode steps; 0: none)
         self.num_rejected = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] always 0 until draft tokens exist
-        self.seq_lens = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] 0 on padding rows
         # Per KV-cache group (runner/kv_cache.py); `block_tables` / `slot_mapping` are group 0's.
         # [groups, max_num_reqs, max_blocks]
         self.group_block_tables = torch.zeros(num_kv_groups, max_num_reqs, max_num_blocks_per_req, **i32)
@@ -41,52 +104,66 @@ class InputBuffers:
         self.input_ids = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
         self.positions = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
         self.slot_mapping = self.group_slot_mapping[0]  # [max_num_tokens] -1 on padding tokens
-        # One logits row per batch row, plus one per draft (speculative decoding), rows in order.
-        self.logits_indices = torch.zeros(max_num_reqs * (1 + max_draft), **i64)  # [max_num_reqs * (1 + max_draft)]
-        self.num_draft = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] drafts scheduled per row
         self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
-        self.shared_prefix_len = torch.zeros(1, **i32)  # [1] keys every row shares (decode steps; 0: none)
-
-        pin = device.type == "cuda"
-        self._stage64 = torch.zeros(2 * max_num_reqs, dtype=torch.int64, pin_memory=pin)
-        self._stage32 = torch.zeros(3 * max_num_reqs + 1, dtype=torch.int32, pin_memory=pin)
-        self._stage64_np = self._stage64.numpy()
-        self._stage32_np = self._stage32.numpy()
-        # The staging is rewritten next step only after this step's copies have read it.
+        # The staging is rewritten next step only after this step's copy has read it.
         self._copied = torch.cuda.Event() if pin else None
+        # A step's InputBatch is views of these buffers; the views of a size are made once (each
+        # slice is host time, ~15 a step).
+        self.rows = functools.lru_cache(maxsize=None)(self._rows)  # at most max_num_reqs + 1 sizes
+        self.tokens = functools.lru_cache(maxsize=_CACHED_TOKEN_COUNTS)(self._tokens)
+        self.block_tables_of = tuple(self.group_block_tables)  # per KV-cache group, [max_num_reqs, max_blocks]
+        self.slot_mapping_of = tuple(self.group_slot_mapping)  # per KV-cache group, [max_num_tokens]
+
+    @torch.inference_mode(False)  # plain views, whoever asks first: they may be written later
+    def _rows(self, n: int) -> RowViews:
+        return RowViews(
+            self.idx_mapping[:n], self.num_computed[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
+            self.num_sampled[:n], self.num_rejected[:n], self.num_draft[:n], self.cu_num_logits[: n + 1],
+            self.logits_indices[:n], self.group_block_tables[:, :n], tuple(t[:n] for t in self.group_block_tables),
+        )  # fmt: skip
+
+    @torch.inference_mode(False)
+    def _tokens(self, t: int) -> TokenViews:
+        return TokenViews(
+            self.input_ids[:t], self.positions[:t], self.group_slot_mapping[:, :t], tuple(m[:t] for m in self.group_slot_mapping)
+        )
 
     def stage(
         self,
         idx_mapping_np: np.ndarray,  # [num_reqs]
         num_computed_np: np.ndarray,  # [num_reqs]
         query_start_loc_np: np.ndarray,  # [num_reqs + 1]
+        seq_lens_np: np.ndarray,  # [num_reqs]
         sample_mask_np: np.ndarray,  # [num_reqs] bool
         num_reqs_padded: int,
         num_draft_np: np.ndarray | None = None,  # [num_reqs] drafts per row (speculative decoding)
+        shared_prefix_len: int = 0,  # keys every row reads from the same blocks (InputBatch.shared_prefix_len)
     ) -> None:
         """Copy the host description of the step to the device. Rows in [num_reqs,
-        num_reqs_padded) are padding: slot 0, nothing cached, an empty query, no sample."""
+        num_reqs_padded) are padding: slot 0, nothing cached, an empty query, seq_len 0, no
+        sample. Without drafts, row r's logits row is its last query token; with drafts the
+        device writes the logits rows (combine_sampled_and_draft_tokens).
+
+        The whole staging area is copied: entries past a field's padded rows hold what an
+        earlier step left there, as the device's did before (nothing reads them)."""
         n, R = len(idx_mapping_np), self.max_num_reqs
         assert n <= num_reqs_padded <= R, f"{n} rows padded to {num_reqs_padded} exceed max_num_reqs={R}"
         if self._copied is not None and not self._copied.query():  # normally long done: no wait
             self._copied.synchronize()
-        s64, s32 = self._stage64_np, self._stage32_np
-        s64[:num_reqs_padded] = 0
-        s64[:n] = idx_mapping_np
-        s64[R : R + num_reqs_padded] = 0
-        s64[R : R + n] = num_computed_np
-        s32[: n + 1] = query_start_loc_np
-        s32[n + 1 : num_reqs_padded + 1] = query_start_loc_np[-1]
-        s32[R + 1 : R + 1 + num_reqs_padded] = 0
-        s32[R + 1 : R + 1 + n] = sample_mask_np
-        self.idx_mapping[:num_reqs_padded].copy_(self._stage64[:num_reqs_padded], non_blocking=True)
-        self.num_computed[:num_reqs_padded].copy_(self._stage64[R : R + num_reqs_padded], non_blocking=True)
-        self.query_start_loc[: num_reqs_padded + 1].copy_(self._stage32[: num_reqs_padded + 1], non_blocking=True)
-        self.num_sampled[:num_reqs_padded].copy_(self._stage32[R + 1 : R + 1 + num_reqs_padded], non_blocking=True)
-        if num_draft_np is not None:
-            d0 = 2 * R + 1
-            s32[d0 : d0 + num_reqs_padded] = 0
-            s32[d0 : d0 + n] = num_draft_np
-            self.num_draft[:num_reqs_padded].copy_(self._stage32[d0 : d0 + num_reqs_padded], non_blocking=True)
+        h = self._np
+        for name, rows in (("idx_mapping", idx_mapping_np), ("num_computed", num_computed_np), ("seq_lens", seq_lens_np),
+                           ("num_sampled", sample_mask_np)):  # fmt: skip
+            h[name][:n] = rows
+            h[name][n:num_reqs_padded] = 0
+        qsl = h["query_start_loc"]
+        qsl[: n + 1] = query_start_loc_np
+        qsl[n + 1 : num_reqs_padded + 1] = query_start_loc_np[-1]
+        if num_draft_np is None:
+            np.subtract(query_start_loc_np[1:], 1, out=h["logits_indices"][:n])
+        else:
+            h["num_draft"][:n] = num_draft_np
+            h["num_draft"][n:num_reqs_padded] = 0
+        h["shared_prefix_len"][0] = shared_prefix_len
+        self._staged.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

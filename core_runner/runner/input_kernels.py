@@ -8,8 +8,9 @@ logits count) are read inside the kernels. The references keep the same rule (no
 no boolean-mask indexing), so they are safe to compare against on a GPU as well.
 
 Order within a step: prepare_input_ids_positions -> combine_sampled_and_draft_tokens (overwrites
-decode rows' inputs) -> prepare_seq_lens, compute_slot_mapping (reads positions),
-gather_block_tables -> forward -> sampling -> post_update. The two ops about sampled tokens
+decode rows' inputs) -> compute_slot_mapping (reads positions), gather_block_tables -> forward
+-> sampling -> post_update. Sequence lengths need no op: the host knows them and stages them
+with the step's other small inputs (InputBuffers.stage). The two ops about sampled tokens
 (combine, post_update) are in `sampled_token_kernels.py` and share this file's helpers.
 
 Each op: `_op_kernel` (Triton) -> `op()` (checks, dispatch through `use_triton`) -> `op_ref()`
@@ -165,67 +166,6 @@ def prepare_input_ids_positions(
         num_reqs,
         num_tokens_padded,
         BLOCK=_BLOCK,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. sequence lengths
-
-
-def prepare_seq_lens_ref(
-    query_start_loc: torch.Tensor,  # [num_reqs + 1]
-    num_computed_tokens: torch.Tensor,  # [num_reqs]
-    seq_lens_out: torch.Tensor,  # [max_num_reqs] int32
-    num_reqs_padded: int,
-) -> None:
-    num_reqs = num_computed_tokens.shape[0]
-    query_lens = query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]
-    seq_lens_out[:num_reqs] = num_computed_tokens + query_lens
-    seq_lens_out[num_reqs:num_reqs_padded] = 0
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _prepare_seq_lens_kernel(
-        query_start_loc_ptr,  # [num_reqs + 1]
-        num_computed_ptr,  # [num_reqs]
-        seq_lens_ptr,  # [max_num_reqs] int32
-        num_reqs,
-        num_reqs_padded,
-        BLOCK: tl.constexpr,
-    ):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        real = rows < num_reqs
-        query_len = tl.load(query_start_loc_ptr + rows + 1, mask=real, other=0) - tl.load(
-            query_start_loc_ptr + rows, mask=real, other=0
-        )
-        num_computed = tl.load(num_computed_ptr + rows, mask=real, other=0)
-        tl.store(seq_lens_ptr + rows, (num_computed + query_len).to(tl.int32), mask=rows < num_reqs_padded)
-
-
-def prepare_seq_lens(
-    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32/int64 (a longer buffer is fine)
-    num_computed_tokens: torch.Tensor,  # [num_reqs] int32/int64, per batch row; defines num_reqs
-    seq_lens_out: torch.Tensor,  # [max_num_reqs] int32, written in [0, num_reqs_padded)
-    num_reqs_padded: int,
-) -> None:
-    """seq_len[r] = num_computed[r] + query_len[r], the KV length after this step.
-
-    Rows in [num_reqs, num_reqs_padded) get 0, so padded graph rows attend to nothing.
-    """
-    num_reqs = num_computed_tokens.shape[0]
-    assert num_reqs <= num_reqs_padded, f"num_reqs_padded {num_reqs_padded} < num_reqs {num_reqs}"
-    _check_1d(query_start_loc, "query_start_loc", num_reqs + 1)
-    _check_1d(num_computed_tokens, "num_computed_tokens", num_reqs)
-    _check_1d(seq_lens_out, "seq_lens_out", num_reqs_padded, (torch.int32,))
-    if not use_triton(seq_lens_out.device):
-        prepare_seq_lens_ref(query_start_loc, num_computed_tokens, seq_lens_out, num_reqs_padded)
-        return
-    if num_reqs_padded == 0:
-        return
-    _prepare_seq_lens_kernel[(triton.cdiv(num_reqs_padded, _BLOCK),)](
-        query_start_loc, num_computed_tokens, seq_lens_out, num_reqs, num_reqs_padded, BLOCK=_BLOCK
     )
 
 

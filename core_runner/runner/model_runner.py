@@ -181,13 +181,15 @@ class ModelRunner:
             return self._sample_and_verify(step)
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
-            logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
+            # A decode-only step's tokens are its logits rows, in order: no gather to launch.
+            hidden = step.hidden if batch.num_tokens == batch.num_reqs else step.hidden.index_select(0, batch.logits_indices)
+            logits = self.model.compute_logits(hidden)
             rs = self.req_state
             idx = batch.idx_mapping_np
             # The sampled token takes position seq_len: that position keys its Gumbel noise.
-            out = self._sample(idx, rs.num_tokens_np[idx] - rs.prompt_len_np[idx], batch.seq_lens.to(torch.int64), logits)
+            out = self._sample(idx, rs.num_tokens_np[idx] - rs.prompt_len_np[idx], batch.seq_lens, logits)
             post_update(self.req_state, batch, out.sampled)
-            self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.num_rejected[: batch.num_reqs])
+            self.model_state.postprocess_state(batch, batch.num_sampled, batch.buffers.rows(batch.num_reqs).num_rejected)
         tensors = {"sampled": out.sampled}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
@@ -296,7 +298,7 @@ class ModelRunner:
         self,
         idx: np.ndarray,  # [rows] slot of each logits row
         num_output_np: np.ndarray,  # [rows] tokens generated before the one being sampled
-        positions: torch.Tensor,  # [rows] int64, position each sampled token will take
+        positions: torch.Tensor,  # [rows] int32/int64, position each sampled token will take
         logits: torch.Tensor,  # [rows, vocab]
     ) -> SamplerOutput:
         rs = self.req_state

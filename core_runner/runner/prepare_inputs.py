@@ -50,61 +50,64 @@ def prepare_inputs(
     num_draft_np = np.maximum(seq_lens_np - state.num_tokens_np[idx_mapping_np], 0) if speculative else None
 
     b = buffers
-    b.stage(idx_mapping_np, num_computed_np, query_start_loc_np, sample_mask_np, num_reqs_padded, num_draft_np)
-    idx_mapping, num_computed = b.idx_mapping[:num_reqs], b.num_computed[:num_reqs]
-    ik.prepare_input_ids_positions(
-        idx_mapping, b.query_start_loc, num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
+    # seq_lens and (without drafts) the logits rows come from the host: it knows them, and a
+    # kernel launch costs more host time than their bytes in the one staging copy.
+    b.stage(
+        idx_mapping_np, num_computed_np, query_start_loc_np, seq_lens_np, sample_mask_np, num_reqs_padded, num_draft_np,
+        shared_prefix_len,
     )
-    ik.prepare_seq_lens(b.query_start_loc, num_computed, b.seq_lens, num_reqs_padded)
+    rows, tokens = b.rows(num_reqs), b.tokens(num_tokens)
+    ik.prepare_input_ids_positions(
+        rows.idx_mapping, b.query_start_loc, rows.num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
+    )
     max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
     for g in range(block_tables.num_groups):  # each KV-cache group's slots and table rows
         ik.compute_slot_mapping(
-            idx_mapping, b.query_start_loc, b.positions, block_tables.tables[g], block_tables.block_size,
-            b.group_slot_mapping[g], num_tokens_padded,
+            rows.idx_mapping, b.query_start_loc, b.positions, block_tables.table_of[g], block_tables.block_size,
+            b.slot_mapping_of[g], num_tokens_padded,
         )  # fmt: skip
-        ik.gather_block_tables(idx_mapping, block_tables.tables[g], b.group_block_tables[g], num_reqs_padded, max_blocks)
+        ik.gather_block_tables(rows.idx_mapping, block_tables.table_of[g], b.block_tables_of[g], num_reqs_padded, max_blocks)
     cu_num_logits_np = None
+    logits_indices = rows.logits_indices
     if speculative:
         assert int(num_draft_np.max(initial=0)) <= state.draft_tokens.shape[1], "more drafts scheduled than proposed"
         # Decode rows' drafts into their queries; logits rows: the last 1 + num_draft tokens per row.
         sk.combine_sampled_and_draft_tokens(
-            b.input_ids, idx_mapping, state.last_sampled, b.query_start_loc, b.seq_lens[:num_reqs], state.prefill_len,
-            state.draft_tokens, b.num_draft[:num_reqs], b.logits_indices, b.cu_num_logits,
+            b.input_ids, rows.idx_mapping, state.last_sampled, b.query_start_loc, rows.seq_lens, state.prefill_len,
+            state.draft_tokens, rows.num_draft, b.logits_indices, b.cu_num_logits,
         )
         cu_num_logits_np = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(1 + num_draft_np, out=cu_num_logits_np[1:])
-    else:
-        torch.sub(b.query_start_loc[1 : num_reqs + 1], 1, out=b.logits_indices[:num_reqs])
-    num_logits = num_reqs if cu_num_logits_np is None else int(cu_num_logits_np[-1])
-    if shared_prefix_len:
-        b.shared_prefix_len.fill_(shared_prefix_len)
+        logits_indices = b.logits_indices[: int(cu_num_logits_np[-1])]
     return InputBatch(
         req_ids=req_ids,
         num_reqs=num_reqs,
         num_tokens=num_tokens,
-        idx_mapping=idx_mapping,
+        idx_mapping=rows.idx_mapping,
         idx_mapping_np=idx_mapping_np,
         num_scheduled_tokens_np=num_scheduled_tokens_np,
         num_computed_tokens_np=num_computed_np,
-        query_start_loc=b.query_start_loc[: num_reqs + 1],
+        query_start_loc=rows.query_start_loc,
         query_start_loc_np=query_start_loc_np,
-        seq_lens=b.seq_lens[:num_reqs],
+        seq_lens=rows.seq_lens,
         seq_lens_np=seq_lens_np,
-        input_ids=b.input_ids[:num_tokens],
-        positions=b.positions[:num_tokens],
-        logits_indices=b.logits_indices[:num_logits],
+        input_ids=tokens.input_ids,
+        positions=tokens.positions,
+        logits_indices=logits_indices,
         sample_mask_np=sample_mask_np,
-        num_sampled=b.num_sampled[:num_reqs],
-        block_tables=b.block_tables[:num_reqs],
-        slot_mapping=b.slot_mapping[:num_tokens],
-        group_block_tables=b.group_block_tables[:, :num_reqs],
-        group_slot_mapping=b.group_slot_mapping[:, :num_tokens],
+        num_sampled=rows.num_sampled,
+        block_tables=rows.block_tables_of[0],
+        slot_mapping=tokens.slot_mapping_of[0],
+        group_block_tables=rows.group_block_tables,
+        group_slot_mapping=tokens.group_slot_mapping,
+        block_tables_of=rows.block_tables_of,
+        slot_mapping_of=tokens.slot_mapping_of,
         num_reqs_padded=num_reqs_padded,
         num_tokens_padded=num_tokens_padded,
         buffers=b,
         num_draft_np=num_draft_np,
-        num_draft=b.num_draft[:num_reqs] if speculative else None,
-        cu_num_logits=b.cu_num_logits[: num_reqs + 1] if speculative else None,
+        num_draft=rows.num_draft if speculative else None,
+        cu_num_logits=rows.cu_num_logits if speculative else None,
         cu_num_logits_np=cu_num_logits_np,
         shared_prefix_len=shared_prefix_len,
     )
@@ -123,7 +126,7 @@ def post_update(
         batch.seq_lens,
         sampled.view(-1, 1),
         batch.num_sampled,
-        batch.buffers.num_rejected[: batch.num_reqs],
+        batch.buffers.rows(batch.num_reqs).num_rejected,
         state.token_ids,
         state.last_sampled,
     )

@@ -31,9 +31,10 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise_ref(
     seeds: torch.Tensor,  # [rows] int64
-    positions: torch.Tensor,  # [rows] int64, position of the token being sampled
+    positions: torch.Tensor,  # [rows] int32/int64, position of the token being sampled
     vocab_size: int,
 ) -> torch.Tensor:  # [rows, vocab_size] float32 in (0, 1)
+    positions = positions.long()
     seed_lo = (seeds & _M32)[:, None]
     seed_hi = ((seeds >> 32) & _M32)[:, None]
     key = _fmix32(seed_hi ^ _fmix32(seed_lo ^ _fmix32(positions[:, None] & _M32)))
@@ -49,12 +50,13 @@ def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: i
 
 def gumbel_sample_ref(
     logits: torch.Tensor,  # [rows, vocab] temperature-scaled and filtered
-    greedy: torch.Tensor,  # [rows] bool, rows that take the plain argmax
+    greedy: torch.Tensor | None,  # [rows] bool, rows that take the plain argmax; None: no such row
     seeds: torch.Tensor,  # [rows] int64
-    positions: torch.Tensor,  # [rows] int64
+    positions: torch.Tensor,  # [rows] int32/int64
 ) -> torch.Tensor:  # [rows] int64
     noise = gumbel_noise_ref(seeds, positions, logits.shape[-1])
-    noise = noise.masked_fill_(greedy[:, None], 0.0)
+    if greedy is not None:
+        noise = noise.masked_fill_(greedy[:, None], 0.0)
     return (logits.float() + noise).argmax(dim=-1)
 
 
@@ -72,15 +74,18 @@ if HAS_TRITON:
     def _gumbel_sample_kernel(
         logits_ptr,  # [rows, vocab]
         logits_stride,
-        greedy_ptr,  # [rows] int8
+        greedy_ptr,  # [rows] int8, only read when HAS_GREEDY
         seeds_ptr,  # [rows] int64
-        positions_ptr,  # [rows] int64
+        positions_ptr,  # [rows] int32/int64
         out_ptr,  # [rows] int64
         vocab_size,
+        HAS_GREEDY: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
-        greedy = tl.load(greedy_ptr + row) != 0
+        greedy = False
+        if HAS_GREEDY:
+            greedy = tl.load(greedy_ptr + row) != 0
         seed = tl.load(seeds_ptr + row).to(tl.uint64)
         pos = tl.load(positions_ptr + row).to(tl.uint64)
         m32 = 0xFFFFFFFF
@@ -107,15 +112,16 @@ if HAS_TRITON:
 
 def gumbel_sample(
     logits: torch.Tensor,  # [rows, vocab]
-    greedy: torch.Tensor,  # [rows] bool
+    greedy: torch.Tensor | None,  # [rows] bool; None: no greedy row
     seeds: torch.Tensor,  # [rows] int64
-    positions: torch.Tensor,  # [rows] int64
+    positions: torch.Tensor,  # [rows] int32/int64
 ) -> torch.Tensor:  # [rows] int64
     """Triton on CUDA (or when forced for tests), the torch reference elsewhere."""
-    assert logits.dim() == 2 and greedy.shape == seeds.shape == positions.shape == logits.shape[:1], (
-        f"shapes: logits {tuple(logits.shape)}, greedy {tuple(greedy.shape)}, seeds {tuple(seeds.shape)}, "
-        f"positions {tuple(positions.shape)}"
+    assert logits.dim() == 2 and seeds.shape == positions.shape == logits.shape[:1], (
+        f"shapes: logits {tuple(logits.shape)}, seeds {tuple(seeds.shape)}, positions {tuple(positions.shape)}"
     )
+    assert greedy is None or greedy.shape == seeds.shape, f"greedy {tuple(greedy.shape)}, seeds {tuple(seeds.shape)}"
+    assert positions.dtype in (torch.int32, torch.int64), f"positions: {positions.dtype}"
     if not use_triton(logits.device) or logits.shape[0] == 0:
         return gumbel_sample_ref(logits, greedy, seeds, positions)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -123,11 +129,12 @@ def gumbel_sample(
     _gumbel_sample_kernel[(logits.shape[0],)](
         logits,
         logits.stride(0),
-        greedy.to(torch.int8),
+        seeds if greedy is None else greedy.to(torch.int8),  # (not read without greedy rows)
         seeds.to(torch.int64),
-        positions.to(torch.int64),
+        positions,  # widened in the kernel
         out,
         logits.shape[1],
+        HAS_GREEDY=greedy is not None,
         BLOCK=1024,
     )
     return out

@@ -43,7 +43,7 @@ class Sampler:
         self,
         logits: torch.Tensor,  # [rows, vocab]
         params: BatchSamplingParams,
-        positions: torch.Tensor,  # [rows] int64, position each sampled token will take
+        positions: torch.Tensor,  # [rows] int32/int64, position each sampled token will take (keys its noise)
         history: TokenHistory | None = None,  # required when params.penalties is set
     ) -> SamplerOutput:
         raw = logits
@@ -51,14 +51,13 @@ class Sampler:
         if params.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            greedy = params.temperature == 0
-            t = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-            scaled = logits.float() / t[:, None]
+            scaled = logits.float() / params.temperature[:, None]  # greedy rows: / 1
             if params.top_k is not None or params.top_p is not None or params.min_p is not None:
                 scaled = apply_top_k_top_p_min_p(scaled, params.top_k, params.top_p, params.min_p, params.max_top_k)
-            # Greedy rows keep the processed, unscaled logits: their argmax ignores the filters.
-            scaled = torch.where(greedy[:, None], logits.float(), scaled)
-            sampled = gumbel_sample(scaled, greedy, params.seeds, positions)
+            if params.greedy is not None:
+                # Greedy rows keep the processed, unscaled logits: their argmax ignores the filters.
+                scaled = torch.where(params.greedy[:, None], logits.float(), scaled)
+            sampled = gumbel_sample(scaled, params.greedy, params.seeds, positions)
         logprobs = None
         if params.max_num_logprobs >= 0:
             logprobs = compute_logprobs_ref(raw, sampled, params.max_num_logprobs)

@@ -46,15 +46,18 @@ class PenaltyParams:
 
 @dataclass(frozen=True)
 class BatchSamplingParams:
-    """Sampling parameters of one step's rows; a stage that no row uses is None."""
+    """Sampling parameters of one step's rows; a stage that no row uses is None. A batch whose
+    rows are all greedy (`all_greedy`) takes only the argmax: it gets no temperature, seeds or
+    filters (each would be a host->device copy per step)."""
 
-    temperature: torch.Tensor  # [rows] float32, 0 for greedy rows
-    seeds: torch.Tensor  # [rows] int64
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [rows] float32, 1 for greedy rows (their logits are not scaled)
+    greedy: torch.Tensor | None  # [rows] bool, rows that take the plain argmax; None when no row is greedy
+    seeds: torch.Tensor | None  # [rows] int64
     top_k: torch.Tensor | None  # [rows] int64
     max_top_k: int  # the largest top_k of the rows (host copy: sizes the top-k without a sync)
     top_p: torch.Tensor | None  # [rows] float32
     min_p: torch.Tensor | None  # [rows] float32
-    all_greedy: bool
     bias: SparseBias | None  # logit_bias, plus -inf for banned tokens (bad words, min_tokens)
     allowed_mask: torch.Tensor | None  # [rows, vocab] bool; only built when a row restricts tokens
     penalties: PenaltyParams | None
@@ -83,6 +86,7 @@ class SamplingStates:
         # Per slot, whether the sparse stages have anything to do: a step looks only at the rows
         # that do (host time per step must not grow with the rows that use none of them).
         self.sparse_np = np.zeros(max_num_reqs, dtype=bool)  # logit_bias, bad words or min_tokens
+        self.penalized_np = np.zeros(max_num_reqs, dtype=bool)  # repetition, frequency or presence penalty
         self.multi_token_bad_words_np = np.zeros(max_num_reqs, dtype=bool)
         self.restricted_np = np.zeros(max_num_reqs, dtype=bool)  # allowed_token_ids
         self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs  # suppressed until min_tokens
@@ -107,6 +111,8 @@ class SamplingStates:
         self.sparse_np[slot] = bool(p.logit_bias) or bool(req.bad_words_token_ids) or (p.min_tokens > 0 and bool(self.stop_ids[slot]))
         self.multi_token_bad_words_np[slot] = any(len(w) > 1 for w in req.bad_words_token_ids)
         self.restricted_np[slot] = p.allowed_token_ids is not None
+        # As stored (float32): a penalty that rounds to none is none.
+        self.penalized_np[slot] = self.repetition_np[slot] != 1.0 or self.frequency_np[slot] != 0.0 or self.presence_np[slot] != 0.0
 
     def gather(
         self,
@@ -118,18 +124,29 @@ class SamplingStates:
         idx = idx_mapping_np
         t = self.temperature_np[idx]
         sampling = t > 0  # filters only matter for sampled rows
-        top_k, top_p, min_p = self.top_k_np[idx], self.top_p_np[idx], self.min_p_np[idx]
-        rep, freq, pres = self.repetition_np[idx], self.frequency_np[idx], self.presence_np[idx]
-        penalized = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+        all_greedy = not sampling.any()
+        penalized = np.flatnonzero(self.penalized_np[idx])
         num_logprobs = self.num_logprobs_np[idx]
+        temperature = greedy = seeds = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            temperature = self._dev(np.where(sampling, t, np.float32(1.0)))
+            greedy = None if sampling.all() else self._dev(~sampling)
+            seeds = self._dev(self.seeds_np[idx])
+            k, p, m = self.top_k_np[idx], self.top_p_np[idx], self.min_p_np[idx]
+            top_k = self._dev(k) if (sampling & (k > 0)).any() else None
+            max_top_k = int(np.where(k > 0, k, self.vocab_size).max())
+            top_p = self._dev(p) if (sampling & (p < 1.0)).any() else None
+            min_p = self._dev(m) if (sampling & (m > 0.0)).any() else None
         return BatchSamplingParams(
-            temperature=self._dev(t),
-            seeds=self._dev(self.seeds_np[idx]),
-            top_k=self._dev(top_k) if (sampling & (top_k > 0)).any() else None,
-            max_top_k=int(np.where(top_k > 0, top_k, self.vocab_size).max()) if idx.size else 0,
-            top_p=self._dev(top_p) if (sampling & (top_p < 1.0)).any() else None,
-            min_p=self._dev(min_p) if (sampling & (min_p > 0.0)).any() else None,
-            all_greedy=not sampling.any(),
+            all_greedy=all_greedy,
+            temperature=temperature,
+            greedy=greedy,
+            seeds=seeds,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
             bias=self._bias(idx, num_output_tokens_np, token_history),
             allowed_mask=self._allowed_mask(idx),
             penalties=None
@@ -138,9 +155,9 @@ class SamplingStates:
                 rows=self._dev(penalized),
                 rows_np=penalized,
                 slots=self._dev(idx[penalized]),
-                repetition=self._dev(rep[penalized]),
-                frequency=self._dev(freq[penalized]),
-                presence=self._dev(pres[penalized]),
+                repetition=self._dev(self.repetition_np[idx[penalized]]),
+                frequency=self._dev(self.frequency_np[idx[penalized]]),
+                presence=self._dev(self.presence_np[idx[penalized]]),
             ),
             max_num_logprobs=int(num_logprobs.max()) if len(idx) else -1,
             num_logprobs_np=num_logprobs,
@@ -151,9 +168,7 @@ class SamplingStates:
         output count (speculative decoding verifies them exactly). Penalties and multi-token bad
         words read the history, which would have to include the drafts before each position:
         such rows decode one token per step."""
-        idx = idx_mapping_np
-        penalized = (self.repetition_np[idx] != 1.0) | (self.frequency_np[idx] != 0.0) | (self.presence_np[idx] != 0.0)
-        return ~(penalized | self.multi_token_bad_words_np[idx])
+        return ~(self.penalized_np[idx_mapping_np] | self.multi_token_bad_words_np[idx_mapping_np])
 
     def needs_history(self, idx_mapping_np: np.ndarray) -> bool:
         """Whether `gather` needs the rows' token history (multi-token bad words)."""

@@ -3,7 +3,7 @@ what the plain-torch prepare_inputs / post_update compute today.
 
 Guards against: a query token read from the wrong slot when batch order differs from slot order,
 empty rows stealing the next row's tokens, padding tokens left with stale ids or a valid KV slot
-(the attention would overwrite block 0), padded seq_lens / block-table rows left non-zero,
+(the attention would overwrite block 0), padded block-table rows left non-zero,
 positions across a block boundary mapped through the wrong block, a decode row whose sampled /
 draft tokens land one column off, logits indices laid out by slot instead of by batch row,
 accepted drafts written past their positions, buffers written past the padded size, and the
@@ -48,12 +48,6 @@ def test_input_ids_positions_ref_by_hand():
     ik.prepare_input_ids_positions_ref(t([2, 0, 1], I32), t([0, 2, 2, 3], I32), t([3, 5, 0], I32), token_ids, ids, pos, 6)
     assert pos.tolist() == [3, 4, 0, 0, 0, 0, SENTINEL, SENTINEL]
     assert ids.tolist() == [23, 24, 10, 0, 0, 0, SENTINEL, SENTINEL]
-
-
-def test_seq_lens_ref_by_hand():
-    out = filled(5, I32)
-    ik.prepare_seq_lens_ref(t([0, 2, 2, 3], I32), t([3, 5, 0], I32), out, 4)
-    assert out.tolist() == [5, 5, 1, 0, SENTINEL]
 
 
 def test_combine_ref_by_hand():
@@ -177,14 +171,7 @@ def _check_kernels_match_references():
         _assert_same(f"input ids/positions, {case}", got, want)
         input_ids, positions = want
 
-        got, want = _both(
-            ik.prepare_seq_lens,
-            ik.prepare_seq_lens_ref,
-            [filled(MAX_REQS, I32)],
-            lambda o: (qsl, nc, o[0], n_req + pad_rows),
-        )
-        _assert_same(f"seq_lens, {case}", got, want)
-        seq_lens = want[0][:n_req]
+        seq_lens = (nc.long() + torch.tensor(qlens, dtype=torch.int64)).to(I32)
 
         got, want = _both(
             ik.compute_slot_mapping,
@@ -293,9 +280,7 @@ def test_wrappers_agree_with_host_prepare_inputs():
     ik.prepare_input_ids_positions(idx, qsl, nc, state.token_ids, ids, pos, batch.num_tokens + pad)
     assert ids[: batch.num_tokens].tolist() == batch.input_ids.tolist()
     assert pos[: batch.num_tokens].tolist() == batch.positions.tolist()
-    seq_lens = filled(4, I32)
-    ik.prepare_seq_lens(qsl, nc, seq_lens, 4)
-    assert seq_lens[: batch.num_reqs].tolist() == batch.seq_lens.tolist()
+    assert batch.seq_lens.tolist() == (batch.num_computed_tokens_np + sched).tolist()  # staged by the host
     ik.compute_slot_mapping(idx, qsl, pos, tables.table, BLOCK, slot_mapping, batch.num_tokens + pad)
     assert slot_mapping[: batch.num_tokens].tolist() == batch.slot_mapping.tolist()
     assert slot_mapping[batch.num_tokens : batch.num_tokens + pad].tolist() == [-1] * pad

@@ -65,3 +65,23 @@ def test_post_update_appends_only_for_sampling_rows():
     assert state.token_ids[slot["b"], :4].tolist() == [7, 8, 9, 888]
     assert int(state.last_sampled[slot["b"]]) == 888
     assert state.token_ids[slot["a"], 10].item() == 0
+
+
+def test_padded_rows_are_empty_after_a_larger_step():
+    """Guards against: padding rows of a CUDA-graph batch keeping what a larger step staged
+    (seq_lens and logits rows now come from the host, in one copy of the staging area)."""
+    from slotrunner.core_runner.runner.input_buffers import InputBuffers
+
+    state, tables, reqs, _ = setup()
+    slot = state.req_id_to_slot
+    buffers = InputBuffers(4, 16, 8, CPU)
+    order = ["a", "b", "c"]
+    prepare_inputs(order, np.array([slot[r] for r in order]), np.array([4, 3, 1]), state, tables, buffers)
+    state.num_computed_tokens_np[slot["b"]] = 3
+    batch = prepare_inputs(["b"], np.array([slot["b"]]), np.array([1]), state, tables, buffers, 3, 3)
+    assert batch.seq_lens.tolist() == [4] and batch.logits_indices.tolist() == [0]
+    assert buffers.seq_lens[:3].tolist() == [4, 0, 0]
+    assert buffers.query_start_loc[:4].tolist() == [0, 1, 1, 1]
+    assert buffers.idx_mapping[:3].tolist() == [slot["b"], 0, 0]
+    assert buffers.num_sampled[:3].tolist() == [1, 0, 0]
+    assert buffers.num_computed[:3].tolist() == [3, 0, 0]

@@ -3,7 +3,7 @@
 Guards against: noise that differs between the kernel and the reference (a seeded request
 would then sample differently on GPU and CPU), a vocabulary tail past the last full block
 being skipped, -inf (filtered) tokens being chosen, greedy rows perturbed, ties resolved
-differently from argmax.
+differently from argmax, noise that changes when a batch has no greedy row or int32 positions.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ def _check_kernel_matches_reference(device: str = "cpu"):
         want = gumbel.gumbel_sample_ref(logits, greedy, seeds, positions)
         assert got.tolist() == want.tolist(), (rows, vocab, got.tolist(), want.tolist())
         assert torch.isfinite(logits.gather(1, got[:, None])).all()
+        # No greedy row (greedy=None) and int32 positions (the runner passes its seq_lens).
+        got = gumbel.gumbel_sample(logits.to(device), None, seeds.to(device), positions.to(device, torch.int32)).cpu()
+        want = gumbel.gumbel_sample_ref(logits, torch.zeros(rows, dtype=torch.bool), seeds, positions)
+        assert got.tolist() == want.tolist(), (rows, vocab, got.tolist(), want.tolist())
+        assert gumbel.gumbel_sample_ref(logits, None, seeds, positions.to(torch.int32)).tolist() == want.tolist()
     empty = gumbel.gumbel_sample(torch.zeros(0, 9), torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
     assert empty.shape == (0,)
 
