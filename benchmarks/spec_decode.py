@@ -68,11 +68,17 @@ def build_prompts(llm, batch_size: int) -> list[dict]:
     return prompts
 
 
-def run(llm, prompts, max_tokens: int):
+def run(llm, prompts, max_tokens: int, method: str | None = None):
+    """Serve `prompts` once untimed, then time them. The untimed run compiles every kernel the
+    timed one meets (Triton compiles on first use: verification rows of 1 + k tokens, the
+    speculator's kernels), which a short warm-up never reaches; the draft gate then starts anew."""
     from slotrunner import SamplingParams
+    from slotrunner.core_runner.engine.draft_gate import DraftGate
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    llm.generate(prompts, params, use_tqdm=False)
+    if method is not None:
+        llm.engine.scheduler.draft_gate = DraftGate(method)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -97,7 +103,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from slotrunner import LLM
-    from slotrunner.core_runner.engine.draft_gate import DraftGate
 
     model = args.model
     if args.qwen3_shape and model is None:
@@ -130,11 +135,10 @@ def main() -> None:
           f"{'accept':>6} {'tok/step':>8} identical")
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = build_prompts(base, b)
-        # Each batch size starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
+        # Each timed run starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
         # measures the cost of steps with and without drafts at this batch size.
-        fast.engine.scheduler.draft_gate = DraftGate(spec["method"])
         ref, t_base = run(base, prompts, args.max_tokens)
-        got, t_spec = run(fast, prompts, args.max_tokens)
+        got, t_spec = run(fast, prompts, args.max_tokens, spec["method"])
         tokens = sum(len(o.outputs[0].token_ids) for o in ref)
         drafts = sum(o.metrics.num_draft_tokens for o in got)
         accepted = sum(o.metrics.num_accepted_tokens for o in got)
