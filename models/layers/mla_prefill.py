@@ -6,7 +6,8 @@ keys and values expanded per head from the latent cache:
 
     k[h, j] = [latent[j] @ W_UK[h]^T | k_pe[j]],   v[h, j] = latent[j] @ W_UV[h]^T
 
-All such rows of a step go together, so a layer's cost does not grow with their count:
+All such rows of a step go together, so the ops a layer launches do not grow with their count
+(where Triton runs; the CPU keeps one SDPA call a row):
 
 - `MLAPrefillPlan` (built once per step from host-side lengths, shared by every MLA layer): the
   rows, their query tokens, and the flat latent-cache slot of every key of every row, rows
@@ -15,7 +16,8 @@ All such rows of a step go together, so a layer's cost does not grow with their 
   every head), K and V laid out as a temporary cache of block size 1 (V zero-padded to the q/k
   head size), then the attention -- where Triton runs, one launch of the paged-attention
   prefill kernel (`core_runner/attention/triton_attn.py`) over every row, its block table built
-  for that cache; elsewhere SDPA row by row over slices of the batched K/V.
+  for that cache (the wrapper's decode launch finds no one-token row: its programs return at
+  once); elsewhere SDPA row by row over slices of the batched K/V.
 - `mla_prefill_ref()`: the specification, row by row straight from the latent cache.
 
 Batch invariance: the attention reads only a row's own keys (the Triton prefill launch tiles
