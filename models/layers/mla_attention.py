@@ -13,7 +13,9 @@ the other rows of its batch):
   reference elsewhere) and leaves through W_UV. A decode-only step (every CUDA-graph step) reads
   no device value on the host.
 - several query tokens (a prefill chunk, speculative drafts): the row's cached latents,
-  including any cached prefix, are expanded into per-head K/V and attended causally (SDPA).
+  including any cached prefix, are expanded into per-head K/V and attended causally; every such
+  row of the step goes through one gather, one expansion matmul and one attention launch
+  (`mla_prefill`).
 
 Under tensor parallelism the layer is built with the rank's heads and is handed their rows of
 `kv_b_proj`; the latent cache is the same on every rank (there is no KV head to split).
@@ -23,17 +25,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata
 from slotrunner.core_runner.attention.cache_spec import KVCacheSpec, PagedCacheLayer
 from slotrunner.core_runner.attention.forward_context import get_forward_context
 from slotrunner.models.layers.mla_decode import mla_decode, write_latent
+from slotrunner.models.layers.mla_prefill import mla_prefill
 
 
 class MLAAttention(PagedCacheLayer):
-    # Rows of several query tokens are expanded row by row from host-side lengths (`_prefill`).
+    # Rows of several query tokens are laid out from host-side lengths (`MLAPrefillPlan`).
     multi_token_rows_in_graphs = False
+
     def __init__(
         self,
         num_heads: int,  # this rank's heads
@@ -83,9 +86,8 @@ class MLAAttention(PagedCacheLayer):
             tokens = torch.from_numpy(qsl[decode_rows].astype(np.int64)).to(q_nope.device)
             o = self._decode(q_nope[tokens], q_pe[tokens], w, meta.block_tables[rows], meta.seq_lens[rows])
             out.index_copy_(0, tokens, o)
-        for row in np.flatnonzero(query_lens > 1):
-            start, end = int(qsl[row]), int(qsl[row + 1])
-            out[start:end] = self._prefill(q_nope[start:end], q_pe[start:end], w, meta, int(row))
+        if meta.max_query_len > 1:
+            self._prefill(q_nope, q_pe, w_kv_b, meta, out)
         return out
 
     def _decode(
@@ -102,30 +104,11 @@ class MLAAttention(PagedCacheLayer):
 
     def _prefill(
         self,
-        q_nope: torch.Tensor,  # [num_q, num_heads, nope]: the row's query tokens, the last of its sequence
-        q_pe: torch.Tensor,  # [num_q, num_heads, rope]
-        w: torch.Tensor,  # [num_heads, nope + v_head_dim, rank]
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, nope]: every token of the step
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, rope]
+        w_kv_b: torch.Tensor,  # [num_heads * (nope + v_head_dim), rank]
         meta: AttentionMetadata,
-        row: int,
-    ) -> torch.Tensor:  # [num_q, num_heads, v_head_dim]
-        seq_len, num_q = int(meta.seq_lens_np[row]), q_nope.shape[0]
-        block_size = self.kv_cache.shape[1]
-        pos = torch.arange(seq_len, device=q_nope.device)
-        slots = meta.block_tables[row, pos // block_size].long() * block_size + pos % block_size
-        entries = self.kv_cache.view(-1, self.rank + self.rope)[slots].to(q_nope.dtype)  # [seq_len, rank + rope]
-        kv = torch.einsum("sc,hdc->hsd", entries[:, : self.rank], w)  # [heads, seq_len, nope + v]: expanded
-        k_pe = entries[None, :, self.rank :].expand(self.num_heads, -1, -1)
-        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)  # [heads, seq_len, nope + rope]
-        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, num_q, nope + rope]
-        # Batched 4-D inputs and V padded with zeros to the q/k head size (the output sliced
-        # back): the fused attention kernels take only that, and SDPA's fallback runs a dozen
-        # float32 ops a row (measured on one H200: most of DeepSeek-V2-Lite's prefill).
-        v = kv[..., self.nope :]
-        if v.shape[-1] < q.shape[-1]:
-            v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
-        if num_q == seq_len:  # the whole sequence is new: plain causal
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale)
-        else:
-            allowed = pos[None, :] <= (pos[seq_len - num_q :, None])  # [num_q, seq_len], causal after the cached part
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed[None, None], scale=self.scale)
-        return o[0, ..., : self.v_head_dim].transpose(0, 1)
+        out: torch.Tensor,  # [num_tokens, num_heads, v_head_dim]: the rows' tokens written
+    ) -> None:
+        """Every row with several query tokens at once: expanded K/V, causal after its prefix."""
+        mla_prefill(q_nope, q_pe, self.kv_cache, w_kv_b, meta, self.scale, out)
