@@ -428,14 +428,15 @@ class Scheduler:
         """
         assert len(runner_out.req_ids) == len(runner_out.sampled_token_ids), "one sampled list per batch row"
         if self.draft_gate is not None:
-            # A step's cost: from its schedule() to its update() when steps run one after the
-            # other; when async scheduling overlaps them (steps without drafts), from the
-            # previous step's update() -- the pipeline's period. Both arms are measured alike.
+            # A step's cost: the time since the previous step's update(), what the engine loop
+            # spends per step -- all of a step that runs after the one before it (drafts), the
+            # pipeline's period when async scheduling overlaps them (no drafts). Both arms are
+            # measured alike; a step with no update before it counts from its schedule().
             now, last = time.perf_counter(), self._last_update
             self._last_update = now
             if sched_out.gate_arm is not None:
                 emitted = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
-                self.draft_gate.observe(sched_out.gate_arm, now - max(sched_out.scheduled_at, last or 0.0), emitted)
+                self.draft_gate.observe(sched_out.gate_arm, now - (sched_out.scheduled_at if last is None else last), emitted)
         touched: list[Request] = []
         next_drafts = runner_out.num_draft_tokens
         requests, max_model_len, synchronous = self._requests, self.max_model_len, not self.async_scheduling
