@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -313,31 +312,12 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         generation = {}
     elif args.generation_config != "auto":
         generation = read_generation_config(args.generation_config)
-    if dev.type == "cuda":
-        _one_cpu_thread(launch)
     return LLMEngine(
         config, runner, intake, source.eos_token_ids, architecture=arch.architecture,
         sampling_defaults=sampling_defaults(generation, args.override_generation_config),
         max_logprobs=args.max_logprobs, limit_mm_per_prompt=mm_limits(args.limit_mm_per_prompt),
         tensor_parallel=launch,
     )  # fmt: skip
-
-
-def _one_cpu_thread(launch: TensorParallelLaunch) -> None:
-    """A GPU engine's host work is the step loop's Python, which torch's CPU thread pool only
-    slows: its threads stay awake after each parallel region and take the cores the loop runs
-    on (one H200 host, 16 threads: the bench model's decode-heavy run 1.51 -> 1.30 s with one;
-    benchmarks/RESULTS.md). So, as vLLM's GPU workers do, torch gets one CPU thread while the
-    engine lives (LLM.close() restores the count), unless OMP_NUM_THREADS chose one."""
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" in os.environ or threads == 1:
-        return
-    if launch.cpu_threads is None:
-        launch.cpu_threads = threads
-    logging.getLogger(__name__).info(
-        "torch's CPU threads: %d -> 1 while the GPU engine runs (set OMP_NUM_THREADS to choose another count)", threads
-    )
-    torch.set_num_threads(1)
 
 
 def _apply_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None:
