@@ -24,8 +24,12 @@ class BlockTables:
         self.table_np, self.table = self.tables_np[0], self.tables[0]
         self.table_of = tuple(self.tables)  # per group, [slots, max_blocks]
         self._dirty: set[int] = set()
+        self._resets = 0  # bumped when a slot's table starts over (a new request in the slot)
+        # The last shared_prefix_blocks answer: (rows' bytes, resets, limit, blocks).
+        self._shared: tuple[bytes, int, int, int] | None = None
 
     def reset(self, slot: int, block_ids: list[list[int]]) -> None:
+        self._resets += 1
         self.num_blocks_np[slot] = 0
         self.append(slot, block_ids)
 
@@ -63,9 +67,20 @@ class BlockTables:
         every group: the blocks of a prompt prefix that prefix caching shares among them."""
         if limit <= 0 or len(slots_np) < 2:
             return max(limit, 0) if len(slots_np) == 1 else 0
-        rows = self.tables_np[:, slots_np, :limit]  # [groups, rows, limit]
-        same = (rows == rows[:, :1]).all(axis=(0, 1))  # [limit] column equal in every row
-        return limit if same.all() else int(np.argmin(same))
+        # A slot's blocks never change below its length until the slot starts over (`reset`),
+        # so for the same rows only the columns past the last answer's limit are new: a decode
+        # step over the same batch checks none or a few, not rows x limit ids.
+        key, start = slots_np.tobytes(), 0
+        if self._shared is not None and self._shared[:2] == (key, self._resets):
+            last_limit, last = self._shared[2:]
+            if last < min(last_limit, limit):
+                return last  # a column that differed still differs
+            start = min(last, limit)
+        rows = self.tables_np[:, slots_np, start:limit]  # [groups, rows, limit - start]
+        same = (rows == rows[:, :1]).all(axis=(0, 1))  # [limit - start] column equal in every row
+        blocks = limit if same.all() else start + int(np.argmin(same))
+        self._shared = (key, self._resets, limit, blocks)
+        return blocks
 
     def gather(self, idx_mapping: torch.Tensor) -> torch.Tensor:  # [num_reqs] -> [num_reqs, max_blocks]
         return self.table.index_select(0, idx_mapping)

@@ -34,6 +34,16 @@ def test_shared_prefix_blocks():
     assert tables.shared_prefix_blocks(np.array([0, 4]), 5) == 2
     assert tables.shared_prefix_blocks(np.array([1]), 5) == 5
     assert tables.shared_prefix_blocks(slots, 0) == 0
+    # The same rows step after step (the answer is kept): the limit grows, shrinks (rejected
+    # drafts), and a slot starting over with other blocks is seen.
+    both = np.array([0, 2])
+    tables.append(0, [[6, 7], [106, 107]])
+    tables.append(2, [[6, 8], [106, 108]])
+    assert [tables.shared_prefix_blocks(both, n) for n in (2, 4, 6, 7, 3, 7)] == [2, 4, 4, 4, 3, 4]
+    tables.reset(2, [[1, 2, 3, 4, 5, 6, 7], [101, 102, 103, 104, 105, 106, 107]])
+    assert tables.shared_prefix_blocks(both, 7) == 7
+    tables.reset(2, [[1, 9, 3, 4, 5, 6, 7], [101, 109, 103, 104, 105, 106, 107]])
+    assert tables.shared_prefix_blocks(both, 7) == 1
 
 
 def test_decode_steps_over_a_cached_prompt_take_the_shared_prefix(tmp_path):
