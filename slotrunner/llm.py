@@ -60,8 +60,8 @@ class LLM:
             `state_checkpoint_interval`: docs/architecture.md) and hit only where one was kept.
         speculative_config: speculative decoding, vLLM's dict, e.g. {"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}: drafts
-            verified exactly (outputs are token for token the same); synchronous scheduling only;
-            refused for a family that cannot roll its state back (docs/capabilities.md; every
+            verified exactly (outputs are token for token the same); with async scheduling, steps
+            that carry or propose drafts are processed before the next is scheduled; refused for a family that cannot roll its state back (docs/capabilities.md; every
             in-tree family can, recurrent hybrids through per-slot draft checkpoints).
         tensor_parallel_size (in kwargs): split the model over this many ranks, one process each
             (CPU ranks talk through gloo, GPU ranks through NCCL, one GPU per rank); the LLM
