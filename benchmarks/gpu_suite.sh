@@ -14,6 +14,10 @@
 #   COMMIT=... bash benchmarks/gpu_suite.sh tests scan hybrid multimodal spec moe-kernel overhead
 #   COMMIT=... bash benchmarks/gpu_suite.sh throughput fp8 latency qwen3next deepseek profile profile-mm prefix
 #
+# On a freshly started machine the first process runs ~25% slower than the next ones, whatever it
+# runs (benchmarks/RESULTS.md, 2026-12-01 fourth sitting): keep `tests` (or a throwaway run) first
+# before figures that are compared across processes.
+#
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its multimodal run), spec (spec-long: n-gram at
 # 512 tokens a request), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
