@@ -106,9 +106,8 @@ class EngineArgs:
     # its window has passed, so the same memory holds more long requests. True: one group, every
     # layer keeps every block (a model whose layers all share one window still frees them).
     disable_hybrid_kv_cache_manager: bool = False
-    # Decode steps over a prompt prefix that prefix caching shares among all their rows attend it
-    # once for many rows (vLLM's cascade attention; docs/architecture.md); True: every row reads
-    # it itself. Outputs do not change.
+    # True: decode rows sharing a cached prompt each read it, not once for many (vLLM's cascade
+    # attention, docs/architecture.md). Outputs do not change.
     disable_cascade_attn: bool = False
     # One value only (any other raises ValueError saying why: vllm_options.ONE_VALUE).
     trust_remote_code: bool = False

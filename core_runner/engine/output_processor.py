@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Collection
 from typing import Any
@@ -11,13 +10,6 @@ from slotrunner.core_runner.engine.detokenizer import IncrementalDetokenizer
 from slotrunner.core_runner.engine.request import Request, RequestStatus
 from slotrunner.core_runner.runner.outputs import PromptLogprobs, TokenLogprobs
 from slotrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-
-
-# RequestGroup.output copies RequestMetrics field by field: a new field must be copied there too.
-assert [f.name for f in dataclasses.fields(RequestMetrics)] == [
-    "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
-    "num_generation_tokens", "num_draft_tokens", "num_accepted_tokens",
-], "RequestMetrics changed: update RequestGroup.output's copy"  # fmt: skip
 
 
 class RequestTracker:
@@ -165,14 +157,13 @@ class RequestGroup:
         finished = self.finished
         if finished and parent.metrics.finished_time is None:
             parent.metrics.finished_time = time.time()
-        pm = parent.metrics  # a snapshot, field by field (dataclasses.replace inspects the fields every call)
-        metrics = RequestMetrics(
-            arrival_time=pm.arrival_time, first_scheduled_time=pm.first_scheduled_time, first_token_time=pm.first_token_time,
-            last_token_time=pm.last_token_time, finished_time=pm.finished_time,
-            num_generation_tokens=sum(len(m.request.output_token_ids) for m in self.members.values()),
-            num_draft_tokens=r.num_draft_tokens,
-            num_accepted_tokens=r.num_accepted_tokens,
-        )
+        # A snapshot from the fields' dict (dataclasses.replace inspects the fields every call).
+        metrics = RequestMetrics(**{
+            **parent.metrics.__dict__,
+            "num_generation_tokens": sum(len(m.request.output_token_ids) for m in self.members.values()),
+            "num_draft_tokens": r.num_draft_tokens,
+            "num_accepted_tokens": r.num_accepted_tokens,
+        })  # fmt: skip
         encoder_prompt, encoder_ids = (None, None) if r.family_inputs is None else r.family_inputs.encoder_prompt()
         return RequestOutput(
             r.req_id,
