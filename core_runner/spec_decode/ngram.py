@@ -2,8 +2,11 @@
 
 For each row, the last n tokens of its history (n from prompt_lookup_max down to
 prompt_lookup_min) are looked up among its earlier tokens; the most recent earlier occurrence
-with at least one token after it proposes the (up to k) tokens that followed it. Prompts that
-quote, repeat or edit a passage, and outputs that cycle, are accepted often.
+with at least one token after it proposes the k tokens that followed it. Where fewer than k
+tokens follow it (the occurrence lies d < k tokens back: the history repeats with period d),
+the drafts continue that period -- LZ77's overlapping copy -- so a run of one repeated token, or
+any short cycle, is drafted k tokens at a time instead of one. Prompts that quote, repeat or edit
+a passage, and outputs that cycle, are accepted often.
 
 `_ngram_propose_kernel` (Triton, one program per row, scanning the history in blocks) ->
 `ngram_propose()` (checks, dispatch through `use_triton`) -> `ngram_propose_ref()` (torch
@@ -52,9 +55,10 @@ def ngram_propose_ref(
         best = torch.where(take, found, best)
         best_n = torch.where(take, n, best_n)
     start = best + best_n
-    count = torch.where(best >= 0, (L - start).clamp(max=k), 0)  # [num_reqs, 1]
+    count = torch.where(best >= 0, k, 0)  # [num_reqs, 1]
+    period = (L - start).clamp(min=1)  # the occurrence's distance back; >= 1 where one was found
     j = torch.arange(k, device=L.device)[None, :]
-    drafts = hist.gather(1, (start + j).clamp(0, M - 1))
+    drafts = hist.gather(1, (start + j % period).clamp(0, M - 1))
     draft_tokens[slots] = torch.where(j < count, drafts, draft_tokens[slots])
     num_draft[:num_reqs] = count[:, 0].to(num_draft.dtype)
 
@@ -99,10 +103,11 @@ if HAS_TRITON:
             best = tl.where(take, found, best)
             best_n = tl.where(take, MAX_N - i, best_n)
         first = best + best_n
-        count = tl.where(best >= 0, tl.minimum(length - first, K), 0)
+        count = tl.where(best >= 0, K, 0)
+        period = tl.maximum(length - first, 1)
         j = tl.arange(0, K_BLOCK)
         valid = j < count
-        drafts = tl.load(hist + first + j, mask=valid, other=0)
+        drafts = tl.load(hist + first + j % period, mask=valid, other=0)
         tl.store(draft_tokens_ptr + slot * draft_tokens_stride + j, drafts, mask=valid)
         tl.store(num_draft_ptr + row, count)
 
@@ -118,8 +123,9 @@ def ngram_propose(
 ) -> None:
     """Row r (slot = idx_mapping[r], L = num_tokens[r], h = token_ids[slot, :L]): for n from
     max_n down to min_n, the largest s with s + n < L and h[s:s+n] == h[L-n:L]; the first n that
-    has one gives c = min(k, L - s - n) drafts h[s+n : s+n+c] in draft_tokens[slot, :c] and
-    num_draft[r] = c; no match: num_draft[r] = 0. Other entries are left as they are."""
+    has one gives k drafts in draft_tokens[slot, :k], draft j = h[s + n + j % d] with d = L - s - n
+    (the tokens after the occurrence, repeated with period d where fewer than k follow it), and
+    num_draft[r] = k; no match: num_draft[r] = 0. Other entries are left as they are."""
     num_reqs = idx_mapping.shape[0]
     assert 1 <= min_n <= max_n, f"want 1 <= min_n <= max_n, got {min_n}, {max_n}"
     assert idx_mapping.dim() == 1 and num_tokens.dim() == 1 and num_tokens.shape[0] >= num_reqs, (

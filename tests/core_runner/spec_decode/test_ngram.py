@@ -3,8 +3,8 @@ statement of the rule, on awkward sizes.
 
 Guards against: proposing the row's own suffix as its "earlier occurrence" (s + n must stay
 below the history length), a shorter n winning over a longer one that also matches, a match
-at the very start or with a single following token, histories shorter than n, rows of length
-0 (nothing sampled), a slot other than the row's being read or written, and entries past the
+at the very start or with fewer than k following tokens (drafts continue its period),
+histories shorter than n, rows of length 0 (nothing sampled), a slot other than the row's being read or written, and entries past the
 proposed count being touched.
 """
 
@@ -16,14 +16,16 @@ from slotrunner.core_runner.spec_decode.ngram import ngram_propose, ngram_propos
 
 
 def lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The rule in plain Python: longest n first, most recent earlier occurrence."""
+    """The rule in plain Python: longest n first, most recent earlier occurrence, its following
+    tokens continued with its period where fewer than k follow it."""
     length = len(history)
     for n in range(max_n, min_n - 1, -1):
         if length < n:
             continue
         for s in range(length - n - 1, -1, -1):
             if history[s : s + n] == history[length - n :]:
-                return history[s + n : s + n + min(k, length - s - n)]
+                period = length - s - n
+                return [history[s + n + j % period] for j in range(k)]
     return []
 
 
