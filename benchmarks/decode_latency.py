@@ -3,6 +3,8 @@
 One request, `--input-len` prompt tokens, `--output-len` new tokens, greedy, EOS ignored. The
 decode time per token excludes the first token (prefill): (wall - time to first token) /
 (output_len - 1). The weights-only floor is the time to read the weights once at 4.8 TB/s.
+Three engines in turn: CUDA graphs, CUDA graphs with every product through cuBLAS (the layers'
+skinny GEMM kernel off: `models/layers/skinny_gemm.py`), eager.
 
     python benchmarks/decode_latency.py --input-len 128 --output-len 512
 
@@ -23,8 +25,11 @@ import torch
 from throughput import HBM_BYTES_PER_S, qwen3_06b_config
 
 
-def measure(model_dir: str, args: argparse.Namespace, enforce_eager: bool) -> tuple[float, float]:
+def measure(model_dir: str, args: argparse.Namespace, enforce_eager: bool, skinny: bool = True) -> tuple[float, float]:
     from slotrunner import LLM, SamplingParams
+    from slotrunner.models.layers import skinny_gemm
+
+    skinny_gemm.ENABLED = skinny
 
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=4096,
               max_num_seqs=8, enforce_eager=enforce_eager)
@@ -64,14 +69,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
-        for eager in (False, True):
-            ttft, tpot = measure(d, args, eager)
-            rows.append(("eager" if eager else "CUDA graphs", ttft, tpot))
+        for name, eager, skinny in (("CUDA graphs", False, True), ("graphs, cuBLAS", False, False), ("eager", True, True)):
+            ttft, tpot = measure(d, args, eager, skinny)
+            rows.append((name, ttft, tpot))
     print(f"batch-1 decode, Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}, {args.input_len} in / "
           f"{args.output_len} out, best of {args.repeats}; weights-only floor {floor_ms:.3f} ms/token")
-    print(f"{'mode':<12} {'TTFT ms':>9} {'ms/token':>9}")
+    print(f"{'mode':<14} {'TTFT ms':>9} {'ms/token':>9}")
     for name, ttft, tpot in rows:
-        print(f"{name:<12} {1e3 * ttft:>9.2f} {1e3 * tpot:>9.3f}")
+        print(f"{name:<14} {1e3 * ttft:>9.2f} {1e3 * tpot:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,15 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.cpu.packed import PackedWeight, packed_linear
+from slotrunner.models.layers.skinny_gemm import skinny_linear, wants_skinny
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias): the skinny kernel for the few rows of a small GPU decode batch,
+    torch (cuBLAS, or the CPU's BLAS) for the rest."""
+    if wants_skinny(x, weight):
+        return skinny_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 def _take_packed(module: nn.Module, weight: PackedWeight, expected: tuple[int, int]) -> None:
@@ -31,7 +40,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

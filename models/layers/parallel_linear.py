@@ -33,7 +33,7 @@ from slotrunner.core_runner.attention.backend import AttentionSpec
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.distributed.parallel_state import TensorParallelGroup, current_tp
 from slotrunner.core_runner.distributed.shard import Shard, even_shard, head_shard, vocab_shard
-from slotrunner.models.layers.linear import Linear, MergedLinear, VocabEmbedding
+from slotrunner.models.layers.linear import Linear, MergedLinear, VocabEmbedding, dense_linear
 
 
 def _dense(tensor: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -88,7 +88,7 @@ class RowParallelLinear(Linear, ShardedWeights):
         _copy(getattr(self, param_name), tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in / world] -> [tokens, out]
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(dense_linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

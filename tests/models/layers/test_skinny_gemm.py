@@ -1,0 +1,64 @@
+"""The skinny GEMM kernel (decode batches of <= 16 rows) computes its reference.
+
+Guards against: a K tail past the last whole tile (K = 1030 with 512-key tiles) or an N tail
+past the last column block being dropped or read out of bounds, rows of the padded tl.dot path
+leaking into each other or into rows past M, strided x rows (a slice of a wider buffer), the
+bias added to the wrong columns or not at all, the one-row path and the tl.dot path disagreeing,
+`Linear` taking the kernel where it must not (CPU tensors, fp32, more than MAX_ROWS rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+SHAPES = [(1, 7, 5), (1, 40, 1030), (3, 300, 600), (16, 33, 129), (5, 16, 64)]
+
+
+def _check(device: str = "cpu", dtypes=(torch.float32, torch.float16)) -> None:
+    from slotrunner.core_runner.triton_utils import use_triton
+    from slotrunner.models.layers.skinny_gemm import skinny_linear, skinny_linear_ref
+
+    assert use_triton(torch.device(device)), "the interpreter switch did not take: the reference would meet itself"
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        for m, n, k in SHAPES:
+            wide = torch.randn(m, k + 3, generator=gen).to(device, dtype)
+            x = wide[:, 2 : 2 + k]  # strided rows
+            w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+            bias = torch.randn(n, generator=gen).to(device, dtype) if n % 2 else None
+            got, want = skinny_linear(x, w, bias), skinny_linear_ref(x, w, bias)
+            assert got.shape == (m, n) and got.dtype == dtype, (m, n, k, dtype)
+            # Only the order of the fp32 sums differs: one rounding apart in the output dtype.
+            tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+            err = float(((got.float() - want.float()).abs() - tol * (1 + want.float().abs())).max())
+            assert err <= 0, f"m={m} n={n} k={k} {dtype}: off by {err} beyond tolerance"
+            # A row's result from the tl.dot path equals the one-row path's (to rounding).
+            if m > 1:
+                one = skinny_linear(x[1:2], w, bias)
+                assert float((one.float() - got[1:2].float()).abs().max()) <= tol * (1 + float(want.abs().max()))
+
+
+def _interpreted():
+    _check()
+
+
+def test_kernel_matches_reference_interpreted(run_interpreted):
+    run_interpreted(_interpreted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_matches_reference_compiled():
+    _check("cuda", (torch.float16, torch.bfloat16))
+
+
+def test_linear_takes_the_kernel_only_where_it_should():
+    from slotrunner.models.layers.skinny_gemm import MAX_ROWS, wants_skinny
+
+    w = torch.zeros(8, 4, dtype=torch.bfloat16)
+    assert not wants_skinny(torch.zeros(1, 4, dtype=torch.bfloat16), w), "CPU tensors stay with torch"
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert wants_skinny(torch.zeros(MAX_ROWS, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not wants_skinny(torch.zeros(MAX_ROWS + 1, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not wants_skinny(torch.zeros(1, 4, device="cuda"), wc.float()), "fp32 stays with cuBLAS"
