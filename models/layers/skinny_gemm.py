@@ -3,16 +3,15 @@
 A decode step of a small batch multiplies a handful of rows by every weight matrix of the
 model: the product is bound by reading W once, and each launch moves a few MB. cuBLAS picks
 kernels for those shapes that read W at a fraction of the HBM bandwidth (the batch-1 profile of
-the Qwen3-0.6B shape: 113 GEMMs of 5-10 us, ~1 TB/s). Here one program owns BLOCK_N output
-columns and streams their rows of W once over the whole K, for every x row at once:
+the Qwen3-0.6B shape: 112 GEMMs of 5-13 us, down to 0.3 TB/s). Here one program owns BLOCK_N
+output columns and streams their rows of W once over the whole K: each [BLOCK_N, BLOCK_K] tile
+of W, loaded once, is multiplied by the K chunk of every x row and summed over the chunk, in
+fp32 (no tensor cores: with <= 8 rows there is nothing to reuse).
 
-- one x row (`BLOCK_M == 1`): W tile [BLOCK_N, BLOCK_K] times the x chunk, accumulated
-  elementwise in fp32 and summed over K once at the end (no tensor cores: nothing to reuse);
-- 2..`MAX_ROWS` rows: `tl.dot` of the x rows (padded to 16) with the W tile, fp32 accumulation.
-
-No split over K (no atomics): a column's sum runs in one fixed order, so results do not vary
-between runs or with CUDA-graph replay, and a row's result depends on the number of rows only
-through which of the two paths runs.
+No split over K (no atomics) and tiles that depend on K alone: a column's sum runs in one fixed
+order, the same for every row count up to `MAX_ROWS`, so results do not vary between runs, with
+CUDA-graph replay, or with the batch (a batch-1 decode and a batch-1 verification of drafts
+compute a row's products bitwise alike).
 
 `_skinny_gemm_kernel` (Triton) -> `skinny_linear()` (checks, tile choice, dispatch through
 `use_triton`) -> `skinny_linear_ref()` (the torch specification: fp32 products and sums, one
@@ -26,7 +25,7 @@ import torch
 
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
-MAX_ROWS = 16  # x rows the kernel takes; more go to cuBLAS
+MAX_ROWS = 8  # x rows the kernel takes; more go to cuBLAS
 ENABLED = True  # benchmarks turn it off to compare with cuBLAS alone (read when a product runs)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -53,7 +52,7 @@ if HAS_TRITON:
         N,
         K,
         HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,  # 1, or 16 (tl.dot)
+        ROWS: tl.constexpr,  # power of two >= M
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -61,43 +60,33 @@ if HAS_TRITON:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
+        row_ids = tl.arange(0, ROWS)
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
-        if BLOCK_M == 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + ks
-                k_ok = k < K
-                w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                xk = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-                acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-            y = tl.sum(acc, axis=1)  # [BLOCK_N]
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
-        else:
-            rows = tl.arange(0, BLOCK_M)
-            row_ok = rows < M
-            x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + ks
-                k_ok = k < K
-                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-                w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-                acc = tl.dot(xk, tl.trans(w), acc)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            # Each x row against the W tile loaded once: its partial sums over this K chunk, in
+            # the same order whatever ROWS is (a row's result does not depend on the batch).
+            for r in tl.static_range(ROWS):
+                # Padding rows (r >= M) read row M - 1 again; their sums are never stored.
+                xr = tl.load(x_ptr + tl.minimum(r, M - 1) * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)
+                part = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
+                acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + row_ids.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row_ids < M)[:, None] & col_ok[None, :])
 
 
-def skinny_tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an [m, K] x [n, K] product: enough
-    programs to cover the GPU's SMs (BLOCK_N down to 8 for one row, 16 for tl.dot)."""
-    if m == 1:
-        block_n = 16 if n >= 16 * 256 else 8
-        return 1, block_n, 512, 4, 3
-    return 16, (32 if n >= 32 * 256 else 16), 128, 4, 4
+def skinny_tiles(k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a product over K inputs: the fastest of a
+    sweep on one H200 at the Qwen3-0.6B shape's products (benchmarks/skinny_gemm.py). They
+    depend on K alone, never on the row count, so a row's sums run in one order at any M."""
+    if k >= 2048:
+        return 8, 1024, 8, 4
+    return 8, 512, 4, 3
 
 
 def wants_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -112,24 +101,24 @@ def skinny_linear(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    tiles: tuple[int, int, int, int, int] | None = None,  # skinny_tiles' choice unless given (benchmarks, tests)
+    tiles: tuple[int, int, int, int] | None = None,  # skinny_tiles' choice unless given (benchmarks, tests)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"the skinny kernel takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.dim() == 2 and weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     assert x.dtype == weight.dtype and (bias is None or bias.shape == (n,)), "x, weight (and bias) of one dtype"
-    assert x.dtype in _HALF or not x.is_cuda, "compiled, tl.dot would round fp32 inputs to tf32: half precision only"
     if not use_triton(x.device):
         return skinny_linear_ref(x, weight, bias)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    block_m, block_n, block_k, warps, stages = skinny_tiles(m, n) if tiles is None else tiles
+    block_n, block_k, warps, stages = skinny_tiles(k) if tiles is None else tiles
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), out if bias is None else bias, out, m, n, k,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
