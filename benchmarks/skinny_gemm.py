@@ -1,4 +1,4 @@
-"""Skinny GEMM (decode batches of <= 16 rows): the Triton kernel against cuBLAS, per weight shape.
+"""Skinny GEMM (decode batches of <= 8 rows): the Triton kernel against cuBLAS, per weight shape.
 
 For each of the Qwen3-0.6B shape's four layer products (qkv 4096x1024, o 1024x2048, gate_up
 6144x1024, down 1024x3072) and the tied output head (151936x1024), and each row count, it
