@@ -15,8 +15,8 @@ compute a row's products bitwise alike).
 
 `_skinny_gemm_kernel` (Triton) -> `skinny_linear()` (checks, tile choice, dispatch through
 `use_triton`) -> `skinny_linear_ref()` (the torch specification: fp32 products and sums, one
-rounding to the input dtype). `Linear` takes this path on CUDA for <= `MAX_ROWS` rows of a half
-precision input (`wants_skinny`); larger batches stay with cuBLAS.
+rounding to the input dtype). `Linear` takes this path on CUDA for <= `LINEAR_MAX_ROWS` rows of
+a half precision input (`wants_skinny`); larger batches stay with cuBLAS.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ import torch
 
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
-MAX_ROWS = 8  # x rows the kernel takes; more go to cuBLAS
+MAX_ROWS = 8  # x rows the kernel takes
+# Rows up to which `Linear` takes the kernel. On one H200 (benchmarks/skinny_gemm.py, the
+# Qwen3-0.6B shape's four products) it beats cuBLAS by 1.15-3.2x at one row and by 0.9-1.6x at
+# two (7% in sum), and loses from four rows on: each extra row adds a reduction per K chunk.
+LINEAR_MAX_ROWS = 2
 ENABLED = True  # benchmarks turn it off to compare with cuBLAS alone (read when a product runs)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -92,7 +96,7 @@ def skinny_tiles(k: int) -> tuple[int, int, int, int]:
 def wants_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `Linear` takes the skinny kernel for this product."""
     return (
-        ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in _HALF and weight.dtype == x.dtype
+        ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and x.dtype in _HALF and weight.dtype == x.dtype
         and HAS_TRITON
     )  # fmt: skip
 

@@ -5,7 +5,7 @@ past the last column block being dropped or read out of bounds, rows leaking int
 into the padding rows past M (M = 3, 5), strided x rows (a slice of a wider buffer), the bias
 added to the wrong columns or not at all, a row's result depending on how many rows came with
 it (it must be bitwise the same alone), `Linear` taking the kernel where it must not (CPU
-tensors, fp32, more than MAX_ROWS rows).
+tensors, fp32, more than LINEAR_MAX_ROWS rows).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ def test_kernel_matches_reference_compiled():
 
 
 def test_linear_takes_the_kernel_only_where_it_should():
-    from slotrunner.models.layers.skinny_gemm import MAX_ROWS, wants_skinny
+    from slotrunner.models.layers.skinny_gemm import LINEAR_MAX_ROWS, wants_skinny
 
     w = torch.zeros(8, 4, dtype=torch.bfloat16)
     assert not wants_skinny(torch.zeros(1, 4, dtype=torch.bfloat16), w), "CPU tensors stay with torch"
     if torch.cuda.is_available():
         wc = w.cuda()
-        assert wants_skinny(torch.zeros(MAX_ROWS, 4, dtype=torch.bfloat16, device="cuda"), wc)
-        assert not wants_skinny(torch.zeros(MAX_ROWS + 1, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert wants_skinny(torch.zeros(LINEAR_MAX_ROWS, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not wants_skinny(torch.zeros(LINEAR_MAX_ROWS + 1, 4, dtype=torch.bfloat16, device="cuda"), wc)
         assert not wants_skinny(torch.zeros(1, 4, device="cuda"), wc.float()), "fp32 stays with cuBLAS"
