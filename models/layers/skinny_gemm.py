@@ -96,8 +96,8 @@ def skinny_tiles(k: int) -> tuple[int, int, int, int]:
 def wants_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `Linear` takes the skinny kernel for this product."""
     return (
-        ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and x.dtype in _HALF and weight.dtype == x.dtype
-        and HAS_TRITON
+        ENABLED and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS
+        and x.dtype in _HALF and weight.dtype == x.dtype
     )  # fmt: skip
 
 
