@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1400)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of 64)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of the decode tile, 128)")
     args = p.parse_args()
     B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
     lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)

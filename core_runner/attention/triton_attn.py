@@ -53,13 +53,17 @@ class TileConfig:
     """Tile sizes of the two launches. Tests shrink them to cross many tiles on tiny inputs;
     the defaults are for a GPU (tl.dot needs every dimension >= 16)."""
 
-    decode_tile_n: int = 64  # keys per tile, decode launch
+    # Decode tiles of 128 keys (64 before): on one H200, batch-1 decode 1.188 -> 1.157 ms a token,
+    # the bench workload 24.2K -> 24.8K tok/s, the launch alone at batch 256 0.220 -> 0.218 ms;
+    # with them the shared-prefix launch is fastest at one stage (0.139 ms with the decode launch
+    # against 0.176 at 64-key tiles and three stages; benchmarks/RESULTS.md, 2026-12-01 fifth sitting).
+    decode_tile_n: int = 128  # keys per tile, decode launch
     prefill_block_m: int = 64  # M rows (query tokens x group heads) per prefill program
     prefill_tile_n: int = 64  # keys per tile, prefill launch
     num_warps: int = 4
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
-    shared_num_stages: int = 3  # the shared-prefix launch (its tile shapes are the decode launch's)
+    shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
 
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):

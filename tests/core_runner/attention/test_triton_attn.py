@@ -412,13 +412,14 @@ def test_gpu_decode_cuda_graph_replay():
 @needs_cuda
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8 cache"])
 def test_gpu_shared_prefix_equals_decode_launch(cache_dtype):
-    """At real sizes (Qwen3-0.6B's heads, 2,000 shared keys, 200 rows and graph padding), the
+    """At real sizes (Qwen3-0.6B's heads, ~2,000 shared keys, 200 rows and graph padding), the
     shared-prefix launch plus the decode launch give bitwise the decode launch's own output,
     also when both are replayed from a CUDA graph."""
     rows = [(2000 + (37 * r) % 400, 1) for r in range(200)] + [(0, 0)] * 8
     case = dataclasses.replace(qwen3_case("shared", rows, pad_tokens=8), cache_dtype=cache_dtype)
-    spec, q, k, v, cache, plain, with_prefix, num_real = with_shared_prefix(case, "cuda", 1984)
     backend = TritonBackend()
+    shared = 1984 // backend.shared_prefix_granule * backend.shared_prefix_granule  # whole decode tiles
+    spec, q, k, v, cache, plain, with_prefix, num_real = with_shared_prefix(case, "cuda", shared)
     expected = backend.forward(spec, q, k, v, cache.clone(), plain)
     out = backend.forward(spec, q, k, v, cache.clone(), with_prefix)
     torch.cuda.synchronize()
