@@ -10,8 +10,9 @@ Three kernels, each above its wrapper; their torch specifications are `write_kv`
   tiles gathered through the block table, fp32 accumulation. The query heads sharing one KV head
   are packed into the M dimension (M row = query token x head of the group), so every K/V tile
   is loaded once per KV head. Two launches of the same kernel:
-    * decode launch, grid (num_reqs, num_kv_heads): one program per (row, KV head) handles every
-      row with exactly one query token -- all of a decode-only batch.
+    * decode launch, grid (num_reqs, num_kv_heads, splits): one program per (row, KV head) handles
+      every row with exactly one query token -- all of a decode-only batch; in a batch of a few
+      rows, `splits` programs share each row's key tiles (`split_kv.py`).
     * prefill launch (only when max_query_len > 1), grid (num_tokens // BLOCK_Q + num_reqs,
       num_kv_heads): one program per (block of BLOCK_Q query tokens of one row, KV head), for
       rows with >= 2 query tokens. Row r owns programs [qsl[r] // BLOCK_Q + r, ...), an
@@ -27,7 +28,7 @@ Three kernels, each above its wrapper; their torch specifications are `write_kv`
 Batch invariance: a row with one query token always takes the decode launch, a longer row always
 the prefill launch, whatever else is in the batch; a program reads only its own row's keys, in
 key tiles aligned to multiples of TILE_N counted from position 0. A row's output is therefore a
-function of that row alone. The shared-prefix launch keeps this bitwise: it runs the decode
+function of that row alone -- and of whether its decode batch is small enough to split. The shared-prefix launch keeps this bitwise: it runs the decode
 launch's tile shapes over the same key tiles in the same order, so a decode row's output does not
 depend on whether its batch shares a prefix (tested against the decode launch alone). CUDA
 graphs: no host reads of device tensors; the grids depend on num_reqs, max_query_len and the
@@ -42,6 +43,7 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.attention.shared_prefix import shared_prefix_applies, shared_prefix_state
+from slotrunner.core_runner.attention.split_kv import combine_splits, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,6 +66,9 @@ class TileConfig:
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
     shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
+    # Decode launches of fewer (row, KV head) programs than this split each row's keys (split_kv.py);
+    # 0: never.
+    split_kv_programs: int = 128
 
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
@@ -154,8 +159,9 @@ if HAS_TRITON:
         num_distances,
         sinks_ptr,  # [num_heads] (unused unless HAS_SINKS)
         shared_len_ptr,  # [1] int32 keys of the shared prefix (unused unless SHARED_PREFIX)
-        part_acc_ptr,  # [num_reqs, num_heads, HEAD_DIM] fp32 the prefix launch's state (SHARED_PREFIX)
-        part_ml_ptr,  # [num_reqs, num_heads, 2] fp32 its running max and sum (SHARED_PREFIX)
+        part_acc_ptr,  # [num_reqs, num_heads, HEAD_DIM] fp32 the prefix launch's state (SHARED_PREFIX),
+        # or out: [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM] each split's state (NUM_SPLITS > 1)
+        part_ml_ptr,  # [num_reqs, num_heads, (NUM_SPLITS,) 2] fp32 running max and sum, the same way
         num_reqs,
         scale,
         soft_cap,
@@ -176,6 +182,7 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr,  # float8 cache: keys and values are widened to q's dtype after loading
         SHARED_PREFIX: tl.constexpr = False,  # decode launch: start from the prefix launch's state
+        NUM_SPLITS: tl.constexpr = 1,  # decode launch: > 1 splits each row's key tiles (split_kv.py)
     ):
         kv_head = tl.program_id(1)
         if DECODE:
@@ -224,14 +231,23 @@ if HAS_TRITON:
         first_pos = context + q_block * BLOCK_Q
         kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys past the last query are masked
         kv_start = 0
+        split = 0
+        if NUM_SPLITS > 1:  # this program's share of the row's key tiles (split_kv.py)
+            split = tl.program_id(2)
+            per = tl.maximum(tl.cdiv(tl.cdiv(kv_end, TILE_N), NUM_SPLITS), 1) * TILE_N
+            if split * per >= kv_end:
+                return  # past the row's last key: the combine reads only the splits before
         if USE_WINDOW:
             # Tiles stay aligned to multiples of TILE_N, so the tiling of a row's keys does not
             # depend on how its queries are blocked.
             kv_start = (tl.maximum(first_pos - sliding_window + 1, 0) // TILE_N) * TILE_N
+        if NUM_SPLITS > 1:
+            kv_start = tl.maximum(kv_start, split * per)
+            kv_end = tl.minimum(kv_end, (split + 1) * per)
 
-        if HAS_SINKS:  # the sink as a key seen first: running max = its logit, running sum = 1
-            m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
-            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        if HAS_SINKS:  # the sink as a key seen first (by split 0): running max = its logit, running sum = 1
+            m_i = tl.where(split == 0, tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634, float("-inf"))
+            l_i = tl.where(split == 0, tl.full([BLOCK_M], 1.0, tl.float32), 0.0)
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -285,6 +301,12 @@ if HAS_TRITON:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
+        if NUM_SPLITS > 1:  # this split's state, merged by _split_kv_combine_kernel
+            part = (row.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+            return
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -371,38 +393,24 @@ def paged_attention(
     shared = meta.shared_prefix_len if shared_prefix_applies(spec, position_bias, sinks) else None
     # fp32 models want fp32 products, not TF32 (ignored for 16-bit inputs).
     dot_precision = "ieee" if compute_dtype == torch.float32 else "tf32"
-    part_acc = part_ml = q  # placeholders, never read without a shared prefix
+    part_acc = part_ml = q  # placeholders, never read without a shared prefix or splits
+    splits = 1 if shared is not None else split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)
+    if splits > 1:
+        part_acc, part_ml = split_kv_state(meta.num_reqs, num_heads, splits, head_dim, q.device)
     if shared is not None:  # the keys every row shares, once per group of rows: the decode launch continues from there
         part_acc, part_ml = shared_prefix_state(
             spec, q, kv_cache, meta, shared, decode_block_m, tiles.decode_tile_n, tiles.num_warps, tiles.shared_num_stages,
             dot_precision, kv_fp8,
         )  # fmt: skip
+    no_bias = position_bias is None
     args = (
-        q,
-        q.stride(0),
-        q.stride(1),
-        kv_cache[0],
-        kv_cache[1],
-        out,
-        out.stride(0),
-        out.stride(1),
-        meta.block_tables,
-        meta.block_tables.stride(0),
-        meta.seq_lens,
-        meta.query_start_loc,
-        position_bias if position_bias is not None else q,
-        position_bias.stride(0) if position_bias is not None else 0,
-        position_bias.stride(1) if position_bias is not None else 0,
-        position_bias.shape[1] if position_bias is not None else 1,
-        sinks if sinks is not None else q,
-        shared if shared is not None else meta.seq_lens,
-        part_acc,
-        part_ml,
-        meta.num_reqs,
-        spec.scale,
-        spec.logits_soft_cap or 1.0,
-        spec.sliding_window or 0,
-    )
+        q, q.stride(0), q.stride(1), kv_cache[0], kv_cache[1], out, out.stride(0), out.stride(1),
+        meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, meta.query_start_loc,
+        q if no_bias else position_bias, 0 if no_bias else position_bias.stride(0),
+        0 if no_bias else position_bias.stride(1), 1 if no_bias else position_bias.shape[1],
+        sinks if sinks is not None else q, shared if shared is not None else meta.seq_lens, part_acc, part_ml,
+        meta.num_reqs, spec.scale, spec.logits_soft_cap or 1.0, spec.sliding_window or 0,
+    )  # fmt: skip
     common = dict(
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -419,16 +427,19 @@ def paged_attention(
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on
     # whether prefill rows share its batch.
-    _paged_attention_kernel[(meta.num_reqs, num_kv_heads)](
+    _paged_attention_kernel[(meta.num_reqs, num_kv_heads, splits)](
         *args,
         BLOCK_Q=1,
         BLOCK_M=decode_block_m,
         TILE_N=tiles.decode_tile_n,
         DECODE=True,
         SHARED_PREFIX=shared is not None,
+        NUM_SPLITS=splits,
         num_stages=tiles.decode_num_stages,
         **common,
     )
+    if splits > 1:
+        combine_splits(out, part_acc, part_ml, meta.seq_lens, meta.query_start_loc, tiles.decode_tile_n)
     if meta.max_query_len > 1:
         block_q = max(1, tiles.prefill_block_m // group)
         # sum over rows of cdiv(num_q, block_q) <= num_tokens // block_q + num_reqs

@@ -9,7 +9,9 @@ bias applied in the wrong order, the bias distance unclamped, padded head dims (
 the dot products, a sliding-window row reading the freed blocks its table names before its
 window (KV-cache groups), padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
 last V element of the K half) or left with non-finite outputs, attention sinks left out of the
-softmax's running sum, and a row's output changing with the other rows of its batch.
+softmax's running sum or counted once per split, split-KV decode (small batches: most cases here
+split, some are run unsplit too) merging its splits with the wrong weights or reading splits that
+never ran, and a row's output changing with the other rows of its batch (unsplit launches).
 
 Kernels run on CPU through the Triton interpreter in one subprocess per test (slow: shapes are
 tiny, tile sizes shrunk to 16 so that short rows still cross several key tiles). The GPU tests at
@@ -33,6 +35,7 @@ from slotrunner.core_runner.runner.attn_backend import select_attn_backend
 from slotrunner.core_runner.triton_utils import use_triton
 
 SMALL_TILES = TileConfig(decode_tile_n=16, prefill_block_m=16, prefill_tile_n=16)
+NO_SPLIT = dataclasses.replace(SMALL_TILES, split_kv_programs=0)  # decode launches one program per (row, KV head)
 FP32_TOL = 1e-5
 HALF_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 UNUSED_BLOCK = 10**6  # block-table entries past a row's length: a kernel that reads one faults
@@ -81,6 +84,13 @@ CASES = [
     Case("fp8 cache, window 5, sinks", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn),
     Case("fp8 cache, saturating K/V", ((0, 5), (6, 1)), cache_dtype=torch.float8_e4m3fn, kv_scale=300.0),
     Case("fp8 cache, fp16 q, dim 40", MIXED, head_dim=40, dtype=torch.float16, cache_dtype=torch.float8_e4m3fn),
+    Case("decode, 16 splits of one tile, group 2", ((200, 1), (77, 1)), num_heads=2, num_kv_heads=1),
+    Case("split, sinks, window 9", ((40, 1), (0, 5), (23, 1)), window=9, sinks=True),
+    Case("split, bias 40 distances, soft cap", ((60, 1), (0, 3)), num_distances=40, soft_cap=5.0),
+    Case("split, fp8 cache", ((50, 1), (7, 1)), cache_dtype=torch.float8_e4m3fn),
+    Case("decode at block edges, unsplit", ((2, 1), (3, 1), (4, 1), (35, 1), (0, 1)), tiles=NO_SPLIT),
+    Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
+    Case("fp8 cache, window 5, sinks, unsplit", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
     # (triton 3.9, numpy has no bfloat16); the GPU tests below cover bf16.
 ]
@@ -194,7 +204,8 @@ def check_batch_invariance() -> None:
     """Run in the interpreter subprocess: a prefill row and a decode row give bitwise the same
     output alone as inside a mixed batch (and the decode row inside a decode-only batch)."""
     # Decode and prefill tiles differ, so a decode row routed by batch composition would show.
-    tiles = TileConfig(decode_tile_n=32, prefill_block_m=16, prefill_tile_n=16)
+    # Unsplit: a split-KV decode (batches of <= 4 rows) sums in another order by design.
+    tiles = TileConfig(decode_tile_n=32, prefill_block_m=16, prefill_tile_n=16, split_kv_programs=0)
     for case in (
         Case("mixed", MIXED, soft_cap=5.0, num_distances=9, tiles=tiles),
         Case("window", MIXED, window=6, tiles=tiles),
@@ -243,12 +254,14 @@ def with_shared_prefix(case: Case, device: str, shared: int, seed: int = 0):
     return spec, q, k, v, cache, plain, with_prefix, num_real
 
 
-SHARED_CASES = [  # decode-only batches (CUDA-graph padding rows at the end), shared prefix in keys
-    (Case("group 2, two programs of rows", tuple((40 + 3 * r, 1) for r in range(10)) + ((0, 0),) * 3, pad_tokens=3), 32),
-    (Case("group 3, dim 40, soft cap", tuple((33 + r, 1) for r in range(7)), num_heads=6, head_dim=40, soft_cap=5.0), 32),
-    (Case("group 1, prefix up to the shortest row", ((48, 1), (49, 1), (60, 1)), num_heads=2, num_kv_heads=2), 48),
-    (Case("fp8 cache", tuple((35 + 2 * r, 1) for r in range(5)), cache_dtype=torch.float8_e4m3fn), 16),
-    (Case("nothing shared", ((20, 1), (21, 1)), pad_tokens=1), 0),
+# Decode-only batches (CUDA-graph padding rows at the end), shared prefix in keys; against the
+# unsplit decode launch (the runner never splits a step that shares a prefix: split_kv.MAX_ROWS).
+SHARED_CASES = [
+    (Case("group 2, two programs of rows", tuple((40 + 3 * r, 1) for r in range(10)) + ((0, 0),) * 3, pad_tokens=3, tiles=NO_SPLIT), 32),
+    (Case("group 3, dim 40, soft cap", tuple((33 + r, 1) for r in range(7)), num_heads=6, head_dim=40, soft_cap=5.0, tiles=NO_SPLIT), 32),
+    (Case("group 1, prefix up to the shortest row", ((48, 1), (49, 1), (60, 1)), num_heads=2, num_kv_heads=2, tiles=NO_SPLIT), 48),
+    (Case("fp8 cache", tuple((35 + 2 * r, 1) for r in range(5)), cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT), 16),
+    (Case("nothing shared", ((20, 1), (21, 1)), pad_tokens=1, tiles=NO_SPLIT), 0),
 ]
 
 
@@ -298,6 +311,15 @@ def test_default_backend_on_cpu():
     assert type(select_attn_backend(cpu)) is expected
 
 
+def test_split_kv_rule():
+    """Small decode launches split (powers of two up to 16, within the program target); above
+    four rows, or with the target 0, never."""
+    from slotrunner.core_runner.attention.split_kv import split_kv_splits
+
+    assert [split_kv_splits(n, 8, 128) for n in (1, 2, 3, 4, 5, 64)] == [16, 8, 4, 4, 1, 1]
+    assert split_kv_splits(2, 1, 128) == 16 and split_kv_splits(1, 8, 0) == 1
+
+
 def test_tile_config_rejects_small_tiles():
     with pytest.raises(ValueError, match="decode_tile_n"):
         TileConfig(decode_tile_n=8)
@@ -343,6 +365,9 @@ def gpu_rows(batch: int, decode_frac: float, seed: int) -> list[tuple[int, int]]
                             num_heads=8, num_kv_heads=2, head_dim=80, dtype=torch.float16),
         dataclasses.replace(qwen3_case("fp32, dim 96", gpu_rows(16, 0.5, 5)), head_dim=96, dtype=torch.float32),
         dataclasses.replace(qwen3_case("fp8 cache, mixed", gpu_rows(64, 0.7, 7), pad_tokens=3), cache_dtype=torch.float8_e4m3fn),
+        qwen3_case("decode, batch 1, split", [(3000, 1)]),
+        qwen3_case("decode, batch 3, split, window 256, sinks", [(700, 1), (90, 1), (2000, 1)], window=256, sinks=True),
+        dataclasses.replace(qwen3_case("fp8 cache, decode, batch 2, split", [(1500, 1), (33, 1)]), cache_dtype=torch.float8_e4m3fn),
     ],
     ids=lambda c: c.name,
 )
@@ -363,8 +388,9 @@ def test_gpu_matches_reference(case):
 
 @needs_cuda
 def test_gpu_batch_invariant():
-    """Each row of a mixed batch alone, and inside the decode-only sub-batch: bitwise equal."""
-    case = qwen3_case("mixed", gpu_rows(24, 0.6, 7))
+    """Each row of a mixed batch alone, and inside the decode-only sub-batch: bitwise equal
+    (unsplit decode launches: a split-KV decode of a few rows sums in another order)."""
+    case = dataclasses.replace(qwen3_case("mixed", gpu_rows(24, 0.6, 7)), tiles=TileConfig(split_kv_programs=0))
     spec, q, k, v, cache, meta, bias, _ = build(case, "cuda")
     everything = list(range(len(case.rows)))
     full = run_rows(spec, q, k, v, cache, meta, bias, case.tiles, everything)
@@ -375,12 +401,12 @@ def test_gpu_batch_invariant():
 
 
 @needs_cuda
-def test_gpu_decode_cuda_graph_replay():
+@pytest.mark.parametrize("batch, pad", [(48, 16), (2, 2)], ids=["batch 48", "batch 2, split"])
+def test_gpu_decode_cuda_graph_replay(batch, pad):
     """A decode forward captured in a CUDA graph (capture fails on any host sync) while its
     buffers hold one step, replayed after the next step's lengths, slots and q/k/v are copied
     into the same buffers, equals the reference on the next step; padding rows and tokens
     (slot -1) of the captured size stay skipped."""
-    batch, pad = 48, 16
     case = qwen3_case("replay", gpu_rows(batch, 1.0, 11) + [(0, 0)] * pad, pad_tokens=pad)
     spec, q, k, v, cache, meta, bias, num_real = build(case, "cuda")
     # Capture-time contents: every real row holds one key (its first slot).
