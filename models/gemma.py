@@ -115,7 +115,7 @@ class GemmaMLP(nn.Module):
         self.down_proj = row_linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act.act)
 
 
 class GemmaDecoderLayer(nn.Module):

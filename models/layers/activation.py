@@ -37,20 +37,9 @@ def gated_act_ref(
 if HAS_TRITON:
 
     @triton.jit
-    def _gated_act_kernel(
-        x_ptr,  # [num_tokens, 2 * d], row stride x_stride, unit column stride
-        x_stride,
-        out_ptr,  # [num_tokens, d] contiguous
-        d,
-        ACT: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 gelu (tanh)
-        LIBDEVICE: tl.constexpr,  # compiled: CUDA's exp/tanh, the functions torch's kernels call
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < d
-        g = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * x_stride + d + offs, mask=mask, other=0.0).to(tl.float32)
+    def gated_value(g, u, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, DTYPE: tl.constexpr):
+        """act(g) rounded to DTYPE, times u, in fp32 (unrounded): g and u fp32 tensors. Shared with
+        the skinny GEMM, which applies it to its input chunks (skinny_gemm.py)."""
         # Each formula in the order of torch's CUDA kernel for F.silu / F.gelu.
         if ACT == 0:
             if LIBDEVICE:
@@ -69,8 +58,30 @@ if HAS_TRITON:
                 tanh = tl.math.div_rn(1.0 - t, 1.0 + t)
                 tanh = tl.where(inner < 0, -tanh, tanh)
             a = 0.5 * g * (1.0 + tanh)
-        a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * d + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+        return a.to(DTYPE).to(tl.float32) * u
+
+    @triton.jit
+    def _gated_act_kernel(
+        x_ptr,  # [num_tokens, 2 * d], row stride x_stride, unit column stride
+        x_stride,
+        out_ptr,  # [num_tokens, d] contiguous
+        d,
+        ACT: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 gelu (tanh)
+        LIBDEVICE: tl.constexpr,  # compiled: CUDA's exp/tanh, the functions torch's kernels call
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < d
+        g = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * x_stride + d + offs, mask=mask, other=0.0).to(tl.float32)
+        value = gated_value(g, u, ACT, LIBDEVICE, x_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * d + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def kernel_act(act: str) -> int | None:
+    """The kernels' ACT code of an activation name (`gated_value`), None for one they lack."""
+    return _KERNEL_ACTS.get(hf_activation(act))
 
 
 def gated_act(
@@ -79,8 +90,8 @@ def gated_act(
 ) -> torch.Tensor:  # [..., d], new
     """act(gate) * up in one launch where Triton runs and knows `act`, the torch reference elsewhere."""
     assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} is not gate | up"
-    kernel_act = _KERNEL_ACTS.get(hf_activation(act))
-    if kernel_act is None or not use_triton(x.device) or x.numel() == 0:
+    code = kernel_act(act)
+    if code is None or not use_triton(x.device) or x.numel() == 0:
         return gated_act_ref(x, act)
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
@@ -92,7 +103,7 @@ def gated_act(
         x2.stride(0),
         out,
         d,
-        ACT=kernel_act,
+        ACT=code,
         LIBDEVICE=not TRITON_INTERPRET,
         BLOCK=block,
         enable_fp_fusion=False,  # no fma: each product rounded

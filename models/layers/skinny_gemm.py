@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
+from slotrunner.models.layers.activation import gated_act_ref, kernel_act
+
+if HAS_TRITON:
+    from slotrunner.models.layers.activation import gated_value
 
 MAX_ROWS = 8  # x rows the kernel takes
 # Rows up to which `Linear` takes the kernel. On one H200 (benchmarks/skinny_gemm.py, the
@@ -34,8 +38,13 @@ ENABLED = True  # benchmarks turn it off to compare with cuBLAS alone (read when
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, K] x [N, K] (+ [N]) -> [M, N] in x's dtype, computed in fp32."""
+def skinny_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+) -> torch.Tensor:
+    """[M, K] x [N, K] (+ [N]) -> [M, N] in x's dtype, computed in fp32; with `act`, x is
+    [M, 2K] = [gate | up] and the product is over gated_act(x) (rounded as that layer rounds)."""
+    if act is not None:
+        x = gated_act_ref(x, act)
     y = x.float() @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
@@ -56,6 +65,8 @@ if HAS_TRITON:
         N,
         K,
         HAS_BIAS: tl.constexpr,
+        ACT: tl.constexpr,  # -1: x is the input; else x is [gate | up] (2K wide), input act(gate) * up
+        LIBDEVICE: tl.constexpr,  # compiled: CUDA's exp/tanh (activation.gated_value)
         ROWS: tl.constexpr,  # power of two >= M
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -75,7 +86,12 @@ if HAS_TRITON:
             # the same order whatever ROWS is (a row's result does not depend on the batch).
             for r in tl.static_range(ROWS):
                 # Padding rows (r >= M) read row M - 1 again; their sums are never stored.
-                xr = tl.load(x_ptr + tl.minimum(r, M - 1) * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)
+                x_row = x_ptr + tl.minimum(r, M - 1) * x_stride
+                xr = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                if ACT >= 0:  # the gated activation's output, rounded as its own kernel stores it
+                    up = tl.load(x_row + K + k, mask=k_ok, other=0.0).to(tl.float32)
+                    xr = gated_value(xr, up, ACT, LIBDEVICE, x_ptr.dtype.element_ty)
+                    xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
                 part = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
                 acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
         if HAS_BIAS:
@@ -93,11 +109,12 @@ def skinny_tiles(k: int) -> tuple[int, int, int, int]:
     return 8, 512, 4, 3
 
 
-def wants_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `Linear` takes the skinny kernel for this product."""
+def wants_skinny(x: torch.Tensor, weight: torch.Tensor, act: str | None = None) -> bool:
+    """Whether `Linear` takes the skinny kernel for this product (with `act`: over the gated
+    activation of x = [gate | up], in the same launch)."""
     return (
         ENABLED and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS
-        and x.dtype in _HALF and weight.dtype == x.dtype
+        and x.dtype in _HALF and weight.dtype == x.dtype and (act is None or kernel_act(act) is not None)
     )  # fmt: skip
 
 
@@ -106,14 +123,17 @@ def skinny_linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     tiles: tuple[int, int, int, int] | None = None,  # skinny_tiles' choice unless given (benchmarks, tests)
+    act: str | None = None,  # x is [M, 2K] = [gate | up]: the product of W with act(gate) * up
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    m, k = x.shape
+    m, k = x.shape[0], x.shape[1] // (1 if act is None else 2)
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"the skinny kernel takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.dim() == 2 and weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     assert x.dtype == weight.dtype and (bias is None or bias.shape == (n,)), "x, weight (and bias) of one dtype"
+    code = -1 if act is None else kernel_act(act)
+    assert code is not None, f"the kernels lack activation {act!r}"
     if not use_triton(x.device):
-        return skinny_linear_ref(x, weight, bias)
+        return skinny_linear_ref(x, weight, bias, act)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -122,7 +142,8 @@ def skinny_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), out if bias is None else bias, out, m, n, k,
-        HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, ACT=code, LIBDEVICE=not TRITON_INTERPRET, ROWS=triton.next_power_of_2(m),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False,  # no fma: each product rounded, as the activation's own kernel does
     )  # fmt: skip
     return out

@@ -5,7 +5,9 @@ past the last column block being dropped or read out of bounds, rows leaking int
 into the padding rows past M (M = 3, 5), strided x rows (a slice of a wider buffer), the bias
 added to the wrong columns or not at all, a row's result depending on how many rows came with
 it (it must be bitwise the same alone), `Linear` taking the kernel where it must not (CPU
-tensors, fp32, more than LINEAR_MAX_ROWS rows).
+tensors, fp32, more than LINEAR_MAX_ROWS rows); with the gated activation in the same launch:
+gate and up swapped or offset, act(gate) or the product not rounded where the activation's own
+kernel rounds (the fused launch must equal that kernel followed by the plain one, bitwise).
 """
 
 from __future__ import annotations
@@ -39,8 +41,28 @@ def _check(device: str = "cpu", dtypes=(torch.float32, torch.float16)) -> None:
                 assert torch.equal(skinny_linear(x[r : r + 1], w, bias), got[r : r + 1]), f"row {r} of {m} differs alone"
 
 
+def _check_gated(device: str = "cpu", dtypes=(torch.float32, torch.float16)) -> None:
+    from slotrunner.models.layers.activation import gated_act
+    from slotrunner.models.layers.skinny_gemm import skinny_linear, skinny_linear_ref
+
+    gen = torch.Generator().manual_seed(1)
+    for dtype in dtypes:
+        for act in ("silu", "gelu", "gelu_pytorch_tanh"):
+            for m, n, k in [(1, 40, 1030), (2, 9, 96), (5, 33, 2100)]:
+                h = (2 * torch.randn(m, 2 * k, generator=gen)).to(device, dtype)
+                w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+                bias = torch.randn(n, generator=gen).to(device, dtype) if m == 2 else None
+                got = skinny_linear(h, w, bias, act=act)
+                assert torch.equal(got, skinny_linear(gated_act(h, act), w, bias)), f"{act} m={m} {dtype}: fused differs"
+                want = skinny_linear_ref(h, w, bias, act=act)
+                tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+                err = float(((got.float() - want.float()).abs() - tol * (1 + want.float().abs())).max())
+                assert err <= 0, f"{act} m={m} n={n} k={k} {dtype}: off by {err} beyond tolerance"
+
+
 def _interpreted():
     _check()
+    _check_gated()
 
 
 def test_kernel_matches_reference_interpreted(run_interpreted):
@@ -50,6 +72,7 @@ def test_kernel_matches_reference_interpreted(run_interpreted):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_matches_reference_compiled():
     _check("cuda", (torch.float16, torch.bfloat16))
+    _check_gated("cuda", (torch.float16, torch.bfloat16))
 
 
 def test_linear_takes_the_kernel_only_where_it_should():
