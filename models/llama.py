@@ -127,13 +127,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        attn, mlp = self.self_attn, self.mlp
+        if residual is None or type(attn).forward is not QKVAttention.forward:
+            if residual is None:
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = attn(positions, x)
+        else:  # each norm in the launch of the product after it, where the skinny GEMM runs (Linear)
+            qkv, residual = attn.qkv_proj.forward_normed(x, residual, self.input_layernorm)
+            x = attn.forward_qkv(positions, qkv)
+        if type(mlp).forward is not LlamaMLP.forward:  # a subclass's own MLP
+            x, residual = self.post_attention_layernorm(x, residual)
+            return mlp(x), residual
+        h, residual = mlp.gate_up_proj.forward_normed(x, residual, self.post_attention_layernorm)
+        return mlp.down_proj.forward_gated(h, mlp.act.act), residual
 
     def native_parts(self) -> NativeLayerParts | None:
         """The layer's parts for the CPU's one-call decode (models/layers/native_decode.py), or

@@ -10,7 +10,8 @@ from torch import nn
 
 from slotrunner.core_runner.cpu.packed import PackedWeight, packed_linear
 from slotrunner.models.layers.activation import gated_act
-from slotrunner.models.layers.skinny_gemm import skinny_linear, wants_skinny
+from slotrunner.models.layers.norm import RMSNorm
+from slotrunner.models.layers.skinny_gemm import skinny_linear, skinny_norm_linear, wants_skinny
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,6 +50,19 @@ class Linear(nn.Linear):
         if self.packed is None and type(self).forward is Linear.forward and wants_skinny(h, self.weight, act):
             return skinny_linear(h, self.weight, self.bias, act=act)
         return self(gated_act(h, act))
+
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), x + residual) with h, x + residual = norm(x, residual) (a decoder layer's
+        residual add, norm and first product): in one launch where the skinny kernel takes it."""
+        if (
+            self.packed is None and type(self).forward is Linear.forward and type(norm).forward is RMSNorm.forward
+            and wants_skinny(x, self.weight) and residual.dtype == x.dtype == norm.weight.dtype
+        ):  # fmt: skip
+            return skinny_norm_linear(x, residual, norm.weight, norm.eps, norm.unit_offset, self.weight, self.bias)
+        x, residual = norm(x, residual)
+        return self(x), residual
 
 
 class MergedLinear(Linear):

@@ -42,7 +42,12 @@ class QKVAttention(nn.Module):
         self.attn = Attention(spec, layer_idx)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.forward_qkv(positions, self.qkv_proj(x))
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:  # [num_tokens, q + 2 kv]
+        """The layer after its q/k/v projection (a decoder layer that fused the projection with
+        its norm calls this: LlamaDecoderLayer)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         if self.qk_norm:  # one kernel for both norms and RoPE where Triton runs

@@ -13,9 +13,17 @@ order, the same for every row count up to `MAX_ROWS`, so results do not vary bet
 CUDA-graph replay, or with the batch (a batch-1 decode and a batch-1 verification of drafts
 compute a row's products bitwise alike).
 
-`_skinny_gemm_kernel` (Triton) -> `skinny_linear()` (checks, tile choice, dispatch through
-`use_triton`) -> `skinny_linear_ref()` (the torch specification: fp32 products and sums, one
-rounding to the input dtype). `Linear` takes this path on CUDA for <= `LINEAR_MAX_ROWS` rows of
+The launch also takes what feeds the product where that is one small kernel of its own: the
+gated activation of an MLP's [gate | up] (`act`, the down projection's input: activation.py's
+`gated_value`) or the residual add and RMSNorm before a layer's first product
+(`skinny_norm_linear`: each program recomputes its rows' 1 / rms from the whole row, program 0
+stores x + residual). Both round where their own kernels round, so a fused launch equals those
+kernels followed by the plain product (tested bitwise; compiled, a row's 1 / rms may differ in
+the last bit where the norm kernel reduces the row over another number of warps).
+
+`_skinny_gemm_kernel` (Triton) -> `skinny_linear()` / `skinny_norm_linear()` (checks, tile
+choice, dispatch through `use_triton`) -> `skinny_linear_ref()` (the torch specification: fp32
+products and sums, one rounding to the input dtype). `Linear` takes this path on CUDA for <= `LINEAR_MAX_ROWS` rows of
 a half precision input (`wants_skinny`); larger batches stay with cuBLAS.
 """
 
@@ -25,6 +33,7 @@ import torch
 
 from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
 from slotrunner.models.layers.activation import gated_act_ref, kernel_act
+from slotrunner.models.layers.norm import rms_norm_ref
 
 if HAS_TRITON:
     from slotrunner.models.layers.activation import gated_value
@@ -61,10 +70,18 @@ if HAS_TRITON:
         w_stride,
         bias_ptr,  # [N] (unused unless HAS_BIAS)
         out_ptr,  # [M, N] contiguous
+        res_ptr,  # [M, K] the residual stream, unit column stride (unused unless NORM)
+        res_stride,
+        norm_w_ptr,  # [K] the RMSNorm's weight (unused unless NORM)
+        res_out_ptr,  # [M, K] contiguous: x + residual, written by program 0 (unused unless NORM)
         M,
         N,
         K,
+        inv_k,  # 1 / K as the RMSNorm kernel takes it
+        eps,
         HAS_BIAS: tl.constexpr,
+        NORM: tl.constexpr,  # 0: x is the input; 1: rms_norm(x, residual) is; 2: the same, Gemma's 1 + w scale
+        BLOCK_H: tl.constexpr,  # power of two >= K (NORM: the whole row in one block, as the norm kernel)
         ACT: tl.constexpr,  # -1: x is the input; else x is [gate | up] (2K wide), input act(gate) * up
         LIBDEVICE: tl.constexpr,  # compiled: CUDA's exp/tanh (activation.gated_value)
         ROWS: tl.constexpr,  # power of two >= M
@@ -78,6 +95,18 @@ if HAS_TRITON:
         row_ids = tl.arange(0, ROWS)
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        rstd = tl.zeros((ROWS,), dtype=tl.float32)
+        if NORM > 0:  # norm.py's _rms_norm_kernel, row by row: the residual sum and each row's 1 / rms
+            hs = tl.arange(0, BLOCK_H)
+            for r in tl.static_range(ROWS):
+                rr = tl.minimum(r, M - 1)
+                xv = tl.load(x_ptr + rr * x_stride + hs, mask=hs < K, other=0.0)
+                rv = tl.load(res_ptr + rr * res_stride + hs, mask=hs < K, other=0.0)
+                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                writer = (pid == 0) & (r < M)  # one program stores the new residual
+                tl.store(res_out_ptr + rr * K + hs, xv, mask=hs < tl.where(writer, K, 0))
+                h = xv.to(tl.float32)
+                rstd = tl.where(row_ids == r, tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_k + eps), rstd)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
             k_ok = k < K
@@ -88,6 +117,15 @@ if HAS_TRITON:
                 # Padding rows (r >= M) read row M - 1 again; their sums are never stored.
                 x_row = x_ptr + tl.minimum(r, M - 1) * x_stride
                 xr = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                if NORM > 0:  # this chunk of rms_norm(x, residual), rounded where the norm kernel rounds
+                    rv = tl.load(res_ptr + tl.minimum(r, M - 1) * res_stride + k, mask=k_ok, other=0.0)
+                    h = (xr + rv.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    h = h * tl.sum(tl.where(row_ids == r, rstd, 0.0), axis=0)
+                    wn = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                    if NORM == 2:
+                        xr = (h * (1.0 + wn)).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    else:
+                        xr = (h.to(x_ptr.dtype.element_ty).to(tl.float32) * wn).to(x_ptr.dtype.element_ty).to(tl.float32)
                 if ACT >= 0:  # the gated activation's output, rounded as its own kernel stores it
                     up = tl.load(x_row + K + k, mask=k_ok, other=0.0).to(tl.float32)
                     xr = gated_value(xr, up, ACT, LIBDEVICE, x_ptr.dtype.element_ty)
@@ -126,24 +164,60 @@ def skinny_linear(
     act: str | None = None,  # x is [M, 2K] = [gate | up]: the product of W with act(gate) * up
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape[0], x.shape[1] // (1 if act is None else 2)
+    code = -1 if act is None else kernel_act(act)
+    assert code is not None, f"the kernels lack activation {act!r}"
+    _check(x, weight, bias, m, k)
+    if not use_triton(x.device):
+        return skinny_linear_ref(x, weight, bias, act)
+    return _launch(x, weight, bias, tiles, code, m, k)
+
+
+def skinny_norm_linear(
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS
+    residual: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    unit_offset: bool,  # Gemma's RMSNorm (norm.py)
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([M, N], x + residual [M, K])
+    """The product of W with rms_norm(x, residual) (norm.py's fused residual form), the norm in
+    the same launch: each program recomputes the rows' 1 / rms, program 0 stores x + residual."""
+    m, k = x.shape
+    _check(x, weight, bias, m, k)
+    assert residual.shape == x.shape and residual.dtype == x.dtype and norm_weight.shape == (k,), "norm inputs"
+    assert norm_weight.dtype == x.dtype, "the norm's output keeps x's dtype"
+    if not use_triton(x.device):
+        normed, res_out = rms_norm_ref(x, norm_weight, eps, residual, unit_offset)
+        return skinny_linear_ref(normed, weight, bias), res_out
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    norm = (residual, norm_weight, res_out, eps, 2 if unit_offset else 1)
+    return _launch(x, weight, bias, None, -1, m, k, norm), res_out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int, k: int) -> None:
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS, f"the skinny kernel takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.dim() == 2 and weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     assert x.dtype == weight.dtype and (bias is None or bias.shape == (n,)), "x, weight (and bias) of one dtype"
-    code = -1 if act is None else kernel_act(act)
-    assert code is not None, f"the kernels lack activation {act!r}"
-    if not use_triton(x.device):
-        return skinny_linear_ref(x, weight, bias, act)
+
+
+def _launch(x, weight, bias, tiles, code: int, m: int, k: int, norm: tuple | None = None) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
+    n = weight.shape[0]
     block_n, block_k, warps, stages = skinny_tiles(k) if tiles is None else tiles
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, res_out, eps, norm_code = (x, x, x, 0.0, 0) if norm is None else norm
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, x.stride(0), weight, weight.stride(0), out if bias is None else bias, out, m, n, k,
-        HAS_BIAS=bias is not None, ACT=code, LIBDEVICE=not TRITON_INTERPRET, ROWS=triton.next_power_of_2(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=False,  # no fma: each product rounded, as the activation's own kernel does
+        x, x.stride(0), weight, weight.stride(0), out if bias is None else bias, out,
+        residual, residual.stride(0), norm_weight, res_out, m, n, k, 1.0 / k, eps,
+        HAS_BIAS=bias is not None, NORM=norm_code, BLOCK_H=triton.next_power_of_2(k) if norm_code else 16, ACT=code,
+        LIBDEVICE=not TRITON_INTERPRET, ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False,  # no fma: each product rounded, as the norm's and activation's own kernels do
     )  # fmt: skip
     return out

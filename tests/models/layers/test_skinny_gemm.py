@@ -7,7 +7,10 @@ added to the wrong columns or not at all, a row's result depending on how many r
 it (it must be bitwise the same alone), `Linear` taking the kernel where it must not (CPU
 tensors, fp32, more than LINEAR_MAX_ROWS rows); with the gated activation in the same launch:
 gate and up swapped or offset, act(gate) or the product not rounded where the activation's own
-kernel rounds (the fused launch must equal that kernel followed by the plain one, bitwise).
+kernel rounds (the fused launch must equal that kernel followed by the plain one, bitwise); with
+the residual add and RMSNorm in the same launch: a row's 1 / rms taken from a chunk instead of
+the whole row (K = 1030 spans three chunks), the new residual not stored or stored for padding
+rows, Gemma's 1 + w scale, the norm rounded elsewhere than norm.py's kernel rounds (bitwise again, interpreted).
 """
 
 from __future__ import annotations
@@ -60,9 +63,38 @@ def _check_gated(device: str = "cpu", dtypes=(torch.float32, torch.float16)) -> 
                 assert err <= 0, f"{act} m={m} n={n} k={k} {dtype}: off by {err} beyond tolerance"
 
 
+def _check_normed(device: str = "cpu", dtypes=(torch.float32, torch.float16), bitwise: bool = True) -> None:
+    from slotrunner.models.layers.norm import rms_norm, rms_norm_ref
+    from slotrunner.models.layers.skinny_gemm import skinny_linear, skinny_linear_ref, skinny_norm_linear
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype in dtypes:
+        for unit_offset in (False, True):
+            for m, n, k in [(1, 40, 1030), (2, 9, 96), (3, 33, 300)]:
+                x = (2 * torch.randn(m, k, generator=gen)).to(device, dtype)
+                res = torch.randn(m, k, generator=gen).to(device, dtype)
+                nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(device, dtype)
+                w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+                bias = torch.randn(n, generator=gen).to(device, dtype) if m == 2 else None
+                name = f"m={m} n={n} k={k} {dtype} unit_offset={unit_offset}"
+                got, got_res = skinny_norm_linear(x, res, nw, 1e-6, unit_offset, w, bias)
+                normed, want_res = rms_norm_ref(x, nw, 1e-6, res, unit_offset)
+                assert torch.equal(got_res, want_res), f"{name}: x + residual differs"
+                want = skinny_linear_ref(normed, w, bias)
+                tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+                err = float(((got.float() - want.float()).abs() - tol * (1 + want.float().abs())).max())
+                assert err <= 0, f"{name}: off by {err} beyond tolerance"
+                # fp32 on a CPU takes the native norm, not norm.py's kernel; compiled, the norm kernel
+                # may reduce a row over another number of warps than the GEMM's (1 / rms a bit off).
+                if dtype != torch.float32 and bitwise:
+                    kernel_normed, _ = rms_norm(x, nw, 1e-6, res, unit_offset)
+                    assert torch.equal(got, skinny_linear(kernel_normed, w, bias)), f"{name}: fused differs"
+
+
 def _interpreted():
     _check()
     _check_gated()
+    _check_normed()
 
 
 def test_kernel_matches_reference_interpreted(run_interpreted):
@@ -73,6 +105,7 @@ def test_kernel_matches_reference_interpreted(run_interpreted):
 def test_kernel_matches_reference_compiled():
     _check("cuda", (torch.float16, torch.bfloat16))
     _check_gated("cuda", (torch.float16, torch.bfloat16))
+    _check_normed("cuda", (torch.float16, torch.bfloat16), bitwise=False)
 
 
 def test_linear_takes_the_kernel_only_where_it_should():
