@@ -4,7 +4,8 @@ One request, `--input-len` prompt tokens, `--output-len` new tokens, greedy, EOS
 decode time per token excludes the first token (prefill): (wall - time to first token) /
 (output_len - 1). The weights-only floor is the time to read the weights once at 4.8 TB/s.
 Three engines in turn: CUDA graphs, CUDA graphs with every product through cuBLAS (the layers'
-skinny GEMM kernel off: `models/layers/skinny_gemm.py`), eager.
+skinny GEMM kernel off, and with it the norms and activations it fuses: `models/layers/skinny_gemm.py`),
+eager.
 
     python benchmarks/decode_latency.py --input-len 128 --output-len 512
 
