@@ -98,15 +98,16 @@ if HAS_TRITON:
         rstd = tl.zeros((ROWS,), dtype=tl.float32)
         if NORM > 0:  # norm.py's _rms_norm_kernel, row by row: the residual sum and each row's 1 / rms
             hs = tl.arange(0, BLOCK_H)
+            # (Names apart from the K loop's: compiled, a name keeps one shape through the loop.)
             for r in tl.static_range(ROWS):
                 rr = tl.minimum(r, M - 1)
-                xv = tl.load(x_ptr + rr * x_stride + hs, mask=hs < K, other=0.0)
-                rv = tl.load(res_ptr + rr * res_stride + hs, mask=hs < K, other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                row_x = tl.load(x_ptr + rr * x_stride + hs, mask=hs < K, other=0.0)
+                row_res = tl.load(res_ptr + rr * res_stride + hs, mask=hs < K, other=0.0)
+                row_x = (row_x.to(tl.float32) + row_res.to(tl.float32)).to(x_ptr.dtype.element_ty)
                 writer = (pid == 0) & (r < M)  # one program stores the new residual
-                tl.store(res_out_ptr + rr * K + hs, xv, mask=hs < tl.where(writer, K, 0))
-                h = xv.to(tl.float32)
-                rstd = tl.where(row_ids == r, tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_k + eps), rstd)
+                tl.store(res_out_ptr + rr * K + hs, row_x, mask=hs < tl.where(writer, K, 0))
+                row_h = row_x.to(tl.float32)
+                rstd = tl.where(row_ids == r, tl.math.rsqrt(tl.sum(row_h * row_h, axis=0) * inv_k + eps), rstd)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
             k_ok = k < K
