@@ -10,8 +10,8 @@ fp32 (no tensor cores: with <= 8 rows there is nothing to reuse).
 
 No split over K (no atomics) and tiles that depend on K alone: a column's sum runs in one fixed
 order, the same for every row count up to `MAX_ROWS`, so results do not vary between runs, with
-CUDA-graph replay, or with the batch (a batch-1 decode and a batch-1 verification of drafts
-compute a row's products bitwise alike).
+CUDA-graph replay, or with the number of rows the kernel is given (`Linear` gives it 1-2 rows;
+more go to cuBLAS, whose sums run in another order).
 
 The launch also takes what feeds the product where that is one small kernel of its own: the
 gated activation of an MLP's [gate | up] (`act`, the down projection's input: activation.py's
@@ -23,8 +23,9 @@ the last bit where the norm kernel reduces the row over another number of warps)
 
 `_skinny_gemm_kernel` (Triton) -> `skinny_linear()` / `skinny_norm_linear()` (checks, tile
 choice, dispatch through `use_triton`) -> `skinny_linear_ref()` (the torch specification: fp32
-products and sums, one rounding to the input dtype). `Linear` takes this path on CUDA for <= `LINEAR_MAX_ROWS` rows of
-a half precision input (`wants_skinny`); larger batches stay with cuBLAS.
+products and sums, one rounding to the input dtype). `Linear` takes this path on CUDA for
+<= `LINEAR_MAX_ROWS` rows of a half precision input (`wants_skinny`); larger batches stay with
+cuBLAS.
 """
 
 from __future__ import annotations
