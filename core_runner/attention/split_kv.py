@@ -2,8 +2,8 @@
 
 A decode launch of a few rows has one program per (row, KV head): eight programs for one row of
 Qwen3-0.6B, each walking every key tile of its row in turn, so the launch takes as long as one
-program's chain of dependent loads however idle the GPU is (~10 us a layer at batch 1). When
-the batch is small (`split_kv_splits`), the decode launch runs with a third grid dimension of
+program's chain of dependent loads however idle the GPU is (~10 us a layer at batch 1). When a
+decode-only step is small (`split_kv_splits`), the decode launch runs with a third grid dimension of
 NUM_SPLITS programs per (row, KV head): split s takes its row's key tiles
 [s * per, (s + 1) * per), per = cdiv(cdiv(seq_len, TILE_N), NUM_SPLITS) (whole decode tiles),
 and stores its online-softmax state (running max in log2 units, running sum, unnormalized

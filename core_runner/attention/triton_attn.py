@@ -394,7 +394,11 @@ def paged_attention(
     # fp32 models want fp32 products, not TF32 (ignored for 16-bit inputs).
     dot_precision = "ieee" if compute_dtype == torch.float32 else "tf32"
     part_acc = part_ml = q  # placeholders, never read without a shared prefix or splits
-    splits = 1 if shared is not None else split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)
+    # Decode-only steps split (a step with a prefill row is eager: its decode rows take one
+    # program each, sparing it the combine launch and the state buffer).
+    splits = 1
+    if shared is None and meta.max_query_len == 1:
+        splits = split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)
     if splits > 1:
         part_acc, part_ml = split_kv_state(meta.num_reqs, num_heads, splits, head_dim, q.device)
     if shared is not None:  # the keys every row shares, once per group of rows: the decode launch continues from there

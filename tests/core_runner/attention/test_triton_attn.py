@@ -9,9 +9,10 @@ bias applied in the wrong order, the bias distance unclamped, padded head dims (
 the dot products, a sliding-window row reading the freed blocks its table names before its
 window (KV-cache groups), padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
 last V element of the K half) or left with non-finite outputs, attention sinks left out of the
-softmax's running sum or counted once per split, split-KV decode (small batches: most cases here
-split, some are run unsplit too) merging its splits with the wrong weights or reading splits that
-never ran, and a row's output changing with the other rows of its batch (unsplit launches).
+softmax's running sum or counted once per split, split-KV decode (small decode-only batches:
+several cases here split, some are run unsplit too) merging its splits with the wrong weights
+or reading splits that never ran, and a row's output changing with the other rows of its batch
+(unsplit launches).
 
 Kernels run on CPU through the Triton interpreter in one subprocess per test (slow: shapes are
 tiny, tile sizes shrunk to 16 so that short rows still cross several key tiles). The GPU tests at
@@ -85,8 +86,9 @@ CASES = [
     Case("fp8 cache, saturating K/V", ((0, 5), (6, 1)), cache_dtype=torch.float8_e4m3fn, kv_scale=300.0),
     Case("fp8 cache, fp16 q, dim 40", MIXED, head_dim=40, dtype=torch.float16, cache_dtype=torch.float8_e4m3fn),
     Case("decode, 16 splits of one tile, group 2", ((200, 1), (77, 1)), num_heads=2, num_kv_heads=1),
-    Case("split, sinks, window 9", ((40, 1), (0, 5), (23, 1)), window=9, sinks=True),
-    Case("split, bias 40 distances, soft cap", ((60, 1), (0, 3)), num_distances=40, soft_cap=5.0),
+    Case("split, sinks, window 9", ((40, 1), (9, 1), (23, 1)), window=9, sinks=True),
+    Case("split, bias 40 distances, soft cap", ((60, 1), (17, 1)), num_distances=40, soft_cap=5.0),
+    Case("mixed, few rows: unsplit", ((40, 1), (0, 5), (23, 1)), window=9, sinks=True),
     Case("split, fp8 cache", ((50, 1), (7, 1)), cache_dtype=torch.float8_e4m3fn),
     Case("decode at block edges, unsplit", ((2, 1), (3, 1), (4, 1), (35, 1), (0, 1)), tiles=NO_SPLIT),
     Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
