@@ -115,6 +115,18 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_gated(self.gate_up_proj(x), self.act.act)
 
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), x + residual) with h, x + residual = norm(x, residual): the residual add and
+        norm in the gate/up projection's launch where it can (`Linear.forward_normed`); a
+        subclass with its own forward gets the norm first."""
+        if type(self).forward is not LlamaMLP.forward:
+            x, residual = norm(x, residual)
+            return self(x), residual
+        h, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj.forward_gated(h, self.act.act), residual
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
@@ -127,21 +139,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
-        if residual is None or type(attn).forward is not QKVAttention.forward:
-            if residual is None:
-                residual, x = x, self.input_layernorm(x)
-            else:
-                x, residual = self.input_layernorm(x, residual)
-            x = attn(positions, x)
-        else:  # each norm in the launch of the product after it, where the skinny GEMM runs (Linear)
-            qkv, residual = attn.qkv_proj.forward_normed(x, residual, self.input_layernorm)
-            x = attn.forward_qkv(positions, qkv)
-        if type(mlp).forward is not LlamaMLP.forward:  # a subclass's own MLP
+        # Each norm runs in the launch of the product after it where the skinny GEMM can (Linear).
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+            x = self.self_attn(positions, x)
+        else:
+            x, residual = self.self_attn.forward_normed(positions, x, residual, self.input_layernorm)
+        if not isinstance(self.mlp, LlamaMLP):  # a subclass's own MLP module
             x, residual = self.post_attention_layernorm(x, residual)
-            return mlp(x), residual
-        h, residual = mlp.gate_up_proj.forward_normed(x, residual, self.post_attention_layernorm)
-        return mlp.down_proj.forward_gated(h, mlp.act.act), residual
+            return self.mlp(x), residual
+        return self.mlp.forward_normed(x, residual, self.post_attention_layernorm)
 
     def native_parts(self) -> NativeLayerParts | None:
         """The layer's parts for the CPU's one-call decode (models/layers/native_decode.py), or

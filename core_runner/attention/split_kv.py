@@ -1,7 +1,7 @@
 """Split-KV decode for small batches of the Triton attention (`triton_attn.py`), flash-decoding.
 
 A decode launch of a few rows has one program per (row, KV head): eight programs for one row of
-Qwen3-0.6B, each walking every key tile of its row in turn, so the launch takes as long as one
+a model with eight KV heads, each walking every key tile of its row in turn, so the launch takes as long as one
 program's chain of dependent loads however idle the GPU is (~10 us a layer at batch 1). When a
 decode-only step is small (`split_kv_splits`), the decode launch runs with a third grid dimension of
 NUM_SPLITS programs per (row, KV head): split s takes its row's key tiles
@@ -49,6 +49,12 @@ def split_kv_state(num_reqs: int, num_heads: int, splits: int, head_dim: int, de
 if HAS_TRITON:
 
     @triton.jit
+    def split_tiles(kv_len, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """Key tiles each split of a row with `kv_len` keys takes (the last may take fewer):
+        the one rule the decode launch and the combine share."""
+        return tl.maximum(tl.cdiv(tl.cdiv(kv_len, TILE_N), NUM_SPLITS), 1)
+
+    @triton.jit
     def _split_kv_combine_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         stride_ot,
@@ -69,9 +75,7 @@ if HAS_TRITON:
         if tl.load(query_start_loc_ptr + row + 1) - q_start != 1:  # not a decode row of the launch
             return
         seq_len = tl.load(seq_lens_ptr + row)
-        n_tiles = tl.cdiv(seq_len, TILE_N)
-        per = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
-        used = tl.cdiv(n_tiles, per)  # splits that ran (the others returned at once)
+        used = tl.cdiv(tl.cdiv(seq_len, TILE_N), split_tiles(seq_len, TILE_N, NUM_SPLITS))  # splits that ran
         s = tl.arange(0, NUM_SPLITS)
         ok = s < used
         part = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [NUM_SPLITS]
@@ -84,9 +88,8 @@ if HAS_TRITON:
         d_ok = d < HEAD_DIM
         acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.sum(acc * w[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
-        tl.store(
-            out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok
-        )
+        out = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def combine_splits(

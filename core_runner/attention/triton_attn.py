@@ -46,6 +46,9 @@ from slotrunner.core_runner.attention.shared_prefix import shared_prefix_applies
 from slotrunner.core_runner.attention.split_kv import combine_splits, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
+if HAS_TRITON:
+    from slotrunner.core_runner.attention.split_kv import split_tiles
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 
@@ -234,7 +237,7 @@ if HAS_TRITON:
         split = 0
         if NUM_SPLITS > 1:  # this program's share of the row's key tiles (split_kv.py)
             split = tl.program_id(2)
-            per = tl.maximum(tl.cdiv(tl.cdiv(kv_end, TILE_N), NUM_SPLITS), 1) * TILE_N
+            per = split_tiles(kv_end, TILE_N, NUM_SPLITS) * TILE_N
             if split * per >= kv_end:
                 return  # past the row's last key: the combine reads only the splits before
         if USE_WINDOW:

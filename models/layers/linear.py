@@ -44,10 +44,15 @@ class Linear(nn.Linear):
             return packed_linear(x, self.packed, self.bias)
         return dense_linear(x, self.weight, self.bias)
 
+    def _fuses(self, x: torch.Tensor, act: str | None = None) -> bool:
+        """Whether the skinny kernel computes this layer's product of `x` and may take in the
+        small kernel before it (a subclass with its own forward, e.g. tensor-parallel, never)."""
+        return self.packed is None and type(self).forward is Linear.forward and wants_skinny(x, self.weight, act)
+
     def forward_gated(self, h: torch.Tensor, act: str) -> torch.Tensor:
         """self(act(gate) * up) for h = [gate | up] (an MLP's down projection): in one launch
         with the product where the skinny kernel takes it (a GPU decode of 1-2 rows)."""
-        if self.packed is None and type(self).forward is Linear.forward and wants_skinny(h, self.weight, act):
+        if self._fuses(h, act):
             return skinny_linear(h, self.weight, self.bias, act=act)
         return self(gated_act(h, act))
 
@@ -56,10 +61,7 @@ class Linear(nn.Linear):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), x + residual) with h, x + residual = norm(x, residual) (a decoder layer's
         residual add, norm and first product): in one launch where the skinny kernel takes it."""
-        if (
-            self.packed is None and type(self).forward is Linear.forward and type(norm).forward is RMSNorm.forward
-            and wants_skinny(x, self.weight) and residual.dtype == x.dtype == norm.weight.dtype
-        ):  # fmt: skip
+        if type(norm).forward is RMSNorm.forward and residual.dtype == x.dtype == norm.weight.dtype and self._fuses(x):
             return skinny_norm_linear(x, residual, norm.weight, norm.eps, norm.unit_offset, self.weight, self.bias)
         x, residual = norm(x, residual)
         return self(x), residual

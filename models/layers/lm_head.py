@@ -59,7 +59,7 @@ def vocab_logits(
         hidden = hidden.to(table.weight.dtype)
         # One row (a batch-1 decode): the skinny kernel reads the table at 4.3 TB/s against
         # cuBLAS's 4.1 on one H200 (Qwen3's 151936 x 1024: 71 against 75 us); from two rows on it loses.
-        one_row = hidden.shape[0] == 1 and wants_skinny(hidden, table.weight)
+        one_row = wants_skinny(hidden, table.weight, max_rows=1)
         logits = skinny_linear(hidden, table.weight) if one_row else F.linear(hidden, table.weight)
     if isinstance(table, VocabParallel):  # each rank holds a slice of the vocabulary: gather them
         logits = table.gather_logits(logits)

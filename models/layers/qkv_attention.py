@@ -44,9 +44,20 @@ class QKVAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         return self.forward_qkv(positions, self.qkv_proj(x))
 
+    def forward_normed(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(positions, h), x + residual) with h, x + residual = norm(x, residual): the
+        decoder layer's residual add and norm in the q/k/v projection's launch where it can
+        (`Linear.forward_normed`); a subclass with its own forward gets the norm first."""
+        if type(self).forward is not QKVAttention.forward:
+            x, residual = norm(x, residual)
+            return self(positions, x), residual
+        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        return self.forward_qkv(positions, qkv), residual
+
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:  # [num_tokens, q + 2 kv]
-        """The layer after its q/k/v projection (a decoder layer that fused the projection with
-        its norm calls this: LlamaDecoderLayer)."""
+        """The layer after its q/k/v projection."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]

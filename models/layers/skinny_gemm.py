@@ -115,6 +115,8 @@ if HAS_TRITON:
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             # Each x row against the W tile loaded once: its partial sums over this K chunk, in
             # the same order whatever ROWS is (a row's result does not depend on the batch).
+            if NORM > 0:  # the norm's weight over this chunk, for every row
+                wn = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             for r in tl.static_range(ROWS):
                 # Padding rows (r >= M) read row M - 1 again; their sums are never stored.
                 x_row = x_ptr + tl.minimum(r, M - 1) * x_stride
@@ -123,11 +125,11 @@ if HAS_TRITON:
                     rv = tl.load(res_ptr + tl.minimum(r, M - 1) * res_stride + k, mask=k_ok, other=0.0)
                     h = (xr + rv.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
                     h = h * tl.sum(tl.where(row_ids == r, rstd, 0.0), axis=0)
-                    wn = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                     if NORM == 2:
                         xr = (h * (1.0 + wn)).to(x_ptr.dtype.element_ty).to(tl.float32)
                     else:
-                        xr = (h.to(x_ptr.dtype.element_ty).to(tl.float32) * wn).to(x_ptr.dtype.element_ty).to(tl.float32)
+                        xr = h.to(x_ptr.dtype.element_ty).to(tl.float32) * wn
+                        xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
                 if ACT >= 0:  # the gated activation's output, rounded as its own kernel stores it
                     up = tl.load(x_row + K + k, mask=k_ok, other=0.0).to(tl.float32)
                     xr = gated_value(xr, up, ACT, LIBDEVICE, x_ptr.dtype.element_ty)
@@ -149,11 +151,13 @@ def skinny_tiles(k: int) -> tuple[int, int, int, int]:
     return 8, 512, 4, 3
 
 
-def wants_skinny(x: torch.Tensor, weight: torch.Tensor, act: str | None = None) -> bool:
+def wants_skinny(
+    x: torch.Tensor, weight: torch.Tensor, act: str | None = None, max_rows: int = LINEAR_MAX_ROWS
+) -> bool:
     """Whether `Linear` takes the skinny kernel for this product (with `act`: over the gated
-    activation of x = [gate | up], in the same launch)."""
+    activation of x = [gate | up], in the same launch), for at most `max_rows` rows."""
     return (
-        ENABLED and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS
+        ENABLED and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= max_rows
         and x.dtype in _HALF and weight.dtype == x.dtype and (act is None or kernel_act(act) is not None)
     )  # fmt: skip
 
