@@ -7,8 +7,12 @@ decode-only step is small (`split_kv_splits`), the decode launch runs with a thi
 NUM_SPLITS programs per (row, KV head): split s takes its row's key tiles
 [s * per, (s + 1) * per), per = cdiv(cdiv(seq_len, TILE_N), NUM_SPLITS) (whole decode tiles),
 and stores its online-softmax state (running max in log2 units, running sum, unnormalized
-accumulator) instead of an output; `_split_kv_combine_kernel` then merges a row's splits in
-order and writes the output. The grid depends on the batch size only, so CUDA graphs capture it.
+accumulator). The last split of a (row, KV head) to finish merges them in split order and writes
+the output (`merge_when_last`, stream-K's fix-up): each split counts itself in an arrival counter
+after its state is stored, and the one that sees every other split arrived merges and resets the
+counter to 0 for the next launch. Merging there instead of in a launch of its own spares a
+launch a layer (2.25 us on one H200 at batch 1, where every launch sits at its latency floor).
+The grid depends on the batch size only, so CUDA graphs capture it.
 
 A split row's output is the same attention with its sums in another order: a row decoded in a
 batch of at most MAX_ROWS rows (and `TileConfig.split_kv_programs`) may differ in the last bits
@@ -46,64 +50,66 @@ def split_kv_state(num_reqs: int, num_heads: int, splits: int, head_dim: int, de
     )
 
 
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_kv_counters(num_counters: int, device: torch.device) -> torch.Tensor:
+    """Arrival counters of split launches, one per (row, KV head), zero between launches: one
+    buffer per device, shared by every layer and by CUDA graphs, since the launches on a device
+    run one after another on the runner's stream. A larger buffer, when needed, is added beside the
+    old one, which graphs captured before may still name. The first split launch of a process
+    runs eagerly (CUDA-graph warm-up does), so the buffer is zeroed before any capture."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < num_counters:
+        buffers.append(torch.zeros(max(num_counters, 64), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 if HAS_TRITON:
 
     @triton.jit
     def split_tiles(kv_len, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-        """Key tiles each split of a row with `kv_len` keys takes (the last may take fewer):
-        the one rule the decode launch and the combine share."""
+        """Key tiles each split of a row with `kv_len` keys takes (the last may take fewer)."""
         return tl.maximum(tl.cdiv(tl.cdiv(kv_len, TILE_N), NUM_SPLITS), 1)
 
     @triton.jit
-    def _split_kv_combine_kernel(
-        out_ptr,  # [num_tokens, num_heads, head_dim]
-        stride_ot,
-        stride_oh,
+    def merge_when_last(
+        counter_ptr,  # this (row, KV head)'s arrival counter
+        used,  # splits of the row that run
         part_acc_ptr,  # [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM] fp32
         part_ml_ptr,  # [num_reqs, num_heads, NUM_SPLITS, 2] fp32
-        seq_lens_ptr,  # [num_reqs] int32
-        query_start_loc_ptr,  # [num_reqs + 1] int32
-        NUM_HEADS: tl.constexpr,
+        part0,  # [BLOCK_M] int64: state index of (row, head, split 0) of each M row
+        out_ptrs,  # [BLOCK_M, HEAD_DIM_P2] where each M row's output goes
+        row_ok,  # [BLOCK_M] real query heads
+        d,  # [HEAD_DIM_P2] channel
         HEAD_DIM: tl.constexpr,
-        HEAD_DIM_P2: tl.constexpr,
-        TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
     ):
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        q_start = tl.load(query_start_loc_ptr + row)
-        if tl.load(query_start_loc_ptr + row + 1) - q_start != 1:  # not a decode row of the launch
-            return
-        seq_len = tl.load(seq_lens_ptr + row)
-        used = tl.cdiv(tl.cdiv(seq_len, TILE_N), split_tiles(seq_len, TILE_N, NUM_SPLITS))  # splits that ran
-        s = tl.arange(0, NUM_SPLITS)
-        ok = s < used
-        part = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + s  # [NUM_SPLITS]
-        m = tl.load(part_ml_ptr + 2 * part, mask=ok, other=float("-inf"))
-        l_s = tl.load(part_ml_ptr + 2 * part + 1, mask=ok, other=0.0)
-        m_max = tl.max(m, 0)
-        w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for splits with no key
-        l_sum = tl.sum(l_s * w, 0)
-        d = tl.arange(0, HEAD_DIM_P2)
-        d_ok = d < HEAD_DIM
-        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.sum(acc * w[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
-        out = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-def combine_splits(
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    part_acc: torch.Tensor,  # [num_reqs, num_heads, splits, head_dim] fp32
-    part_ml: torch.Tensor,  # [num_reqs, num_heads, splits, 2] fp32
-    seq_lens: torch.Tensor,  # [num_reqs] int32
-    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    tile_n: int,
-) -> None:
-    """Merge each decode row's split states into its output row."""
-    num_reqs, num_heads, splits, head_dim = part_acc.shape
-    _split_kv_combine_kernel[(num_reqs, num_heads)](
-        out, out.stride(0), out.stride(1), part_acc, part_ml, seq_lens, query_start_loc,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)), TILE_N=tile_n,
-        NUM_SPLITS=splits,
-    )  # fmt: skip
+        """Called by every split of a (row, KV head) after storing its state: the last one to
+        arrive merges the row's splits and writes its output."""
+        tl.debug_barrier()  # every thread's state stores come before the release below
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == used - 1:
+            tl.store(counter_ptr, 0)  # ready for the next launch (which starts after this one ends)
+            s = tl.arange(0, NUM_SPLITS)
+            idx = part0[:, None] + s[None, :]  # [BLOCK_M, NUM_SPLITS]
+            ok = row_ok[:, None] & (s < used)[None, :]
+            # .cg: read the other programs' states from L2, never from a stale L1 line.
+            m = tl.load(part_ml_ptr + 2 * idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_ml_ptr + 2 * idx + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            m_max = tl.max(m, 1)
+            w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])  # 0 for splits with no key
+            l_sum = tl.sum(l_s * w, 1)
+            d_ok = d < HEAD_DIM
+            acc = tl.zeros(out_ptrs.shape, tl.float32)
+            for j in range(0, used):
+                w_j = tl.sum(tl.where(s[None, :] == j, w, 0.0), 1)
+                a = tl.load(
+                    part_acc_ptr + (part0 + j)[:, None] * HEAD_DIM + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                acc += a * w_j[:, None]
+            acc = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

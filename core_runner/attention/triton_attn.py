@@ -12,7 +12,7 @@ Three kernels, each above its wrapper; their torch specifications are `write_kv`
   is loaded once per KV head. Two launches of the same kernel:
     * decode launch, grid (num_reqs, num_kv_heads, splits): one program per (row, KV head) handles
       every row with exactly one query token -- all of a decode-only batch; in a batch of a few
-      rows, `splits` programs share each row's key tiles (`split_kv.py`).
+      rows, `splits` programs share each row's key tiles and the last to finish merges them (`split_kv.py`).
     * prefill launch (only when max_query_len > 1), grid (num_tokens // BLOCK_Q + num_reqs,
       num_kv_heads): one program per (block of BLOCK_Q query tokens of one row, KV head), for
       rows with >= 2 query tokens. Row r owns programs [qsl[r] // BLOCK_Q + r, ...), an
@@ -43,11 +43,11 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.attention.shared_prefix import shared_prefix_applies, shared_prefix_state
-from slotrunner.core_runner.attention.split_kv import combine_splits, split_kv_splits, split_kv_state
+from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
-    from slotrunner.core_runner.attention.split_kv import split_tiles
+    from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
@@ -165,6 +165,7 @@ if HAS_TRITON:
         part_acc_ptr,  # [num_reqs, num_heads, HEAD_DIM] fp32 the prefix launch's state (SHARED_PREFIX),
         # or out: [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM] each split's state (NUM_SPLITS > 1)
         part_ml_ptr,  # [num_reqs, num_heads, (NUM_SPLITS,) 2] fp32 running max and sum, the same way
+        counters_ptr,  # [>= num_reqs * NUM_KV_HEADS] int32 split arrival counters (NUM_SPLITS > 1)
         num_reqs,
         scale,
         soft_cap,
@@ -238,8 +239,9 @@ if HAS_TRITON:
         if NUM_SPLITS > 1:  # this program's share of the row's key tiles (split_kv.py)
             split = tl.program_id(2)
             per = split_tiles(kv_end, TILE_N, NUM_SPLITS) * TILE_N
-            if split * per >= kv_end:
-                return  # past the row's last key: the combine reads only the splits before
+            used = tl.maximum(tl.cdiv(kv_end, per), 1)  # split 0 runs even for a row with no key
+            if split >= used:
+                return  # past the row's last key: the merge reads only the splits before
         if USE_WINDOW:
             # Tiles stay aligned to multiples of TILE_N, so the tiling of a row's keys does not
             # depend on how its queries are blocked.
@@ -304,18 +306,18 @@ if HAS_TRITON:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-        if NUM_SPLITS > 1:  # this split's state, merged by _split_kv_combine_kernel
-            part = (row.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS + split  # [BLOCK_M]
+        out_ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        if NUM_SPLITS > 1:  # this split's state; the last split of the row to finish merges them
+            part0 = (row.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS  # [BLOCK_M]
+            part = part0 + split
             tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
             tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+            counter = counters_ptr + row * NUM_KV_HEADS + kv_head
+            merge_when_last(counter, used, part_acc_ptr, part_ml_ptr, part0, out_ptrs, row_ok, d, HEAD_DIM, NUM_SPLITS)
             return
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def write_kv_triton(
@@ -397,6 +399,7 @@ def paged_attention(
     # fp32 models want fp32 products, not TF32 (ignored for 16-bit inputs).
     dot_precision = "ieee" if compute_dtype == torch.float32 else "tf32"
     part_acc = part_ml = q  # placeholders, never read without a shared prefix or splits
+    counters = meta.seq_lens  # placeholder, never touched without splits
     # Decode-only steps split (a step with a prefill row is eager: its decode rows take one
     # program each, sparing it the combine launch and the state buffer).
     splits = 1
@@ -404,6 +407,7 @@ def paged_attention(
         splits = split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)
     if splits > 1:
         part_acc, part_ml = split_kv_state(meta.num_reqs, num_heads, splits, head_dim, q.device)
+        counters = split_kv_counters(meta.num_reqs * num_kv_heads, q.device)
     if shared is not None:  # the keys every row shares, once per group of rows: the decode launch continues from there
         part_acc, part_ml = shared_prefix_state(
             spec, q, kv_cache, meta, shared, decode_block_m, tiles.decode_tile_n, tiles.num_warps, tiles.shared_num_stages,
@@ -415,7 +419,7 @@ def paged_attention(
         meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, meta.query_start_loc,
         q if no_bias else position_bias, 0 if no_bias else position_bias.stride(0),
         0 if no_bias else position_bias.stride(1), 1 if no_bias else position_bias.shape[1],
-        sinks if sinks is not None else q, shared if shared is not None else meta.seq_lens, part_acc, part_ml,
+        sinks if sinks is not None else q, shared if shared is not None else meta.seq_lens, part_acc, part_ml, counters,
         meta.num_reqs, spec.scale, spec.logits_soft_cap or 1.0, spec.sliding_window or 0,
     )  # fmt: skip
     common = dict(
@@ -445,8 +449,6 @@ def paged_attention(
         num_stages=tiles.decode_num_stages,
         **common,
     )
-    if splits > 1:
-        combine_splits(out, part_acc, part_ml, meta.seq_lens, meta.query_start_loc, tiles.decode_tile_n)
     if meta.max_query_len > 1:
         block_q = max(1, tiles.prefill_block_m // group)
         # sum over rows of cdiv(num_q, block_q) <= num_tokens // block_q + num_reqs

@@ -10,8 +10,9 @@ the dot products, a sliding-window row reading the freed blocks its table names 
 window (KV-cache groups), padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
 last V element of the K half) or left with non-finite outputs, attention sinks left out of the
 softmax's running sum or counted once per split, split-KV decode (small decode-only batches:
-several cases here split, some are run unsplit too) merging its splits with the wrong weights
-or reading splits that never ran, and a row's output changing with the other rows of its batch
+several cases here split, some are run unsplit too) merging its splits with the wrong weights,
+reading splits that never ran, or leaving an arrival counter set (the next launch then never
+merges: cases run several launches a process), and a row's output changing with the other rows of its batch
 (unsplit launches).
 
 Kernels run on CPU through the Triton interpreter in one subprocess per test (slow: shapes are
