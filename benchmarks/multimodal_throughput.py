@@ -12,6 +12,11 @@ ignored). Four runs of the same prompts' lengths, printed side by side:
   prompts through the default decoder state (the reference the text-only run should equal);
 - transformers `generate` on the image prompts, in batches of `--hf-batch`.
 
+Each slotrunner row also prints the run's engine steps, those that replayed a CUDA graph, and the
+mean wall time of a step. `--pre-read` adds a row: the multimodal engine again, its prompts read
+(media decoded and preprocessed) before the clock starts and added at once -- the run without its
+intake overlapping the steps; `--intake-workers N` sets the threads that read media prompts.
+
 Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
 text-only run within 10% of the LM as a decoder.
 
@@ -25,6 +30,7 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -90,7 +96,10 @@ def prompts_for(args: argparse.Namespace, config) -> tuple[list[dict], list[dict
     return media, text
 
 
-def run_slotrunner(path: str, prompts: list[dict], args: argparse.Namespace) -> tuple[float, int]:
+def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Namespace) -> list[tuple]:
+    """Rows (name, wall s, tokens, step stats) of one engine: the timed run, and with `--pre-read`
+    and media prompts a second one whose prompts were read (media decoded and preprocessed)
+    beforehand and are added at once: what the run costs without its intake overlapping it."""
     from slotrunner import LLM, SamplingParams
 
     llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
@@ -98,15 +107,63 @@ def run_slotrunner(path: str, prompts: list[dict], args: argparse.Namespace) -> 
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm_up(llm, prompts, params if args.full_warm_up else None)
     t0 = time.perf_counter()
-    list(llm._read_prompts(prompts, name_prompts=True))  # what reading the prompts (media) costs, on an idle engine
+    read = list(llm._read_prompts(prompts, name_prompts=True))  # what reading the prompts (media) costs, on an idle engine
     args.intake_s = time.perf_counter() - t0
     sync()
-    if args.profile and "multi_modal_data" in prompts[0]:
-        return profiled(lambda: llm.generate(prompts, params, use_tqdm=False))
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+    rows = []
+    with step_stats(llm) as stats:
+        if args.profile:
+            rows.append((name, *profiled(lambda: llm.generate(prompts, params, use_tqdm=False)), stats))
+        else:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sync()
+            rows.append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
+    if args.pre_read and "multi_modal_data" in prompts[0]:
+        engine = llm.engine
+        with step_stats(llm) as stats:
+            t0 = time.perf_counter()
+            for i, prompt in enumerate(read):
+                engine.add_request(f"pre-read-{i}", prompt, params)
+            tokens = 0
+            while engine.has_unfinished_requests():
+                tokens += sum(len(o.outputs[0].token_ids) for o in engine.step(final_only=True) if o.finished)
+            sync()
+            rows.append((name + ", read before", time.perf_counter() - t0, tokens, stats))
+    return rows
+
+
+@contextlib.contextmanager
+def step_stats(llm):
+    """Count the run's engine steps, the seconds spent in them, and the decode steps that replayed
+    a CUDA graph (the rest ran eagerly), into the dict it yields."""
+    engine, graphs = llm.engine, llm.engine.runner.cuda_graphs
+    counts = {"steps": 0, "step_s": 0.0, "replays": 0}
+    step = engine.step
+
+    def timed_step(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return step(*a, **kw)
+        finally:
+            counts["steps"] += 1
+            counts["step_s"] += time.perf_counter() - t0
+
+    engine.step = timed_step
+    if graphs is not None:
+        replay = graphs.run
+
+        def counted(batch):
+            counts["replays"] += 1
+            return replay(batch)
+
+        graphs.run = counted
+    try:
+        yield counts
+    finally:
+        del engine.step
+        if graphs is not None:
+            del graphs.run
 
 
 def profiled(generate) -> tuple[float, int]:
@@ -125,8 +182,8 @@ def profiled(generate) -> tuple[float, int]:
         sync()
         host.disable()
     wall = time.perf_counter() - t0
-    print(f"--- profile of the multimodal run ({wall:.2f} s wall with the profilers): host, by cumulative time")
-    pstats.Stats(host).sort_stats("cumulative").print_stats(30)
+    print(f"--- profile of a run ({wall:.2f} s wall with the profilers): host, by cumulative time")
+    pstats.Stats(host).sort_stats("cumulative").print_stats(25)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
     print(f"--- GPU kernels: {total / 1e6:.3f} s in all")
@@ -176,7 +233,10 @@ def main() -> None:
                    help="warm up on the whole run (full outputs), not two tokens a request: Triton specializes its "
                         "kernels on step sizes the short warm-up does not meet, and the first run of the process "
                         "would otherwise compile them while timed")
-    p.add_argument("--profile", action="store_true", help="profile the multimodal run (host and GPU); its wall time then includes the profilers")
+    p.add_argument("--pre-read", action="store_true",
+                   help="also time the multimodal engine on its prompts read beforehand (no intake during the run)")
+    p.add_argument("--intake-workers", type=int, default=None, help="threads reading media prompts (the family's default)")
+    p.add_argument("--profile", action="store_true", help="profile the slotrunner runs (host and GPU); their wall times then include the profilers")
     args = p.parse_args()
     args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     dtype = getattr(torch, args.dtype)
@@ -187,16 +247,21 @@ def main() -> None:
         media, text = prompts_for(args, config)
         print(f"{args.num_requests} requests x (one {config.vision_config.image_size}px image = "
               f"{config.image_seq_length} tokens + {args.text_len} text tokens) -> {args.output_len} tokens, {args.device}")  # fmt: skip
-        rows.append(("slotrunner, multimodal", *run_slotrunner(str(directory / "llava"), media, args)))
+        if args.intake_workers is not None:
+            from slotrunner.model_states.multimodal import MultimodalModelState
+
+            MultimodalModelState.intake_workers = args.intake_workers
+        rows += run_slotrunner("slotrunner, multimodal", str(directory / "llava"), media, args)
         intake = args.intake_s  # reading the image prompts (decode, preprocess), overlapped with the multimodal run's steps
-        rows.append(("slotrunner, LLaVA text-only", *run_slotrunner(str(directory / "llava"), text, args)))
-        rows.append(("slotrunner, LM as a decoder", *run_slotrunner(str(directory / "lm"), text, args)))
+        rows += run_slotrunner("slotrunner, LLaVA text-only", str(directory / "llava"), text, args)
+        rows += run_slotrunner("slotrunner, LM as a decoder", str(directory / "lm"), text, args)
         if not args.skip_hf:
-            rows.append(("transformers generate", *run_hf(model, directory, media, args)))
+            rows.append(("transformers generate", *run_hf(model, directory, media, args), None))
     base = rows[0][2] / rows[0][1]
-    print(f"{'run':<30} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14}")
-    for name, wall, tokens in rows:
-        print(f"{name:<30} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x")
+    print(f"{'run':<34} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9}")
+    for name, wall, tokens, st in rows:
+        steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f}"
+        print(f"{name:<34} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x{steps}")
     print(f"reading the {args.num_requests} image prompts alone: {intake:.2f} s (intake threads; generate() steps the engine meanwhile)")
 
 
