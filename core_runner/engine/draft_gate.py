@@ -33,7 +33,7 @@ step computes.
 
 from __future__ import annotations
 
-WARMUP = {"ngram": 32, "draft_model": 4}  # measured steps with drafts before the gate may withhold them
+WARMUP = {"ngram": 32, "draft_model": 2}  # measured steps with drafts before the gate may withhold them
 MIN_STEPS = 3  # steps measured without drafts before that figure counts
 PROBE_EVERY = 8  # decisions before the first probe of the arm not chosen
 MAX_PROBE_EVERY = 256  # the longest interval between probes

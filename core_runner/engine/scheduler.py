@@ -77,6 +77,7 @@ class Scheduler:
         self.draft_gate = DraftGate(spec.method) if spec is not None else None
         self._drafts_proposed = spec is not None
         self._last_update: float | None = None  # when update() last ran (the draft gate's clock)
+        self._last_settled = False  # the last scheduled step had to be processed before the next
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -232,9 +233,9 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
                 continue
             num_drafts = 0
-            if num_uncomputed != 1:
+            if num_uncomputed + num_pending != 1:  # a decode row: its last token known, or pending (async)
                 decode_only = False
-            elif use_drafts and request.num_spec_tokens:
+            elif num_uncomputed and use_drafts and request.num_spec_tokens:
                 # A decode with drafts: the last token and the drafts after it (their KV is
                 # written too; rejected ones are overwritten later, update() rolls back).
                 num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(max_model_len))
@@ -314,10 +315,16 @@ class Scheduler:
         if self.state_checkpoints is not None:
             self.state_checkpoints.end_step()
         out.carries_drafts = drafts_scheduled
-        # Measured: decode-only steps that carry drafts and propose the next, or do neither.
+        # Measured: decode-only steps that carry drafts and propose the next, or do neither --
+        # except, under async scheduling, the first of those without drafts after a step that had
+        # to be processed first: nothing overlapped it, so the time since the last update() is
+        # its whole latency, not the pipeline's period that the steps after it take (on one H200
+        # it doubled the figure of going without drafts and made the gate probe drafts too often).
+        refill = self.async_scheduling and self._last_settled and not drafts_scheduled
         if (self.draft_gate is not None and decode_only and out.num_scheduled_tokens and not out.new_reqs
-                and use_drafts == out.propose_drafts):  # fmt: skip
+                and use_drafts == out.propose_drafts and not refill):  # fmt: skip
             out.gate_arm, out.scheduled_at = drafts_scheduled, time.perf_counter()
+        self._last_settled = out.needs_settling
         return out
 
     def _advance(self, request: Request, num_computed: int) -> None:

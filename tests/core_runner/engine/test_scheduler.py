@@ -436,3 +436,37 @@ def test_decode_rows_grow_exactly_when_they_cross_a_block_boundary() -> None:
             crossing = num_computed % cfg.block_size == 0  # the token it computes starts a block
             assert (req_id in out.cached_reqs.new_block_ids) == crossing, (req_id, num_computed)
     sched.block_manager.check_invariants()
+
+
+def test_draft_gate_skips_the_pipeline_refill_after_a_settled_step() -> None:
+    """Guards against: under async scheduling, the first step without drafts after one that had
+    to be processed before the next was scheduled (it carried drafts) measured as a step of the
+    'without drafts' arm -- its time since the last update is its whole latency, not the
+    pipeline's period, which inflated that arm's cost. The step after it is measured."""
+    from slotrunner.core_runner.config import SpeculativeConfig
+
+    sched = Scheduler(make_config(speculative_config=SpeculativeConfig(num_speculative_tokens=2)), async_scheduling=True)
+    answers = iter([True, True, False, False, False, False])
+    sched.draft_gate.want_drafts = lambda: next(answers)
+    observed: list[bool] = []
+    sched.draft_gate.observe = lambda arm, seconds, emitted: observed.append(arm)
+    sched.add_request(make_request("r", 4, max_tokens=30, ignore_eos=True))
+
+    def settle(out: SchedulerOutput, sampled: list[int], drafts: int) -> None:
+        sched.update(out, ModelRunnerOutput(["r"], [sampled], num_draft_tokens=[drafts]))
+
+    prefill = sched.schedule()  # proposes: processed before the next is scheduled
+    settle(prefill, [TOKEN_BASE], 2)
+    verify = sched.schedule()  # carries 2 drafts and proposes the next: measured, drafts arm
+    assert verify.carries_drafts and verify.gate_arm is True
+    settle(verify, [TOKEN_BASE + 1, TOKEN_BASE + 2, TOKEN_BASE + 3], 2)
+    last_verify = sched.schedule()  # carries drafts, proposes none: a change of arm, unmeasured
+    assert last_verify.carries_drafts and not last_verify.propose_drafts and last_verify.gate_arm is None
+    settle(last_verify, [TOKEN_BASE + 4], 0)
+    refill = sched.schedule()  # neither, but nothing overlapped it: unmeasured
+    assert not refill.needs_settling and refill.gate_arm is None
+    overlapped = sched.schedule()  # scheduled before the refill step's update: measured
+    assert overlapped.gate_arm is False
+    sched.update(refill, ModelRunnerOutput(["r"], [[TOKEN_BASE + 5]], num_draft_tokens=[0]))
+    sched.update(overlapped, ModelRunnerOutput(["r"], [[TOKEN_BASE + 6]], num_draft_tokens=[0]))
+    assert observed == [True, False]
