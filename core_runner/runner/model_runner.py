@@ -177,7 +177,11 @@ class ModelRunner:
         if step is None:
             return done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = step.batch
-        if self.speculator is not None:
+        # A step of a speculating engine that carries no drafts and proposes none (the draft gate
+        # withholds them) samples as a plain one: the verification's dozen small ops kept such
+        # steps host-bound, ~1.3-1.8 ms a token against 0.97 at batch 1 on one H200.
+        speculating = self.speculator is not None
+        if speculating and (step.propose_drafts or int(batch.num_draft_np.max(initial=0)) > 0):
             return self._sample_and_verify(step)
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
@@ -201,12 +205,13 @@ class ModelRunner:
                 sampled_ids = [[t] for t in sampled]
             else:
                 sampled_ids = [[t] if keep else [] for t, keep in zip(sampled, batch.sample_mask_np.tolist())]
+            no_drafts = [0] * batch.num_reqs if speculating else None  # none proposed for the next step
             if "lp_ids" not in host:  # the common case
-                return ModelRunnerOutput(batch.req_ids, sampled_ids, [None] * batch.num_reqs, prompt_logprobs)
+                return ModelRunnerOutput(batch.req_ids, sampled_ids, [None] * batch.num_reqs, prompt_logprobs, no_drafts)
             lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
             logprobs = to_token_logprobs(lp, batch.sample_mask_np, wanted)
             row_logprobs = [[entry] if entry is not None else None for entry in logprobs]
-            return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs)
+            return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, no_drafts)
 
         return AsyncOutput(tensors, finish, self._copy_stream)
 
