@@ -15,9 +15,7 @@ ignored). Four runs of the same prompts' lengths, printed side by side:
 Each slotrunner row also prints the run's engine steps, those that replayed a CUDA graph, and the
 mean wall time of a step. `--pre-read` adds a row: the multimodal engine again, its prompts read
 (media decoded and preprocessed) before the clock starts and added at once -- the run without its
-intake overlapping the steps; `--intake-workers N` sets the threads that read media prompts; `--switch-ab` adds the multimodal
-engine again with the interpreter's switch interval left as it is while they read (slotrunner.llm's
-INTAKE_SWITCH_INTERVAL).
+intake overlapping the steps; `--intake-workers N` sets the threads that read media prompts.
 
 Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
 text-only run within 10% of the LM as a decoder.
@@ -121,18 +119,6 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
             outs = llm.generate(prompts, params, use_tqdm=False)
             sync()
             rows.append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
-    if args.switch_ab and "multi_modal_data" in prompts[0]:
-        import slotrunner.llm as llm_module
-
-        kept, llm_module.INTAKE_SWITCH_INTERVAL = llm_module.INTAKE_SWITCH_INTERVAL, None
-        try:
-            with step_stats(llm) as stats:
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                sync()
-                rows.append((name + ", interval as is", time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
-        finally:
-            llm_module.INTAKE_SWITCH_INTERVAL = kept
     if args.pre_read and "multi_modal_data" in prompts[0]:
         engine = llm.engine
         with step_stats(llm) as stats:
@@ -249,8 +235,6 @@ def main() -> None:
                         "would otherwise compile them while timed")
     p.add_argument("--pre-read", action="store_true",
                    help="also time the multimodal engine on its prompts read beforehand (no intake during the run)")
-    p.add_argument("--switch-ab", action="store_true",
-                   help="also time the multimodal engine with the interpreter's switch interval left as it is while intake threads read")
     p.add_argument("--intake-workers", type=int, default=None, help="threads reading media prompts (the family's default)")
     p.add_argument("--profile", action="store_true", help="profile the slotrunner runs (host and GPU); their wall times then include the profilers")
     args = p.parse_args()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,17 +22,6 @@ from slotrunner.llm_engine import LLMEngine
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
 from slotrunner.tensor_parallel import serve_worker
-
-
-# While intake threads read media prompts, the engine steps on this thread and waits on the GPU
-# every step, handing the GIL to a reader; to get it back it waits until that reader blocks or
-# is made to yield, which a thread in pure Python (a processor's argument handling) does only
-# after the interpreter's switch interval, 5 ms by default. A decode step of 128 rows takes ~6 ms,
-# so the readers stretched the steps they overlapped: on one H200 the LLaVA workload of
-# benchmarks/multimodal_throughput.py took 2.94 s with its prompts read during the run and 1.77
-# s with them read beforehand (0.37 s of reading alone). Readers are made to yield sooner while
-# they run (the previous interval is restored after); None leaves the interval alone.
-INTAKE_SWITCH_INTERVAL: float | None = 2e-4
 
 
 class LLM:
@@ -337,9 +325,6 @@ class LLM:
             yield from prompts
             return
         pool = ThreadPoolExecutor(workers, thread_name_prefix="slotrunner-intake")
-        switch_interval = sys.getswitchinterval()
-        if INTAKE_SWITCH_INTERVAL is not None:
-            sys.setswitchinterval(min(switch_interval, INTAKE_SWITCH_INTERVAL))
         try:
             futures = [pool.submit(self.engine.process_prompt, p) for p in prompts]
             for i, future in enumerate(futures):
@@ -354,7 +339,6 @@ class LLM:
                 yield read
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            sys.setswitchinterval(switch_interval)
 
     def _step_while_reading(self) -> bool:
         """One engine step while a prompt is being read (its outputs kept for their consumers,
