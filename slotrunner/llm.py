@@ -293,8 +293,7 @@ class LLM:
         """Queue every prompt, in order, or none: whatever is raised while reading or adding (a
         ValueError naming the prompt, or anything else), the prompts added before it are aborted."""
         added: list[str] = []
-        # Other threads wait for this call's prompts: steps run meanwhile only through
-        # _read_prompts, on this thread (the lock is re-entrant), for every consumer.
+        # Other threads wait while this call's prompts are read and added: no step runs meanwhile.
         with self._lock, closing(self._read_prompts(prompts, name_prompts)) as read:
             try:
                 for i, (prompt, sp) in enumerate(zip(read, params)):
@@ -315,11 +314,13 @@ class LLM:
     def _read_prompts(self, prompts: list[Any], name_prompts: bool) -> Iterator[Any]:
         """The prompts in order, read by a pool of threads where the family's intake is heavy
         (media decoding and preprocessing: `ModelState.intake_workers`); else as given (read one
-        by one as they are added). While the next prompt is still being read, the engine steps
-        on the ones queued before it: the device starts on the first prompts instead of waiting
-        for the whole call's media (identical media read a few prompts apart still share one
-        tower run: the encoder cache retains what was just released). A bad prompt raises its
-        ValueError when its turn comes; the prompts after it are not read."""
+        by one as they are added). The engine does not step while the pool reads: the readers'
+        Python (a processor's argument handling) holds the GIL in stretches that the stepping
+        thread waited on after every GPU wait -- on one H200 the LLaVA workload of
+        benchmarks/multimodal_throughput.py took 2.73-2.94 s with its 128 images read while the
+        engine stepped, 1.77-1.84 s with them read beforehand, and reading alone 0.37-0.41 s
+        (benchmarks/RESULTS.md, 2026-12-01 sixth sitting). A bad prompt raises its ValueError
+        when its turn comes; the prompts after it are not read."""
         workers = min(type(self.engine.runner.model_state).intake_workers, os.cpu_count() or 1, len(prompts))
         if workers <= 1:
             yield from prompts
@@ -328,8 +329,6 @@ class LLM:
         try:
             futures = [pool.submit(self.engine.process_prompt, p) for p in prompts]
             for i, future in enumerate(futures):
-                while not future.done() and self._step_while_reading():
-                    pass
                 try:
                     read = future.result()
                 except ValueError as e:
@@ -339,15 +338,6 @@ class LLM:
                 yield read
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-
-    def _step_while_reading(self) -> bool:
-        """One engine step while a prompt is being read (its outputs kept for their consumers,
-        this call's in the outbox); False, stepping nothing, when the engine has no work."""
-        with self._lock:
-            if not self.engine.has_unfinished_requests():
-                return False
-            self._collect(frozenset(), final_only=True)
-            return True
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -377,26 +377,10 @@ def test_a_batch_of_media_prompts_is_read_by_a_pool_of_threads(llava_dir, monkey
     assert readers == [threading.current_thread().name] * 4 and inline == pooled
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    """Called on an intake thread: hold this prompt back until the engine's steps got somewhere."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the engine did not step while a prompt was read: {what}")
-        time.sleep(0.005)
-
-
-def test_identical_media_read_after_the_first_was_prefilled_is_encoded_once(llava_dir, monkeypatch):
-    """Guards against: overlapped intake (the engine steps on the prompts queued so far while the
-    next are read) running the tower again for media identical to an earlier prompt's of the same
-    call whose placeholders were already prefilled and released -- the call's last prompt is held
-    back at intake until that has happened. Also: the steps during intake change no tokens."""
-    import os
-
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core: the intake is not spread over threads")
+def test_identical_media_of_one_call_run_the_tower_once(llava_dir, monkeypatch):
+    """Guards against: media identical to an earlier prompt's of the same call running the tower
+    again (the call's prompts are read before the engine steps, so both requests meet in the
+    encoder cache), and the pooled intake changing tokens against reading inline."""
     llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4, enable_prefix_caching=False)
     state = llm.engine.runner.model_state
     prompts = [
@@ -404,26 +388,17 @@ def test_identical_media_read_after_the_first_was_prefilled_is_encoded_once(llav
         {"prompt": "w20 <image> w21", "multi_modal_data": {"image": image(1)}},
         {"prompt": "w30 <image> w31", "multi_modal_data": {"image": image(0)}},
     ]
-    original = MultimodalModelState.process_prompt.__func__
-
-    def slow_last(cls, prompt, ctx):
-        if prompt is prompts[-1]:
-            wait_for(lambda: state.num_encoded == 2 and state.cache.num_held == 0, "the first two prompts' prefill")
-        return original(cls, prompt, ctx)
-
-    monkeypatch.setattr(MultimodalModelState, "process_prompt", classmethod(slow_last))
-    overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    pooled = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert state.num_encoded == 2, "image 0 ran through the tower twice in one call"
     assert state.cache.num_held == 0
-    monkeypatch.undo()
     monkeypatch.setattr(MultimodalModelState, "intake_workers", 1)
-    inline = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert overlapped == inline
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == pooled
 
 
-def test_bad_prompt_read_while_the_engine_steps_withdraws_the_call(llava_dir, monkeypatch):
-    """Guards against: with overlapped intake, the good prompts of a call that the engine already
-    started on staying queued (or their outputs delivered) when a later prompt is refused."""
+def test_bad_prompt_withdraws_the_call(llava_dir, monkeypatch):
+    """Guards against: the good prompts of a call read before a refused one staying queued (or
+    their outputs delivered) when the later prompt is refused, and the engine stepping while the
+    pool reads (it waits for the whole call's prompts: `LLM._read_prompts`)."""
     import os
 
     if (os.cpu_count() or 1) < 2:
@@ -434,19 +409,12 @@ def test_bad_prompt_read_while_the_engine_steps_withdraws_the_call(llava_dir, mo
     text = {"prompt": "w20 w21 w22"}
     expected = [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)]
     bad = {"prompt": "w10 <image> w11", "multi_modal_data": {"image": b"\x89PNG broken"}}
-    original = MultimodalModelState.process_prompt.__func__
     steps = []
     step = llm.engine.step
     monkeypatch.setattr(llm.engine, "step", lambda *a, **k: steps.append(1) or step(*a, **k))
-
-    def slow_bad(cls, prompt, ctx):
-        if prompt is bad:
-            wait_for(lambda: len(steps) >= 2, "two steps on the good prompts")
-        return original(cls, prompt, ctx)
-
-    monkeypatch.setattr(MultimodalModelState, "process_prompt", classmethod(slow_bad))
     with pytest.raises(ValueError, match="prompt 2: image 0 cannot be read"):
         llm.generate([good, text, bad], GREEDY, use_tqdm=False)
+    assert not steps, "the engine stepped while the call's prompts were read"
     assert not llm.engine.has_unfinished_requests(), "the good prompts of the refused call were withdrawn"
     assert state.cache.num_held == 0
     assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == expected
