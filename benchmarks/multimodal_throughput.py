@@ -15,7 +15,7 @@ ignored). Four runs of the same prompts' lengths, printed side by side:
 Each slotrunner row also prints the run's engine steps, those that replayed a CUDA graph, and the
 mean wall time of a step. `--pre-read` adds a row: the multimodal engine again, its prompts read
 (media decoded and preprocessed) before the clock starts and added at once -- the run without its
-intake overlapping the steps; `--intake-workers N` sets the threads that read media prompts.
+intake overlapping the steps; `--intake-workers N` sets the workers that read media prompts, `--intake threads|processes` how.
 
 Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
 text-only run within 10% of the LM as a decoder.
@@ -235,7 +235,9 @@ def main() -> None:
                         "would otherwise compile them while timed")
     p.add_argument("--pre-read", action="store_true",
                    help="also time the multimodal engine on its prompts read beforehand (no intake during the run)")
-    p.add_argument("--intake-workers", type=int, default=None, help="threads reading media prompts (the family's default)")
+    p.add_argument("--intake-workers", type=int, default=None, help="workers reading media prompts (the family's default)")
+    p.add_argument("--intake", choices=("threads", "processes"), default=None,
+                   help="how media prompts are read (default: processes on CUDA, threads elsewhere; slotrunner/intake_pool.py)")
     p.add_argument("--profile", action="store_true", help="profile the slotrunner runs (host and GPU); their wall times then include the profilers")
     args = p.parse_args()
     args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -247,6 +249,10 @@ def main() -> None:
         media, text = prompts_for(args, config)
         print(f"{args.num_requests} requests x (one {config.vision_config.image_size}px image = "
               f"{config.image_seq_length} tokens + {args.text_len} text tokens) -> {args.output_len} tokens, {args.device}")  # fmt: skip
+        if args.intake is not None:
+            import slotrunner.intake_pool as intake_pool
+
+            intake_pool.USE_PROCESSES = args.intake == "processes"
         if args.intake_workers is not None:
             from slotrunner.model_states.multimodal import MultimodalModelState
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
 from typing import Any
 
@@ -18,6 +20,7 @@ from slotrunner.chat_template import ChatOptions, ChatRenderer
 from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES
 from slotrunner.core_runner.engine.engine import StepFailedError
 from slotrunner.core_runner.engine.intake import PromptType
+from slotrunner.intake_pool import IntakePool, use_processes
 from slotrunner.llm_engine import LLMEngine
 from slotrunner.outputs import RequestOutput
 from slotrunner.sampling_params import SamplingParams
@@ -140,10 +143,15 @@ class LLM:
         self._outbox: dict[str, RequestOutput] = {}  # newest output of an owned request, kept for its consumer
         self._errors: dict[str, StepFailedError] = {}  # why an owned request failed in another consumer's step
         self._chat: ChatRenderer | None = None  # built on the first chat
+        self._intake_pool: IntakePool | None = None  # worker processes reading media prompts (CUDA), made on first use
 
     def close(self) -> None:
         """With tensor_parallel_size > 1: stop the other ranks and leave the process group, so
-        that another parallel LLM can start in this process (also done at exit). Idempotent."""
+        that another parallel LLM can start in this process (also done at exit); stop the intake
+        worker processes, if any. Idempotent."""
+        if self._intake_pool is not None:
+            self._intake_pool.close()
+            self._intake_pool = None
         self.engine.close()
 
     @property
@@ -312,32 +320,55 @@ class LLM:
         return added
 
     def _read_prompts(self, prompts: list[Any], name_prompts: bool) -> Iterator[Any]:
-        """The prompts in order, read by a pool of threads where the family's intake is heavy
-        (media decoding and preprocessing: `ModelState.intake_workers`); else as given (read one
-        by one as they are added). The engine does not step while the pool reads: the readers'
-        Python (a processor's argument handling) holds the GIL in stretches that the stepping
-        thread waited on after every GPU wait -- on one H200 the LLaVA workload of
-        benchmarks/multimodal_throughput.py took 2.73-2.94 s with its 128 images read while the
-        engine stepped, 1.77-1.84 s with them read beforehand, and reading alone 0.37-0.41 s
-        (benchmarks/RESULTS.md, 2026-12-01 sixth sitting). A bad prompt raises its ValueError
-        when its turn comes; the prompts after it are not read."""
-        workers = min(type(self.engine.runner.model_state).intake_workers, os.cpu_count() or 1, len(prompts))
-        if workers <= 1:
+        """The prompts in order, read by a pool where the family's intake is heavy (media
+        decoding and preprocessing: `ModelState.intake_workers`); else as given (read one by one
+        as they are added). A pool of processes (CUDA engines: `intake_pool.py`) reads while the
+        engine steps on the prompts queued before: the device starts on the first images. A
+        pool of threads reads the whole call before the engine steps, since stepping meanwhile
+        the engine's thread waits on the readers for the GIL (`intake_pool.py` has the figures).
+        A bad prompt raises its ValueError when its turn comes; the prompts after it are not read."""
+        state_cls = type(self.engine.runner.model_state)
+        workers = min(state_cls.intake_workers, os.cpu_count() or 1)
+        if workers <= 1 or len(prompts) <= 1:
             yield from prompts
             return
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="slotrunner-intake")
+        processes = use_processes(self.engine.config.device.type)
+        if processes and self._intake_pool is None:
+            self._intake_pool = IntakePool(state_cls, self.engine.intake, workers)
+            weakref.finalize(self, self._intake_pool.close)
+        threads = None if processes else ThreadPoolExecutor(min(workers, len(prompts)), thread_name_prefix="slotrunner-intake")
+        submit = self._intake_pool.submit if processes else lambda p: threads.submit(self.engine.process_prompt, p)
+        readings: list = []
         try:
-            futures = [pool.submit(self.engine.process_prompt, p) for p in prompts]
-            for i, future in enumerate(futures):
+            readings = [submit(p) for p in prompts]
+            for i, reading in enumerate(readings):
+                while processes and not reading.done() and self._step_while_reading():
+                    pass
                 try:
-                    read = future.result()
+                    read = reading.result()
                 except ValueError as e:
                     if not name_prompts:
                         raise
                     raise ValueError(f"prompt {i}: {e}") from None
+                except BrokenProcessPool as e:  # a worker died (killed, out of memory): a new pool next call
+                    self._intake_pool.close()
+                    self._intake_pool = None
+                    raise RuntimeError(f"an intake worker process died while reading prompt {i}: {e}") from e
                 yield read
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            for reading in readings:  # those not started yet (after a bad prompt, or the caller gave up)
+                reading.cancel()
+            if threads is not None:
+                threads.shutdown(wait=True)
+
+    def _step_while_reading(self) -> bool:
+        """One engine step while a prompt is being read (its outputs kept for their consumers,
+        this call's in the outbox); False, stepping nothing, when the engine has no work."""
+        with self._lock:
+            if not self.engine.has_unfinished_requests():
+                return False
+            self._collect(frozenset(), final_only=True)
+            return True
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

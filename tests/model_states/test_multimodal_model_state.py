@@ -11,6 +11,8 @@ forever) or dropped while a request still needs them; text-only batches paying f
 from __future__ import annotations
 
 import io
+import os
+import time
 
 import numpy as np
 import pytest
@@ -418,6 +420,49 @@ def test_bad_prompt_withdraws_the_call(llava_dir, monkeypatch):
     assert not llm.engine.has_unfinished_requests(), "the good prompts of the refused call were withdrawn"
     assert state.cache.num_held == 0
     assert [o.outputs[0].token_ids for o in llm.generate([good, text], GREEDY, use_tqdm=False)] == expected
+
+
+def test_media_prompts_read_by_worker_processes(llava_dir, monkeypatch):
+    """Guards against: the process intake (CUDA engines' default, slotrunner/intake_pool.py)
+    reading in this process, changing tokens against the thread pool, losing a bad prompt's
+    ValueError in the worker or leaving the call's earlier prompts queued, a pool not reused by
+    the next call, and close() leaving its workers running."""
+    import slotrunner.intake_pool as intake_pool
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the intake is not spread over workers")
+    llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4)
+    prompts = [{"prompt": f"w{10 + i} <image> w11", "multi_modal_data": {"image": image(i)}} for i in range(4)]
+    by_threads = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm._intake_pool is None, "a CPU engine reads with threads by default"
+    monkeypatch.setattr(intake_pool, "USE_PROCESSES", True)
+    by_processes = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    pool = llm._intake_pool
+    assert pool is not None and pool.worker_pids and os.getpid() not in pool.worker_pids
+    assert by_processes == by_threads
+    bad = {"prompt": "w10 <image> w11", "multi_modal_data": {"image": b"\x89PNG broken"}}
+    with pytest.raises(ValueError, match="prompt 2: image 0 cannot be read"):
+        llm.generate([prompts[0], prompts[1], bad], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests(), "the good prompts of the refused call were withdrawn"
+    assert llm.engine.runner.model_state.cache.num_held == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == by_threads
+    assert llm._intake_pool is pool, "the workers are kept between calls"
+    pids = pool.worker_pids
+    llm.close()
+    assert llm._intake_pool is None
+    deadline = time.monotonic() + 10
+    for pid in pids:  # the workers exit (and are reaped) once the pool is shut down
+        while _process_exists(pid):
+            assert time.monotonic() < deadline, f"intake worker {pid} still runs after close()"
+            time.sleep(0.05)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_tower_inputs_are_stacked_in_item_order():

@@ -1,0 +1,90 @@
+"""IntakePool: a call's prompts read (media decoded and preprocessed) in forked worker processes.
+
+A family whose intake is heavy (`ModelState.intake_workers`) has `LLM.generate` read a call's
+prompts in a pool. Threads share the GIL with the thread that steps the engine, which then waits
+on the readers after every GPU wait: on one H200 the LLaVA workload of
+benchmarks/multimodal_throughput.py took 2.73-2.94 s with its 128 images read by 8 threads while
+the engine stepped, 1.77-1.84 s with them read beforehand, and the reading alone 0.37-0.41 s
+(benchmarks/RESULTS.md, 2026-12-01 sixth sitting). So a thread pool reads the whole call before
+the engine steps, and a CUDA engine reads in processes, which hold their own GIL, stepping on the
+prompts already read while the rest are read (`LLM._read_prompts`).
+
+Workers are forked, as torch's DataLoader workers are: they inherit the intake context
+(tokenizer, processor, config, the family's class) without pickling or importing anything, and
+never touch the GPU. A prompt goes to a worker pickled, its result comes back as one pickled blob
+(tensors copied, never shared through file descriptors). A ValueError of a worker (a bad prompt)
+is raised in the caller with its message.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import warnings
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt
+
+# None: processes on CUDA engines, threads elsewhere (a CPU engine's steps are its own host work,
+# and a fork per worker would cost CPU test runs more than it saves). Tests set it.
+USE_PROCESSES: bool | None = None
+
+_WORKER: tuple[type, IntakeContext] | None = None  # in a worker: the family's class and the context
+
+
+def use_processes(device_type: str) -> bool:
+    return device_type == "cuda" if USE_PROCESSES is None else USE_PROCESSES
+
+
+def _start_worker(state_cls: type, ctx: IntakeContext) -> None:
+    global _WORKER
+    _WORKER = (state_cls, ctx)
+    import torch
+
+    torch.set_num_threads(1)  # one reader per core: the workers are the parallelism
+
+
+def _read(prompt: Any) -> bytes:
+    assert _WORKER is not None, "intake worker used before its initializer ran"
+    state_cls, ctx = _WORKER
+    return pickle.dumps(state_cls.process_prompt(prompt, ctx), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class Reading:
+    """One prompt being read by a worker: `done()` without waiting, `result()` waits."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> ProcessedPrompt:
+        return pickle.loads(self._future.result())
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
+class IntakePool:
+    def __init__(self, state_cls: type, ctx: IntakeContext, workers: int) -> None:
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker, initargs=(state_cls, ctx)
+        )
+
+    def submit(self, prompt: Any) -> Reading:
+        with warnings.catch_warnings():
+            # Python 3.12 warns on fork() in a process with threads (the engine's process has
+            # torch's); the workers run only the intake, as DataLoader workers do.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return Reading(self._pool.submit(_read, prompt))
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The workers started so far (they start on the first prompts submitted)."""
+        return list(self._pool._processes or {})
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
