@@ -34,7 +34,9 @@ _WORKER: tuple[type, IntakeContext] | None = None  # in a worker: the family's c
 
 
 def use_processes(device_type: str) -> bool:
-    return device_type == "cuda" if USE_PROCESSES is None else USE_PROCESSES
+    """Whether an engine on `device_type` reads heavy prompts in processes: only where fork exists."""
+    wanted = device_type == "cuda" if USE_PROCESSES is None else USE_PROCESSES
+    return wanted and "fork" in multiprocessing.get_all_start_methods()
 
 
 def _start_worker(state_cls: type, ctx: IntakeContext) -> None:

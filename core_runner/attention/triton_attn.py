@@ -401,7 +401,7 @@ def paged_attention(
     part_acc = part_ml = q  # placeholders, never read without a shared prefix or splits
     counters = meta.seq_lens  # placeholder, never touched without splits
     # Decode-only steps split (a step with a prefill row is eager: its decode rows take one
-    # program each, sparing it the combine launch and the state buffer).
+    # program each, sparing it the split state and the merge).
     splits = 1
     if shared is None and meta.max_query_len == 1:
         splits = split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)

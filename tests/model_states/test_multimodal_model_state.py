@@ -457,6 +457,39 @@ def test_media_prompts_read_by_worker_processes(llava_dir, monkeypatch):
             time.sleep(0.05)
 
 
+def test_an_intake_worker_that_dies_fails_the_call_not_the_engine(llava_dir, monkeypatch):
+    """Guards against: a worker process that dies while reading (killed, out of memory) hanging
+    the call or wedging later ones: the call fails with a message that says so, the prompts it
+    added are withdrawn, and the next call reads with a new pool."""
+    import slotrunner.intake_pool as intake_pool
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the intake is not spread over workers")
+    llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4)
+    monkeypatch.setattr(intake_pool, "USE_PROCESSES", True)
+    prompts = [{"prompt": f"w{10 + i} <image> w11", "multi_modal_data": {"image": image(i)}} for i in range(3)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    first_pool = llm._intake_pool
+    original = MultimodalModelState.process_prompt.__func__
+    doomed = {"prompt": "w99 <image> w11", "multi_modal_data": {"image": image(7)}}
+
+    def dies_on_doomed(cls, prompt, ctx):
+        if prompt["prompt"].startswith("w99"):
+            os._exit(3)  # the worker process dies without a word
+        return original(cls, prompt, ctx)
+
+    first_pool.close()  # workers fork anew from here: they see the patched intake
+    llm._intake_pool = None
+    monkeypatch.setattr(MultimodalModelState, "process_prompt", classmethod(dies_on_doomed))
+    with pytest.raises(RuntimeError, match="intake worker process died"):
+        llm.generate([prompts[1], doomed], GREEDY, use_tqdm=False)
+    assert llm._intake_pool is None and not llm.engine.has_unfinished_requests()
+    monkeypatch.undo()
+    monkeypatch.setattr(intake_pool, "USE_PROCESSES", True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    llm.close()
+
+
 def _process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
