@@ -97,6 +97,26 @@ def test_audio_prompt_forms(whisper):
     assert run(whisper, {"multi_modal_data": {"audio": wav}})[0] == [WHISPER_START]
 
 
+def test_audio_prompts_read_by_worker_processes(whisper_dir, monkeypatch):
+    """Guards against: Whisper's feature extraction in the intake worker processes (CUDA engines'
+    default, slotrunner/intake_pool.py) failing to cross back to the engine, or giving other
+    tokens than the thread pool."""
+    import os
+
+    import slotrunner.intake_pool as intake_pool
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the intake is not spread over workers")
+    llm = LLM(str(whisper_dir), device="cpu", max_model_len=32, block_size=4, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": [WHISPER_START, 17 + i], "multi_modal_data": {"audio": audio(i)}} for i in range(3)]
+    by_threads = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setattr(intake_pool, "USE_PROCESSES", True)
+    by_processes = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm._intake_pool is not None and os.getpid() not in llm._intake_pool.worker_pids
+    assert by_processes == by_threads
+    llm.close()
+
+
 class _Tokenizer:
     """Records how each text was tokenized."""
 
