@@ -19,7 +19,8 @@
 # before figures that are compared across processes.
 #
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
-# (multimodal-profile: host and GPU profile of its multimodal run), spec (spec-long: n-gram at
+# (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
+# processes while the engine steps against threads that read first, and the media read beforehand), spec (spec-long: n-gram at
 # 512 tokens a request), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), suite (the whole CPU
@@ -100,6 +101,9 @@ for s in "${steps[@]}"; do
       run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 --host-profile "$out/llava-lm" ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     multimodal-profile) run_step multimodal-profile 240 python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --profile ;;
+    multimodal-intake)
+      run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes
+      run_step multimodal-threads 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --intake threads ;;
     skinny) run_step skinny 240 python3 benchmarks/skinny_gemm.py --device cuda --sweep ;;
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
     spec-ngram) run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 ;;
