@@ -268,7 +268,7 @@ def main() -> None:
     for name, wall, tokens, st in rows:
         steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f}"
         print(f"{name:<34} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x{steps}")
-    print(f"reading the {args.num_requests} image prompts alone: {intake:.2f} s (intake threads; generate() steps the engine meanwhile)")
+    print(f"reading the {args.num_requests} image prompts alone: {intake:.2f} s (on an idle engine; --pre-read times the run without it)")
 
 
 if __name__ == "__main__":

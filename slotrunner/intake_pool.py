@@ -18,7 +18,9 @@ is raised in the caller with its message.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import pickle
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -53,6 +55,21 @@ def _read(prompt: Any) -> bytes:
     return pickle.dumps(state_cls.process_prompt(prompt, ctx), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+@contextlib.contextmanager
+def _tokenizers_quiet_in_children():
+    """A fast tokenizer that ran in parallel before a fork prints a warning in each child and
+    turns its parallelism off there; with TOKENIZERS_PARALLELISM set while the workers are forked,
+    they start with it off and say nothing. The parent's setting is restored after."""
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    if previous is None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+
+
 class Reading:
     """One prompt being read by a worker: `done()` without waiting, `result()` waits."""
 
@@ -77,7 +94,8 @@ class IntakePool:
         )
 
     def submit(self, prompt: Any) -> Reading:
-        with warnings.catch_warnings():
+        """Queue `prompt` for a worker (the first call forks them all)."""
+        with warnings.catch_warnings(), _tokenizers_quiet_in_children():
             # Python 3.12 warns on fork() in a process with threads (the engine's process has
             # torch's); the workers run only the intake, as DataLoader workers do.
             warnings.simplefilter("ignore", DeprecationWarning)
