@@ -28,8 +28,9 @@ from typing import Any
 
 from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt
 
-# None: processes on CUDA engines, threads elsewhere (a CPU engine's steps are its own host work,
-# and a fork per worker would cost CPU test runs more than it saves). Tests set it.
+# None: processes on CUDA engines, threads elsewhere -- a CPU engine's steps are host work that
+# the workers compete with for the cores (2 cores: `multimodal_throughput.py --tiny-widths --device
+# cpu` took 2.51 s with processes against 1.92 s with threads). Tests and benchmarks set it.
 USE_PROCESSES: bool | None = None
 
 _WORKER: tuple[type, IntakeContext] | None = None  # in a worker: the family's class and the context
