@@ -301,7 +301,8 @@ class LLM:
         """Queue every prompt, in order, or none: whatever is raised while reading or adding (a
         ValueError naming the prompt, or anything else), the prompts added before it are aborted."""
         added: list[str] = []
-        # Other threads wait while this call's prompts are read and added: no step runs meanwhile.
+        # Other threads wait for this call's prompts: steps run meanwhile only through
+        # _read_prompts (process intake), on this thread (the lock is re-entrant), for every consumer.
         with self._lock, closing(self._read_prompts(prompts, name_prompts)) as read:
             try:
                 for i, (prompt, sp) in enumerate(zip(read, params)):
