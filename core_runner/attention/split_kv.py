@@ -61,6 +61,10 @@ def split_kv_counters(num_counters: int, device: torch.device) -> torch.Tensor:
     runs eagerly (CUDA-graph warm-up does), so the buffer is zeroed before any capture."""
     buffers = _COUNTERS.setdefault(device, [])
     if not buffers or buffers[-1].numel() < num_counters:
+        # Made inside a capture, the buffer would be zeroed only when that graph first replays.
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
+            "split-KV counters are first needed inside a CUDA-graph capture: run the step eagerly once before capturing it"
+        )
         buffers.append(torch.zeros(max(num_counters, 64), dtype=torch.int32, device=device))
     return buffers[-1]
 
