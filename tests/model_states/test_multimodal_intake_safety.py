@@ -24,7 +24,6 @@ import torch
 
 from slotrunner import LLM, SamplingParams
 from slotrunner.builder import EngineArgs
-from slotrunner.conformance import perturb_constants
 from slotrunner.core_runner.engine.intake import IntakeContext
 from slotrunner.model_states.encoder_decoder_intake import process_audio_encoder_prompt
 from slotrunner.model_states.multimodal import MultimodalModelState
@@ -242,19 +241,6 @@ def test_processor_errors_of_any_type_become_value_errors(llava_processor, monke
 
 
 # -- the engine refuses the whole call and serves the next one ----------------------------------
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
-    import transformers
-
-    directory = tmp_path_factory.mktemp("llava_safety")
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(tiny_config("LlavaForConditionalGeneration"))
-    perturb_constants(model)
-    model.save_pretrained(str(directory))
-    tc.llava_processor(model.config).save_pretrained(str(directory))
-    return directory
-
-
 def test_engine_refuses_bad_media_and_stays_usable(llava_dir, media_dir):
     allowed, outside = media_dir
     llm = LLM(str(llava_dir), device="cpu", max_model_len=64, block_size=4, allowed_local_media_path=str(allowed))
