@@ -181,8 +181,9 @@ class ModelRunner:
         # withholds them) samples as a plain one: the verification's dozen small ops kept such
         # steps host-bound, ~1.3-1.8 ms a token against 0.97 at batch 1 on one H200.
         speculating = self.speculator is not None
-        if speculating and (step.propose_drafts or int(batch.num_draft_np.max(initial=0)) > 0):
-            return self._sample_and_verify(step)
+        max_draft = int(batch.num_draft_np.max(initial=0)) if speculating else 0
+        if speculating and (step.propose_drafts or max_draft > 0):
+            return self._sample_and_verify(step, max_draft)
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
             # A decode-only step's tokens are its logits rows, in order: no gather to launch.
@@ -215,7 +216,7 @@ class ModelRunner:
 
         return AsyncOutput(tensors, finish, self._copy_stream)
 
-    def _sample_and_verify(self, step: _ExecutedStep) -> AsyncOutput:
+    def _sample_and_verify(self, step: _ExecutedStep, max_draft: int) -> AsyncOutput:
         """Speculative decoding's sample_tokens: the target picks a token at every logits row
         (each decode row's last token and its drafts), accepts the drafts that equal its picks
         (`accept_drafts`), writes the emitted tokens into the history, then the speculator
@@ -223,7 +224,7 @@ class ModelRunner:
         batch = step.batch
         rs = self.req_state
         idx, num_draft_np, cu_np = batch.idx_mapping_np, batch.num_draft_np, batch.cu_num_logits_np
-        num_reqs, max_draft = batch.num_reqs, int(num_draft_np.max(initial=0))
+        num_reqs = batch.num_reqs
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
