@@ -100,6 +100,12 @@ def main() -> None:
              "shape with other random weights (--qwen3-shape), whose drafts are about never accepted: the overhead",
     )  # fmt: skip
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--phases", action="store_true",
+        help="after each speculating run, run it again timing the engine's phases per step (schedule, forward launch, "
+             "sampling launch, wait for the tokens, scheduler update, output processing) and, on CUDA, the GPU's "
+             "kernel time per step under the torch profiler",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from slotrunner import LLM
@@ -153,6 +159,64 @@ def main() -> None:
         )
         costs = fast.engine.scheduler.draft_gate.costs
         print("      draft gate, ms per token: " + ", ".join(f"{'with' if k else 'without'} drafts {1000 * v:.1f}" for k, v in costs.items()))
+        if args.phases:
+            for name, llm, method in (("base", base, None), ("spec", fast, spec["method"])):
+                print(f"      {name} phases, ms per step: {phase_times(llm, prompts, args.max_tokens, method)}")
+
+
+def phase_times(llm, prompts, max_tokens: int, method: str | None) -> str:
+    """One more timed run with the engine's phases timed per step (host clock), and the GPU's
+    kernel time per step from a second run under the torch profiler (CUDA only)."""
+    import collections
+
+    import torch
+
+    from slotrunner.core_runner.runner import async_output
+
+    engine = llm.engine
+    totals: dict[str, float] = collections.defaultdict(float)
+    steps = [0]
+    wrapped = [
+        (engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine.runner, "execute_model"),
+        (engine.runner, "sample_tokens"), (engine, "_process"), (async_output.AsyncOutput, "get"),
+    ]  # fmt: skip
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] += time.perf_counter() - t0
+                steps[0] += name == "schedule"
+
+        return call
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name in wrapped]
+    for owner, name, fn in originals:
+        setattr(owner, name, timed(name, fn))
+    try:
+        _, wall = run(llm, prompts, max_tokens, method)
+        totals.clear()
+        steps[0] = 0
+        t0 = time.perf_counter()
+        run(llm, prompts, max_tokens, method)  # two generate() calls: every figure covers both
+        wall = time.perf_counter() - t0
+    finally:
+        for owner, name, fn in originals:  # the class's own method back; instances drop their wrapper
+            setattr(owner, name, fn) if isinstance(owner, type) else delattr(owner, name)
+    n = max(steps[0], 1)
+    # get() runs inside _process's caller (_settle) and update inside _process: shown apart.
+    totals["_process"] -= totals["update"]
+    parts = [f"{steps[0]} steps, wall {1000 * wall / n:.3f}"] + [f"{k} {1000 * v / n:.3f}" for k, v in totals.items()]
+    if torch.cuda.is_available():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(llm, prompts, max_tokens, method)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = sum(e.self_device_time_total for e in events) / 1e3  # ms, both generate() calls of run()
+        parts.append(f"GPU kernels {kernels / (2 * n):.3f} (both passes of the profiled run over 2x the steps)")
+    return ", ".join(parts)
 
 
 def qwen3_shape_dir(seed: int = 0) -> str:
