@@ -135,19 +135,22 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
 
 @contextlib.contextmanager
 def step_stats(llm):
-    """Count the run's engine steps, the seconds spent in them, and the decode steps that replayed
-    a CUDA graph (the rest ran eagerly), into the dict it yields."""
+    """Count the run's engine steps, the seconds spent in them, the decode steps that replayed a
+    CUDA graph (the rest ran eagerly) and the seconds spent in the steps that launched no graph,
+    into the dict it yields."""
     engine, graphs = llm.engine, llm.engine.runner.cuda_graphs
-    counts = {"steps": 0, "step_s": 0.0, "replays": 0}
+    counts = {"steps": 0, "step_s": 0.0, "replays": 0, "eager_s": 0.0}
     step = engine.step
 
     def timed_step(*a, **kw):
-        t0 = time.perf_counter()
+        t0, replays = time.perf_counter(), counts["replays"]
         try:
             return step(*a, **kw)
         finally:
             counts["steps"] += 1
             counts["step_s"] += time.perf_counter() - t0
+            if counts["replays"] == replays:  # launched no graph: a prefill or mixed step (or an empty one)
+                counts["eager_s"] += time.perf_counter() - t0
 
     engine.step = timed_step
     if graphs is not None:
@@ -264,9 +267,9 @@ def main() -> None:
         if not args.skip_hf:
             rows.append(("transformers generate", *run_hf(model, directory, media, args), None))
     base = rows[0][2] / rows[0][1]
-    print(f"{'run':<34} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9}")
+    print(f"{'run':<34} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9} {'s eager':>7}")
     for name, wall, tokens, st in rows:
-        steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f}"
+        steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f} {st['eager_s']:>7.2f}"
         print(f"{name:<34} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x{steps}")
     print(f"reading the {args.num_requests} image prompts alone: {intake:.2f} s (on an idle engine; --pre-read times the run without it)")
 

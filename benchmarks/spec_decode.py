@@ -161,10 +161,10 @@ def main() -> None:
         print("      draft gate, ms per token: " + ", ".join(f"{'with' if k else 'without'} drafts {1000 * v:.1f}" for k, v in costs.items()))
         if args.phases:
             for name, llm, method in (("base", base, None), ("spec", fast, spec["method"])):
-                print(f"      {name} phases, ms per step: {phase_times(llm, prompts, args.max_tokens, method)}")
+                print(f"      {name} phases, ms per step: {phase_times(llm, prompts, args.max_tokens, method, name)}")
 
 
-def phase_times(llm, prompts, max_tokens: int, method: str | None) -> str:
+def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "") -> str:
     """One more timed run with the engine's phases timed per step (host clock), and the GPU's
     kernel time per step from a second run under the torch profiler (CUDA only)."""
     import collections
@@ -192,9 +192,9 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None) -> str:
 
         return call
 
-    originals = [(owner, name, getattr(owner, name)) for owner, name in wrapped]
-    for owner, name, fn in originals:
-        setattr(owner, name, timed(name, fn))
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr in wrapped]
+    for owner, attr, fn in originals:
+        setattr(owner, attr, timed(attr, fn))
     try:
         _, wall = run(llm, prompts, max_tokens, method)
         totals.clear()
@@ -203,19 +203,27 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None) -> str:
         run(llm, prompts, max_tokens, method)  # two generate() calls: every figure covers both
         wall = time.perf_counter() - t0
     finally:
-        for owner, name, fn in originals:  # the class's own method back; instances drop their wrapper
-            setattr(owner, name, fn) if isinstance(owner, type) else delattr(owner, name)
+        for owner, attr, fn in originals:  # the class's own method back; instances drop their wrapper
+            setattr(owner, attr, fn) if isinstance(owner, type) else delattr(owner, attr)
     n = max(steps[0], 1)
     # get() runs inside _process's caller (_settle) and update inside _process: shown apart.
     totals["_process"] -= totals["update"]
     parts = [f"{steps[0]} steps, wall {1000 * wall / n:.3f}"] + [f"{k} {1000 * v / n:.3f}" for k, v in totals.items()]
+    if method is not None:  # where the speculating step's host time goes, by function (cProfile inflates it)
+        import cProfile
+        import pstats
+
+        host = cProfile.Profile()
+        host.runcall(run, llm, prompts, max_tokens, method)
+        print(f"      --- host profile of the {name} run's two generate() calls ({steps[0]} steps before), by own time")
+        pstats.Stats(host).sort_stats("tottime").print_stats(30)
     if torch.cuda.is_available():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             run(llm, prompts, max_tokens, method)
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels = sum(e.self_device_time_total for e in events) / 1e3  # ms, both generate() calls of run()
-        parts.append(f"GPU kernels {kernels / (2 * n):.3f} (both passes of the profiled run over 2x the steps)")
+        parts.append(f"GPU kernels {kernels / n:.3f}")
     return ", ".join(parts)
 
 
