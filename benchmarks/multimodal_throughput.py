@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import tempfile
 import time
 from pathlib import Path
@@ -139,8 +140,16 @@ def step_stats(llm):
     CUDA graph (the rest ran eagerly) and the seconds spent in the steps that launched no graph,
     into the dict it yields."""
     engine, graphs = llm.engine, llm.engine.runner.cuda_graphs
-    counts = {"steps": 0, "step_s": 0.0, "replays": 0, "eager_s": 0.0}
+    counts = {"steps": 0, "step_s": 0.0, "replays": 0, "eager_s": 0.0, "gc_s": 0.0, "gc_full": 0}
     step = engine.step
+    gc_start = [0.0]
+
+    def gc_timer(phase: str, info: dict) -> None:  # the interpreter's cycle collections during the run
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            counts["gc_s"] += time.perf_counter() - gc_start[0]
+            counts["gc_full"] += info["generation"] == 2
 
     def timed_step(*a, **kw):
         t0, replays = time.perf_counter(), counts["replays"]
@@ -153,6 +162,7 @@ def step_stats(llm):
                 counts["eager_s"] += time.perf_counter() - t0
 
     engine.step = timed_step
+    gc.callbacks.append(gc_timer)
     if graphs is not None:
         replay = graphs.run
 
@@ -165,6 +175,7 @@ def step_stats(llm):
         yield counts
     finally:
         del engine.step
+        gc.callbacks.remove(gc_timer)
         if graphs is not None:
             del graphs.run
 
@@ -267,9 +278,9 @@ def main() -> None:
         if not args.skip_hf:
             rows.append(("transformers generate", *run_hf(model, directory, media, args), None))
     base = rows[0][2] / rows[0][1]
-    print(f"{'run':<34} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9} {'s eager':>7}")
+    print(f"{'run':<34} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9} {'s eager':>7} {'gc s (full)':>11}")
     for name, wall, tokens, st in rows:
-        steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f} {st['eager_s']:>7.2f}"
+        steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f} {st['eager_s']:>7.2f} {st['gc_s']:>6.2f} ({st['gc_full']})"
         print(f"{name:<34} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x{steps}")
     print(f"reading the {args.num_requests} image prompts alone: {intake:.2f} s (on an idle engine; --pre-read times the run without it)")
 
