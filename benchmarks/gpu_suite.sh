@@ -21,7 +21,7 @@
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand), spec (spec-long: n-gram at
-# 512 tokens a request), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
+# 512 tokens a request; spec-draft-long: the never-accepted draft model at 512), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 case with the engine's phases timed per step), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
@@ -102,13 +102,14 @@ for s in "${steps[@]}"; do
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     multimodal-profile) run_step multimodal-profile 240 python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --profile ;;
     multimodal-intake)
-      run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes
-      run_step multimodal-threads 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --intake threads ;;
+      run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes --repeats 3
+      run_step multimodal-threads 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake threads --repeats 3 ;;
     skinny) run_step skinny 240 python3 benchmarks/skinny_gemm.py --device cuda --sweep ;;
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
     spec-ngram) run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 ;;
     spec-phases) run_step spec-phases 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --phases ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
+    spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
     *) summary+=("$s: unknown step") ;;
   esac
 done

@@ -111,27 +111,39 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
     read = list(llm._read_prompts(prompts, name_prompts=True))  # what reading the prompts (media) costs, on an idle engine
     args.intake_s = time.perf_counter() - t0
     sync()
-    rows = []
-    with step_stats(llm) as stats:
-        if args.profile:
-            rows.append((name, *profiled(lambda: llm.generate(prompts, params, use_tqdm=False)), stats))
-        else:
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            sync()
-            rows.append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
-    if args.pre_read and "multi_modal_data" in prompts[0]:
-        engine = llm.engine
+    runs, pre_read = [], []
+    for r in range(args.repeats):
         with step_stats(llm) as stats:
-            t0 = time.perf_counter()
-            for i, prompt in enumerate(read):
-                engine.add_request(f"pre-read-{i}", prompt, params)
-            tokens = 0
-            while engine.has_unfinished_requests():
-                tokens += sum(len(o.outputs[0].token_ids) for o in engine.step(final_only=True) if o.finished)
-            sync()
-            rows.append((name + ", read before", time.perf_counter() - t0, tokens, stats))
+            if args.profile:
+                runs.append((name, *profiled(lambda: llm.generate(prompts, params, use_tqdm=False)), stats))
+            else:
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                sync()
+                runs.append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
+        if args.pre_read and "multi_modal_data" in prompts[0]:
+            engine = llm.engine
+            with step_stats(llm) as stats:
+                t0 = time.perf_counter()
+                for i, prompt in enumerate(read):
+                    engine.add_request(f"pre-read-{r}-{i}", prompt, params)
+                tokens = 0
+                while engine.has_unfinished_requests():
+                    tokens += sum(len(o.outputs[0].token_ids) for o in engine.step(final_only=True) if o.finished)
+                sync()
+                pre_read.append((name + ", read before", time.perf_counter() - t0, tokens, stats))
+    rows = [median_run(runs)] + ([median_run(pre_read)] if pre_read else [])
     return rows
+
+
+def median_run(runs: list[tuple]) -> tuple:
+    """The run of median wall time among repeats (the host's speed varies from run to run), its
+    name suffixed with the spread of the walls when there are several."""
+    ordered = sorted(runs, key=lambda run: run[1])
+    name, wall, tokens, stats = ordered[len(ordered) // 2]
+    if len(runs) > 1:
+        name = f"{name} [{ordered[0][1]:.2f}-{ordered[-1][1]:.2f}]"
+    return name, wall, tokens, stats
 
 
 @contextlib.contextmanager
@@ -247,6 +259,8 @@ def main() -> None:
                    help="warm up on the whole run (full outputs), not two tokens a request: Triton specializes its "
                         "kernels on step sizes the short warm-up does not meet, and the first run of the process "
                         "would otherwise compile them while timed")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each run this many times (the same engine) and report the median, with the range of the walls")
     p.add_argument("--pre-read", action="store_true",
                    help="also time the multimodal engine on its prompts read beforehand (no intake during the run)")
     p.add_argument("--intake-workers", type=int, default=None, help="workers reading media prompts (the family's default)")
@@ -278,10 +292,10 @@ def main() -> None:
         if not args.skip_hf:
             rows.append(("transformers generate", *run_hf(model, directory, media, args), None))
     base = rows[0][2] / rows[0][1]
-    print(f"{'run':<34} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9} {'s eager':>7} {'gc s (full)':>11}")
+    print(f"{'run':<46} {'wall s':>8} {'tok/s':>9} {'vs multimodal':>14} {'steps':>6} {'graph steps':>11} {'ms a step':>9} {'s eager':>7} {'gc s (full)':>11}")
     for name, wall, tokens, st in rows:
         steps = "" if st is None else f" {st['steps']:>6} {st['replays']:>11} {1000 * st['step_s'] / max(st['steps'], 1):>9.2f} {st['eager_s']:>7.2f} {st['gc_s']:>6.2f} ({st['gc_full']})"
-        print(f"{name:<34} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x{steps}")
+        print(f"{name:<46} {wall:>8.2f} {tokens / wall:>9.0f} {tokens / wall / base:>13.2f}x{steps}")
     print(f"reading the {args.num_requests} image prompts alone: {intake:.2f} s (on an idle engine; --pre-read times the run without it)")
 
 
