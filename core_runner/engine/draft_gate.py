@@ -20,11 +20,11 @@ Drafts run unconditionally for the first `WARMUP[method]` measured steps with dr
 lookup finds matches only once the text repeats; a draft model's worth shows at once), or for
 `WARMUP[method]` decisions if no step carried drafts by then (text where prompt lookup finds
 nothing: proposing keeps each step synchronous under async scheduling, for nothing); then a
-few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN` decisions,
-first after `PROBE_EVERY` decisions, then after twice as many each time the probe confirms the
+few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN[arm]`
+decisions, first after `PROBE_EVERY` decisions, then after twice as many each time the probe confirms the
 choice (up to `MAX_PROBE_EVERY`), and never more often than keeps the probes' extra cost under
 `PROBE_BUDGET` of the time (an arm that costs r times the chosen one is probed at most every
-PROBE_LEN * (r - 1) / PROBE_BUDGET decisions: a draft model that is never accepted is checked
+PROBE_LEN[arm] * (r - 1) / PROBE_BUDGET decisions: a draft model that is never accepted is checked
 rarely). The figure of an arm not run since the last probe is stale: a probe's measurement
 replaces it.
 Outputs do not depend on the gate (verification is exact): it only decides how many tokens a
@@ -37,7 +37,12 @@ WARMUP = {"ngram": 32, "draft_model": 2}  # measured steps with drafts before th
 MIN_STEPS = 3  # steps measured without drafts before that figure counts
 PROBE_EVERY = 8  # decisions before the first probe of the arm not chosen
 MAX_PROBE_EVERY = 256  # the longest interval between probes
-PROBE_LEN = 2  # decisions a probe lasts: the second one's step is measured
+# Decisions a probe of each arm lasts. The drafts arm's second step is measured. Under async
+# scheduling a step without drafts is measured only when the step before it did not settle (the
+# refill) and the one after it proposes no drafts (its launch, a draft model's forwards, would be
+# timed within this step: Scheduler.update), so a probe of that arm takes four decisions to
+# measure one step.
+PROBE_LEN = {True: 2, False: 4}
 PROBE_BUDGET = 0.05  # the probes' extra cost, as a share of the time, at most
 MARGIN = 0.1  # going without drafts must be this much cheaper per token to be chosen
 DECAY = 0.7  # weight of the old average at each new step
@@ -68,9 +73,9 @@ class DraftGate:
         cost = self.costs
         cost.setdefault(True, float("inf"))  # no step has carried drafts yet: only a probe can tell
         best = cost[True] <= cost[False] * (1 + MARGIN)
-        # Probing the other arm costs PROBE_LEN steps at (ratio - 1) more each: keep that in budget.
+        # Probing the other arm costs its probe's steps at (ratio - 1) more each: keep that in budget.
         ratio = cost[not best] / max(cost[best], 1e-12)
-        floor = int(min(PROBE_LEN * max(ratio - 1, 0) / PROBE_BUDGET, MAX_PROBE_EVERY))
+        floor = int(min(PROBE_LEN[not best] * max(ratio - 1, 0) / PROBE_BUDGET, MAX_PROBE_EVERY))
         if best != self._choice:  # the measurements changed the choice: check it again soon
             self._choice, self._interval, self._since_probe = best, max(PROBE_EVERY, floor), 0
         else:
@@ -78,7 +83,7 @@ class DraftGate:
         if self._since_probe >= self._interval:
             self._since_probe = 0
             self._interval = max(min(2 * self._interval, MAX_PROBE_EVERY), floor)
-            self._probe_left = PROBE_LEN - 1
+            self._probe_left = PROBE_LEN[not self._choice] - 1
             self._stale[not self._choice] = True
             return not self._choice
         return self._choice

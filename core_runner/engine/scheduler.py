@@ -78,6 +78,7 @@ class Scheduler:
         self._drafts_proposed = spec is not None
         self._last_update: float | None = None  # when update() last ran (the draft gate's clock)
         self._last_settled = False  # the last scheduled step had to be processed before the next
+        self._last_scheduled: SchedulerOutput | None = None  # the newest step (the draft gate's clock)
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -325,6 +326,7 @@ class Scheduler:
                 and use_drafts == out.propose_drafts and not refill):  # fmt: skip
             out.gate_arm, out.scheduled_at = drafts_scheduled, time.perf_counter()
         self._last_settled = out.needs_settling
+        self._last_scheduled = out
         return out
 
     def _advance(self, request: Request, num_computed: int) -> None:
@@ -441,7 +443,12 @@ class Scheduler:
             # measured alike; a step with no update before it counts from its schedule().
             now, last = time.perf_counter(), self._last_update
             self._last_update = now
-            if sched_out.gate_arm is not None:
+            # Under async scheduling the step after this one was launched before this update: a
+            # step without drafts followed by one that proposes would be charged the speculator's
+            # work (a draft model's forwards, milliseconds), and the arm's cost with it.
+            later = self._last_scheduled
+            charged = later is not sched_out and later is not None and later.propose_drafts
+            if sched_out.gate_arm is not None and not (charged and sched_out.gate_arm is False):
                 emitted = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
                 self.draft_gate.observe(sched_out.gate_arm, now - (sched_out.scheduled_at if last is None else last), emitted)
         touched: list[Request] = []

@@ -470,3 +470,33 @@ def test_draft_gate_skips_the_pipeline_refill_after_a_settled_step() -> None:
     sched.update(refill, ModelRunnerOutput(["r"], [[TOKEN_BASE + 5]], num_draft_tokens=[0]))
     sched.update(overlapped, ModelRunnerOutput(["r"], [[TOKEN_BASE + 6]], num_draft_tokens=[0]))
     assert observed == [True, False]
+
+
+def test_draft_gate_skips_a_step_whose_successor_proposes() -> None:
+    """Guards against: under async scheduling, a step without drafts measured across the launch
+    of the step after it when that one proposes drafts -- a draft model's forwards then land in
+    the 'without drafts' arm's time (on one H200 that arm read 11 ms a token against a 1 ms step,
+    and the gate kept a never-accepted draft model on)."""
+    from slotrunner.core_runner.config import SpeculativeConfig
+
+    sched = Scheduler(make_config(speculative_config=SpeculativeConfig(num_speculative_tokens=2)), async_scheduling=True)
+    answers = iter([False, False, False, True])
+    sched.draft_gate.want_drafts = lambda: next(answers)
+    observed: list[bool] = []
+    sched.draft_gate.observe = lambda arm, seconds, emitted: observed.append(arm)
+    sched.add_request(make_request("r", 4, max_tokens=30, ignore_eos=True))
+
+    def settle(out: SchedulerOutput, token: int) -> None:
+        sched.update(out, ModelRunnerOutput(["r"], [[token]], num_draft_tokens=[0]))
+
+    prefill = sched.schedule()
+    first = sched.schedule()  # overlaps the prefill: measured
+    settle(prefill, TOKEN_BASE)
+    second = sched.schedule()  # measured too
+    assert first.gate_arm is False and second.gate_arm is False
+    settle(first, TOKEN_BASE + 1)  # the step after it proposes none: counted
+    proposing = sched.schedule()  # proposes drafts for the next step
+    assert proposing.propose_drafts and proposing.gate_arm is None
+    settle(second, TOKEN_BASE + 2)  # launched after 'proposing' was: not counted
+    settle(proposing, TOKEN_BASE + 3)
+    assert observed == [False]
