@@ -33,9 +33,8 @@ from slotrunner.core_runner.sample.logprobs import LogprobsTensors, prompt_logpr
 from slotrunner.core_runner.sample.sampler import Sampler, SamplerOutput, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates
 from slotrunner.core_runner.runner.model_state import CacheSpec, ModelState
-from slotrunner.core_runner.runner import sampled_token_kernels as sk
 from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator, build_speculator
-from slotrunner.core_runner.spec_decode.verify import accept_drafts
+from slotrunner.core_runner.spec_decode.verify import verify_and_update
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ class ModelRunner:
     def _sample_and_verify(self, step: _ExecutedStep, max_draft: int) -> AsyncOutput:
         """Speculative decoding's sample_tokens: the target picks a token at every logits row
         (each decode row's last token and its drafts), accepts the drafts that equal its picks
-        (`accept_drafts`), writes the emitted tokens into the history, then the speculator
+        (`verify_and_update`), writes the emitted tokens into the history, then the speculator
         proposes the next drafts from it. Only the tokens and counts reach the host."""
         batch = step.batch
         rs = self.req_state
@@ -243,20 +242,16 @@ class ModelRunner:
             counts_known = max_draft == 0
             if counts_known:
                 rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
-            picks, num_accepted = accept_drafts(
-                out.sampled, rs.draft_tokens, batch.idx_mapping, batch.num_draft, batch.cu_num_logits, max_draft
-            )
-            samples = batch.num_sampled.long()  # [num_reqs] 1 where the row samples
-            num_sampled = samples * (num_accepted + 1)
-            num_rejected = samples * (batch.num_draft.long() - num_accepted)
-            sk.post_update(batch.idx_mapping, batch.seq_lens, picks, num_sampled, num_rejected, rs.token_ids, rs.last_sampled)
-            self.model_state.postprocess_state(batch, num_sampled, num_rejected)
-            # The next drafts, from the history the step just extended (length seq_len -
-            # num_rejected + 1 on sampling rows; rows whose sampling reads the history get none).
+            # Rows the speculator may read (rows whose sampling reads the history get no drafts).
             allowed = batch.sample_mask_np & self.sampling_states.drafts_allowed(idx)
             allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
-            num_known = batch.seq_lens.long() - num_rejected + samples
-            hist_len = torch.where(allowed_dev, num_known, 0)
+            # Accepted counts, emitted tokens into the history, and its new length (seq_len -
+            # num_rejected + 1 on sampling rows), whence the next drafts: one launch on a GPU.
+            picks, num_sampled, num_rejected, num_known, hist_len = verify_and_update(
+                out.sampled, rs.draft_tokens, batch.idx_mapping, batch.num_draft, batch.cu_num_logits, batch.num_sampled,
+                batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft,
+            )  # fmt: skip
+            self.model_state.postprocess_state(batch, num_sampled, num_rejected)
             next_num_draft = self._next_num_draft[:num_reqs]
             if step.propose_drafts:
                 self.speculator.propose(
