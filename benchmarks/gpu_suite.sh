@@ -40,6 +40,7 @@ GPU_TESTS=(
   tests/core_runner/runner/test_cuda_graphs.py
   tests/core_runner/runner/test_features_gpu.py
   tests/core_runner/runner/test_input_kernels.py
+  tests/core_runner/runner/test_sampled_token_kernels.py
   tests/core_runner/attention
   tests/core_runner/sample/test_gumbel_kernel.py
   tests/core_runner/spec_decode

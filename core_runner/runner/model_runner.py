@@ -29,12 +29,12 @@ from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, kv_cache_l
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState
+from slotrunner.core_runner.runner.sampled_token_kernels import verify_and_update
 from slotrunner.core_runner.sample.logprobs import LogprobsTensors, prompt_logprobs_chunked
 from slotrunner.core_runner.sample.sampler import Sampler, SamplerOutput, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates
 from slotrunner.core_runner.runner.model_state import CacheSpec, ModelState
 from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator, build_speculator
-from slotrunner.core_runner.spec_decode.verify import verify_and_update
 
 logger = logging.getLogger(__name__)
 
