@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 SLOTS, MAX_MODEL_LEN = 7, 20
 
 
