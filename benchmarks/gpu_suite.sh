@@ -21,7 +21,8 @@
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand), spec (spec-long: n-gram at
-# 512 tokens a request; spec-draft-long: the never-accepted draft model at 512), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
+# 512 tokens a request; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
+# draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 case with the engine's phases timed per step), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
@@ -111,6 +112,9 @@ for s in "${steps[@]}"; do
     spec-phases) run_step spec-phases 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --phases ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
+    spec-draft-small)
+      run_step spec-draft-other-7-layers 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other --draft-layers 7
+      run_step spec-draft-other-7-layers-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other --draft-layers 7 --batch-sizes 1 ;;
     *) summary+=("$s: unknown step") ;;
   esac
 done

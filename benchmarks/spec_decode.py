@@ -99,6 +99,11 @@ def main() -> None:
         help="speculate with this draft model (method draft_model); 'same': the target itself; 'other': the target's "
              "shape with other random weights (--qwen3-shape), whose drafts are about never accepted: the overhead",
     )  # fmt: skip
+    parser.add_argument(
+        "--draft-layers", type=int, default=None,
+        help="with --draft-model other: its depth (default the target's 28). A draft model is smaller than its target in "
+             "use; at the target's own size its eager prompt prefill alone costs what the target's does",
+    )  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--phases", action="store_true",
@@ -131,11 +136,11 @@ def main() -> None:
         if draft == "same":
             draft = base.config.model
         elif draft == "other":
-            draft = qwen3_shape_dir(seed=1)
+            draft = qwen3_shape_dir(seed=1, num_layers=args.draft_layers or 28)
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
     fast = LLM(model, speculative_config=spec, **common)
     print(f"model={model or 'SmolLM2-135M-Instruct'} device={base.config.device} dtype={base.config.dtype} "
-          f"k={args.num_speculative_tokens} " + (f"draft={args.draft_model} " if args.draft_model else
+          f"k={args.num_speculative_tokens} " + (f"draft={args.draft_model}{'' if args.draft_layers is None else f' ({args.draft_layers} layers)'} " if args.draft_model else
           f"n={args.prompt_lookup_min}..{args.prompt_lookup_max} ") + f"max_tokens={args.max_tokens}")
     print(f"{'batch':>5} {'base ms/tok':>11} {'spec ms/tok':>11} {'base tok/s':>10} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accept':>6} {'tok/step':>8} identical")
@@ -227,8 +232,9 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
     return ", ".join(parts)
 
 
-def qwen3_shape_dir(seed: int = 0) -> str:
-    """A random-weight checkpoint of Qwen3-0.6B's shape (benchmarks/throughput.py's workload)."""
+def qwen3_shape_dir(seed: int = 0, num_layers: int = 28) -> str:
+    """A random-weight checkpoint of Qwen3-0.6B's shape (benchmarks/throughput.py's workload), or
+    of its first `num_layers` layers' depth."""
     import tempfile
 
     from transformers import Qwen3Config
@@ -236,7 +242,7 @@ def qwen3_shape_dir(seed: int = 0) -> str:
     from slotrunner.conformance import build_case
 
     config = Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=num_layers, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
         torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"],
     )
