@@ -150,8 +150,13 @@ class EngineConfig:
     num_state_checkpoints: int = 0
     state_checkpoint_interval: int = 512
     # Speculative decoding, or None. With async scheduling, steps that carry or propose drafts are
-    # processed before the next one is scheduled (SchedulerOutput.needs_settling).
+    # processed before the next one is scheduled (SchedulerOutput.needs_settling), unless they
+    # overlap (overlap_drafts).
     speculative_config: SpeculativeConfig | None = None
+    # Async scheduling with prompt-lookup drafts in a family whose rows of several tokens read
+    # their lengths on the device: steps that carry or propose drafts overlap too (the engine
+    # builder decides; SchedulerOutput.overlap_drafts).
+    overlap_drafts: bool = False
     # The paged KV cache's dtype where a layer's spec leaves it open: None is `dtype`;
     # torch.float8_e4m3fn halves (bf16) the bytes attention reads (kv_cache_dtype="fp8").
     kv_cache_dtype: torch.dtype | None = None

@@ -23,6 +23,7 @@ from slotrunner.core_runner.loader.model_loader import LOAD_FORMATS, load_model
 from slotrunner.core_runner.loader.hub import HubOptions, resolve_model_path
 from slotrunner.core_runner.loader.source import open_model, read_generation_config
 from slotrunner.core_runner.runner.kv_cache import check_kv_cache_dtype, kv_cache_layout
+from slotrunner.core_runner.runner.model_runner import overlaps_drafts
 from slotrunner.core_runner.distributed.parallel_state import tensor_parallel_scope
 from slotrunner.draft_model import load_draft_model
 from slotrunner.models.layers.media_source import media_root
@@ -297,7 +298,7 @@ def _build_engine(args: EngineArgs, launches: list[TensorParallelLaunch]) -> LLM
         cached = nn_model if draft_model is None else nn.ModuleList([nn_model, draft_model])
         num_kv_blocks = default_num_kv_blocks(cached, config, reserved, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
         num_kv_blocks = launch.tp.agree_min(num_kv_blocks, launch.check_peers)  # what fits on every rank
-    config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks)
+    config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, overlap_drafts=overlaps_drafts(config, nn_model, arch.model_state_cls))
     if args.enable_chunked_prefill is False and config.max_num_batched_tokens < max_model_len:
         raise ValueError(
             f"enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len ({max_model_len}) so that a "
@@ -346,7 +347,6 @@ def _prefix_caching(asked: bool | None, state_cls: type, num_state_checkpoints: 
             )
         return False
     return supported if asked is None else bool(asked)
-
 
 
 

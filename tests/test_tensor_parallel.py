@@ -160,13 +160,49 @@ import json, sys
 from slotrunner import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
 # Only rank 0 gets here: on rank 1 the constructor served rank 0's steps, then ended the process.
+max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 6
 out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
-                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)
+                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2), use_tqdm=False)
 print("OUT", json.dumps([[list(o.outputs[0].token_ids), [{str(t): l.logprob for t, l in lp.items()}
                                                         for lp in o.outputs[0].logprobs]] for o in out]))
 print("ACCEPTED", sum(o.metrics.num_accepted_tokens for o in out))
+print("OVERLAP", int(llm.engine.scheduler.overlap_drafts))
 llm.close()
 """
+
+
+def _launch_two_ranks(directory, engine: dict, prompts: list, max_tokens: int = MAX_TOKENS) -> str:
+    """Rank 0's stdout of LAUNCHED run torchrun-style on two ranks (asserting both succeed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))  # fmt: skip
+        cmd = [sys.executable, "-c", LAUNCHED, str(directory), json.dumps(engine), json.dumps(prompts), str(max_tokens)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "OUT" not in outs[1][0]  # rank 1 ran no code after LLM(...)
+    return outs[0][0]
+
+
+def test_overlapped_steps_with_drafts_stay_in_step_across_ranks(case, one_rank):
+    """Async scheduling with n-gram drafts on two ranks: rank 0 schedules steps behind steps with
+    drafts (EngineConfig.overlap_drafts) while every other rank processes each step at once; both
+    must move the same rows back by the same rejected drafts (SchedulerOutput.behind_drafts), or
+    their collectives would mix different positions."""
+    engine = ENGINE | {"speculative_config": SPECULATIVE, "async_scheduling": True}
+    prompts, max_tokens = ALONE + [REPEATING], 14
+    out = _launch_two_ranks(case[0], engine, prompts, max_tokens)
+    assert "OVERLAP 1" in out and int(out.split("ACCEPTED ", 1)[1].split()[0]) > 0, out
+    ours = json.loads(out.split("OUT ", 1)[1].split("\n", 1)[0])
+    ref = one_rank.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens, logprobs=2), use_tqdm=False)
+    for (ids, logprobs), r in zip(ours, ref):
+        assert ids == list(r.outputs[0].token_ids)
+        for la, lb in zip(logprobs, r.outputs[0].logprobs):
+            assert all(abs(v - lb[int(t)].logprob) <= LOGITS_ATOL for t, v in la.items())
 
 
 def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
@@ -177,20 +213,9 @@ def test_an_external_launcher_runs_the_same_script_on_every_rank(tmp_path):
     grouped = ENGINE | {"num_kv_blocks": 24}  # two KV-cache groups: one request needs 15 block ids
     engine = grouped | {"speculative_config": SPECULATIVE}
     prompts = ALONE + [REPEATING]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))  # fmt: skip
-        cmd = [sys.executable, "-c", LAUNCHED, str(tmp_path), json.dumps(engine), json.dumps(prompts)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    ours = json.loads(outs[0][0].split("OUT ", 1)[1].split("\n", 1)[0])
-    assert int(outs[0][0].split("ACCEPTED ", 1)[1].split()[0]) > 0, "no draft was accepted: nothing tested"
-    assert "OUT" not in outs[1][0]  # rank 1 ran no code after LLM(...)
+    out = _launch_two_ranks(tmp_path, engine, prompts)
+    ours = json.loads(out.split("OUT ", 1)[1].split("\n", 1)[0])
+    assert int(out.split("ACCEPTED ", 1)[1].split()[0]) > 0, "no draft was accepted: nothing tested"
     one_rank_moe = LLM(str(tmp_path), **grouped)  # plain decoding: drafts change no token
     ref = one_rank_moe.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=2), use_tqdm=False)
     for (ids, logprobs), r in zip(ours, ref):

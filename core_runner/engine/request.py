@@ -62,10 +62,11 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # Speculative decoding: drafts the runner holds for the request's next step (proposed by the
-    # last step that sampled for it), drafts scheduled in the step being run, and the totals
-    # proposed to and accepted by the target (RequestOutput.metrics).
+    # last step that sampled for it and was processed), drafts scheduled in steps not processed
+    # yet (their KV counts in num_computed_tokens until update() rolls the rejected ones back),
+    # and the totals proposed to and accepted by the target (RequestOutput.metrics).
     num_spec_tokens: int = 0
-    num_scheduled_drafts: int = 0
+    num_inflight_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # What check_stop reads every token, taken from `sampling_params` once: the request's own
@@ -94,18 +95,28 @@ class Request:
 
     def draft_room(self, max_model_len: int) -> int:
         """Drafts a decode step may carry: all accepted plus the bonus token must stay within
-        max_tokens and max_model_len (drafts past a stop would be dropped anyway)."""
-        room = max_model_len - self.num_tokens - 1
+        max_tokens and max_model_len (drafts past a stop would be dropped anyway), counting
+        every token that steps in flight may still add."""
+        ahead = self.num_pending + self.num_inflight_drafts
+        room = max_model_len - self.num_tokens - ahead - 1
         max_tokens = self.sampling_params.max_tokens
         if max_tokens is not None:
-            room = min(room, max_tokens - len(self.output_token_ids) - 1)
+            room = min(room, max_tokens - len(self.output_token_ids) - ahead - 1)
         return max(room, 0)
 
-    def done_when_pending_arrive(self, max_model_len: int) -> bool:
+    def done_when_pending_arrive(self, max_model_len: int, with_drafts: bool = False) -> bool:
         """Whether the tokens in flight already bring the request to max_tokens or to
-        max_model_len: it finishes when they arrive, so no further step is scheduled for it."""
-        num_output = len(self.output_token_ids) + self.num_pending
+        max_model_len: it finishes when they arrive, so no further step is scheduled for it.
+        `with_drafts`: whether they may, counting every draft in flight as accepted (a step
+        scheduled on that count could pass the limits: it waits for them)."""
+        num_output = len(self.output_token_ids) + self.num_pending + (self.num_inflight_drafts if with_drafts else 0)
         return num_output >= min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
+
+    @property
+    def min_tokens_reached(self) -> bool:
+        """Whether the known output already holds min_tokens (the count under async scheduling
+        may lag, never lead)."""
+        return len(self.output_token_ids) >= (self.sampling_params.min_tokens or 0)
 
     def append_sampled(self, token_ids: list[int], max_model_len: int) -> bool:
         """Append a step's sampled tokens (several with drafts) up to the first one that finishes

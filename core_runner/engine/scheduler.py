@@ -76,9 +76,15 @@ class Scheduler:
         # last one proposed them.
         self.draft_gate = DraftGate(spec.method) if spec is not None else None
         self._drafts_proposed = spec is not None
+        # Steps with drafts overlap (async scheduling, prompt lookup): a row whose last step is in
+        # flight is scheduled at once, with every draft of it counted as accepted and the drafts
+        # proposed after it -- how many is known on the device only, so up to k.
+        self.overlap_drafts = config.overlap_drafts and async_scheduling
+        self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
         self._last_update: float | None = None  # when update() last ran (the draft gate's clock)
         self._last_settled = False  # the last scheduled step had to be processed before the next
         self._last_scheduled: SchedulerOutput | None = None  # the newest step (the draft gate's clock)
+        self._last_updated: SchedulerOutput | None = None
 
     # ---- intake and removal -------------------------------------------------------------
 
@@ -142,6 +148,7 @@ class Scheduler:
         cache forgets every hash (a failed step is rare; recomputing is always right)."""
         self._finished_req_ids |= sched_out.finished_req_ids | sched_out.preempted_req_ids
         self.reset_prefix_cache()
+        self._last_scheduled = None  # it never verified its drafts: the next step is behind none
 
     def rollback(self, sched_out: SchedulerOutput) -> None:
         """Undo a step the runner never finished (interrupted), with no other step in flight.
@@ -162,7 +169,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = request.num_registered_blocks = 0
             request.num_pending = 0
-            request.num_spec_tokens = request.num_scheduled_drafts = 0
+            request.num_spec_tokens = request.num_inflight_drafts = 0
             self.waiting.appendleft(request)
 
     def stall_reason(self) -> str:
@@ -200,7 +207,9 @@ class Scheduler:
         succeeds; the output carries the values from before the step. A step that does not
         succeed must be undone: `rollback`, or its requests finished (then `release_step_slots`).
         """
-        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids, overlap_drafts=self.overlap_drafts)
+        last = self._last_scheduled
+        out.behind_drafts = last is not None and last.carries_drafts and last is not self._last_updated
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
         use_drafts = self._drafts_proposed
@@ -212,7 +221,7 @@ class Scheduler:
         # call, and a decode row whose blocks already hold its next token builds nothing.
         checkpoints, windows = self.state_checkpoints is not None, self.block_manager.has_windows
         bm, block_size, prefix_caching = self.block_manager, self.block_size, self.prefix_caching
-        lookahead, max_model_len = self.num_lookahead_tokens > 0, self.max_model_len
+        lookahead, max_model_len, overlap = self.num_lookahead_tokens > 0, self.max_model_len, self.overlap_drafts
         room = bm.room  # req_id -> tokens its blocks hold: most decode rows stay within it
         cached_reqs, num_scheduled, running = out.cached_reqs, out.num_scheduled_tokens, self.running
         cached_ids, cached_computed = cached_reqs.req_ids, cached_reqs.num_computed_tokens
@@ -220,12 +229,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            num_pending = request.num_pending
-            if num_pending and request.done_when_pending_arrive(max_model_len):
+            num_pending, inflight = request.num_pending, request.num_inflight_drafts
+            if num_pending and request.done_when_pending_arrive(max_model_len, inflight > 0):
                 continue
             req_id = request.req_id
             num_computed = request.num_computed_tokens
-            num_uncomputed = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
+            # Drafts in flight count as computed tokens of the request (all accepted, until update()).
+            num_uncomputed = len(request.prompt_token_ids) + len(request.output_token_ids) + inflight - num_computed
             num_new = num_uncomputed + num_pending
             if num_new > budget:
                 num_new = budget
@@ -236,10 +246,12 @@ class Scheduler:
             num_drafts = 0
             if num_uncomputed + num_pending != 1:  # a decode row: its last token known, or pending (async)
                 decode_only = False
-            elif num_uncomputed and use_drafts and request.num_spec_tokens:
+            elif use_drafts and request.num_spec_tokens and (num_uncomputed or overlap and request.min_tokens_reached):
                 # A decode with drafts: the last token and the drafts after it (their KV is
-                # written too; rejected ones are overwritten later, update() rolls back).
-                num_drafts = min(request.num_spec_tokens, budget - 1, request.draft_room(max_model_len))
+                # written too; rejected ones are overwritten later, update() rolls back). A row
+                # whose last token is in flight takes as many as the speculator may propose.
+                want = request.num_spec_tokens if num_uncomputed else self.num_speculative_tokens
+                num_drafts = min(want, budget - 1, request.draft_room(max_model_len))
                 num_new += num_drafts
             if windows:  # blocks its window has passed go back first: this step's growth may reuse them
                 bm.free_outside_window(req_id, num_computed)
@@ -250,8 +262,9 @@ class Scheduler:
                 if new_block_ids is None:
                     break  # it preempted itself, so it was the last running request
                 cached_reqs.new_block_ids[req_id] = new_block_ids
-            if num_drafts:  # else it is 0: update() resets it once it verified the drafts
-                request.num_scheduled_drafts = num_drafts
+            if num_drafts:
+                request.num_inflight_drafts += num_drafts
+                out.num_draft_tokens[req_id] = num_drafts
                 drafts_scheduled = True
             cached_ids.append(req_id)
             cached_computed.append(num_computed)
@@ -335,7 +348,7 @@ class Scheduler:
         unscheduled tail -- so this happens as soon as the request is scheduled."""
         request.num_computed_tokens = num_computed
         num_known = len(request.prompt_token_ids) + len(request.output_token_ids)  # num_tokens, without a call
-        if self.async_scheduling and num_computed >= num_known + request.num_pending:
+        if self.async_scheduling and num_computed >= num_known + request.num_inflight_drafts + request.num_pending:
             request.num_pending += 1  # this step samples its next token
 
     def _with_lookahead(self, num_tokens: int) -> int:
@@ -436,6 +449,7 @@ class Scheduler:
         Returns the requests that got tokens this step, finished ones included, in batch order.
         """
         assert len(runner_out.req_ids) == len(runner_out.sampled_token_ids), "one sampled list per batch row"
+        self._last_updated = sched_out  # a step scheduled now sees where its rows' drafts ended
         if self.draft_gate is not None:
             # A step's cost: the time since the previous step's update(), what the engine loop
             # spends per step -- all of a step that runs after the one before it (drafts), the
@@ -460,15 +474,18 @@ class Scheduler:
             request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
-            if request.num_scheduled_drafts:
+            num_drafts = sched_out.num_draft_tokens.get(req_id, 0) if sched_out.carries_drafts else 0
+            if num_drafts:
                 # The KV of rejected drafts is not the request's: it recomputes from the first
                 # rejected position (the new token's KV is computed next step, as in any decode).
+                # A request preempted since has no KV to roll back.
                 num_accepted = len(sampled) - 1
-                assert 0 <= num_accepted <= request.num_scheduled_drafts, f"{req_id!r}: {len(sampled)} tokens for {request.num_scheduled_drafts} drafts"
-                request.num_computed_tokens -= request.num_scheduled_drafts - num_accepted
-                request.num_draft_tokens += request.num_scheduled_drafts
+                assert 0 <= num_accepted <= num_drafts, f"{req_id!r}: {len(sampled)} tokens for {num_drafts} drafts"
+                if request.status == RequestStatus.RUNNING:
+                    request.num_computed_tokens -= num_drafts - num_accepted
+                request.num_inflight_drafts -= num_drafts
+                request.num_draft_tokens += num_drafts
                 request.num_accepted_tokens += num_accepted
-                request.num_scheduled_drafts = 0
             if next_drafts is not None:
                 request.num_spec_tokens = next_drafts[row]
             assert not synchronous or (

@@ -86,6 +86,14 @@ class ModelRunner:
         )
         # Drafts the speculator proposed per batch row of the last step (only counts reach the host).
         self._next_num_draft = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        # Overlapping steps with drafts (EngineConfig.overlap_drafts): the scheduler counts drafts in
+        # flight as accepted, so per slot the runner keeps the drafts the last verifying step
+        # rejected: a step scheduled before that one's output was processed
+        # (SchedulerOutput.behind_drafts) starts its rows back by them, on the device. It may
+        # also schedule more drafts than the speculator proposed: the others are stale tokens,
+        # accepted only where the target picks them anyway (verification is exact whatever proposes).
+        self._overlap = config.overlap_drafts and config.async_scheduling
+        self._rejected = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.kv_caches = self.kv_layout.allocate(config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
@@ -140,11 +148,19 @@ class ModelRunner:
         num_cached = len(sched.cached_reqs.req_ids)  # the first rows (batch order: cached, then new)
         self.req_state.num_computed_tokens_np[idx_mapping_np[:num_cached]] = sched.cached_reqs.num_computed_tokens
         num_scheduled_np = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        graph_size = self._graph_size(idx_mapping_np, num_scheduled_np)  # the one place that decides graph or eager
+        num_draft_np = None
+        if self.speculator is not None:  # drafts per row, as the scheduler scheduled them
+            drafts = sched.num_draft_tokens
+            num_draft_np = np.fromiter((drafts.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        graph_size = self._graph_size(idx_mapping_np, num_scheduled_np, num_draft_np)  # the one place that decides graph or eager
         num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
+        # Overlapped after a verifying step whose output is not processed yet: the scheduler
+        # counted its drafts as accepted; its rows start back by the rejected ones.
+        rejected = (self._rejected, num_cached) if sched.behind_drafts and num_cached else None
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
-            num_reqs_padded, num_tokens_padded, self._shared_prefix_len(idx_mapping_np, num_scheduled_np),
+            num_reqs_padded, num_tokens_padded, self._shared_prefix_len(idx_mapping_np, num_scheduled_np), num_draft_np,
+            rejected,
         )  # fmt: skip
         ms = self.model_state
         ms.preprocess_state(batch)
@@ -227,21 +243,18 @@ class ModelRunner:
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
             logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
-            # Logits row j of batch row r predicts the token at position seq_len - num_draft + j,
+            # Logits row j of batch row r predicts the token after its query token j, at that
+            # token's position + 1 (on the device: overlapped rows start where the device says),
             # which keys its Gumbel noise; its output count (min_tokens) is the row's plus j.
             num_logits_np = 1 + num_draft_np
             j_np = np.arange(int(cu_np[-1])) - np.repeat(cu_np[:-1], num_logits_np)
             rows_idx = np.repeat(idx, num_logits_np)
             num_output_np = np.repeat(rs.num_tokens_np[idx] - rs.prompt_len_np[idx], num_logits_np) + j_np
-            positions_np = np.repeat(batch.seq_lens_np - num_draft_np, num_logits_np) + j_np
-            positions = torch.from_numpy(positions_np).to(self.device, non_blocking=True)
+            positions = batch.positions.index_select(0, batch.logits_indices) + 1
             out = self._sample(rows_idx, num_output_np, positions, logits)
-            # Without drafts every sampling row emits one token: the history's length is known
-            # now, as async scheduling needs before the next step (steps that carry drafts are
-            # processed before another is scheduled: SchedulerOutput.needs_settling).
-            counts_known = max_draft == 0
-            if counts_known:
-                rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
+            # Every sampling row emits one token at least: counted now (async scheduling needs the
+            # history's length before the next step); accepted drafts when the output arrives.
+            rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
             # Rows the speculator may read (rows whose sampling reads the history get no drafts).
             allowed = batch.sample_mask_np & self.sampling_states.drafts_allowed(idx)
             allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
@@ -252,6 +265,9 @@ class ModelRunner:
                 batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft,
             )  # fmt: skip
             self.model_state.postprocess_state(batch, num_sampled, num_rejected)
+            if self._overlap:  # for the next step, scheduled before this one's output is processed
+                self._rejected.zero_()
+                self._rejected.index_copy_(0, batch.idx_mapping.long(), num_rejected)
             next_num_draft = self._next_num_draft[:num_reqs]
             if step.propose_drafts:
                 self.speculator.propose(
@@ -273,8 +289,7 @@ class ModelRunner:
             counts = host["num_sampled"].tolist()
             picks_rows = host["picks"].tolist()
             sampled_ids = [row[:n] for row, n in zip(picks_rows, counts)]
-            if not counts_known:  # the history grew by the emitted tokens (before the next step is scheduled)
-                rs.num_tokens_np[idx] += host["num_sampled"].numpy()
+            rs.num_tokens_np[idx] += host["num_sampled"].numpy() - batch.sample_mask_np  # the accepted drafts
             row_logprobs: list = [None] * num_reqs
             if "lp_ids" in host:
                 lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
@@ -386,7 +401,9 @@ class ModelRunner:
         shared = self.block_tables.shared_prefix_blocks(idx_mapping_np, context // bs) * bs // granule * granule
         return shared if shared >= SHARED_PREFIX_MIN_TOKENS else 0
 
-    def _graph_size(self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray) -> tuple[int, int] | None:
+    def _graph_size(
+        self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray, num_draft_np: np.ndarray | None
+    ) -> tuple[int, int] | None:
         """(rows, tokens) of the captured graph a decode-only step replays, or None: run eagerly.
         A step whose rows carry drafts (speculative decoding; query length 1 + drafts) replays
         the graphs captured at `draft_query_len` tokens a row when every row is a decode row --
@@ -397,12 +414,24 @@ class ModelRunner:
         if q > 1:
             if q > self.cuda_graphs.draft_query_len:
                 return None
-            rs = self.req_state
-            if not (rs.num_computed_tokens_np[idx_mapping_np] + 1 == rs.num_tokens_np[idx_mapping_np]).all():
+            if num_draft_np is None or not (num_scheduled_np == 1 + num_draft_np).all():
                 return None  # a prefill chunk in the batch
             q = self.cuda_graphs.draft_query_len
         n = self.cuda_graphs.padded_size(len(idx_mapping_np), q)
         return None if n is None else (n, n * q)
+
+
+def overlaps_drafts(config: EngineConfig, model: nn.Module, model_state_cls: type[ModelState]) -> bool:
+    """Whether steps that carry or propose drafts can overlap under async scheduling
+    (EngineConfig.overlap_drafts): prompt lookup (a draft model lays its forwards out from the
+    accepted counts on the host), one full-attention KV group (a sliding window would free blocks
+    by a start counted ahead), and a family whose rows of several tokens read their lengths on
+    the device (those whose decode steps with drafts replay graphs: `draft_graph_query_len`)."""
+    spec = config.speculative_config
+    return bool(
+        spec is not None and spec.method == "ngram" and config.async_scheduling and config.kv_cache_windows == (None,)
+        and model_state_cls.cuda_graphs_with_drafts and multi_token_rows_capturable(model)
+    )  # fmt: skip
 
 
 def draft_graph_query_len(model: nn.Module, model_state: ModelState, max_draft: int) -> int:

@@ -28,6 +28,10 @@ def prepare_inputs(
     num_reqs_padded: int | None = None,  # >= num_reqs: CUDA-graph batch size (padding rows are empty)
     num_tokens_padded: int | None = None,  # >= num_tokens: padding tokens are never written to the cache
     shared_prefix_len: int = 0,  # keys every row reads from the same blocks (InputBatch.shared_prefix_len)
+    num_draft_np: np.ndarray | None = None,  # [num_reqs] drafts per row as scheduled (speculative decoding)
+    # Overlapped steps with drafts: (per-slot drafts the last step rejected, rows it applies to --
+    # the first ones, cached in the runner); their start moves back by them on the device.
+    rejected: tuple[torch.Tensor, int] | None = None,
 ) -> InputBatch:
     num_reqs = len(req_ids)
     num_computed_np = state.num_computed_tokens_np[idx_mapping_np]
@@ -47,7 +51,8 @@ def prepare_inputs(
     sample_mask_np = seq_lens_np >= state.num_tokens_np[idx_mapping_np]
     # Speculative decoding: the tokens a decode row computes past its history are its drafts.
     speculative = state.draft_tokens.shape[1] > 0
-    num_draft_np = np.maximum(seq_lens_np - state.num_tokens_np[idx_mapping_np], 0) if speculative else None
+    if speculative and num_draft_np is None:
+        num_draft_np = np.maximum(seq_lens_np - state.num_tokens_np[idx_mapping_np], 0)
 
     b = buffers
     # seq_lens and (without drafts) the logits rows come from the host: it knows them, and a
@@ -57,6 +62,19 @@ def prepare_inputs(
         shared_prefix_len,
     )
     rows, tokens = b.rows(num_reqs), b.tokens(num_tokens)
+    if rejected is not None:
+        # The host counted the last step's drafts as accepted (its output is not processed yet):
+        # move these rows back by the rejected ones on the device. Host-side lengths stay upper
+        # bounds, except on a CPU, where reading the table costs nothing and the torch
+        # attention reads them.
+        by_slot, num_rows = rejected
+        back = by_slot.index_select(0, rows.idx_mapping[:num_rows])
+        rows.num_computed[:num_rows] -= back
+        rows.seq_lens[:num_rows] -= back.to(rows.seq_lens.dtype)
+        if back.device.type == "cpu":
+            back_np = back.numpy()
+            num_computed_np[:num_rows] -= back_np
+            seq_lens_np[:num_rows] -= back_np
     ik.prepare_input_ids_positions(
         rows.idx_mapping, b.query_start_loc, rows.num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
     )

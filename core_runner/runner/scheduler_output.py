@@ -67,10 +67,18 @@ class SchedulerOutput:
     # Speculative decoding: whether the speculator proposes drafts after this step (the draft
     # gate wants them for the next one); False: it is skipped, and the next step has none.
     propose_drafts: bool = True
-    # Whether some row of this step carries drafts: its accepted count decides the next step's
-    # schedule, so the engine processes it before scheduling another (as it does one that
-    # proposes drafts), even with async scheduling.
+    # Whether some row of this step carries drafts, and how many each such row carries (req_id ->
+    # drafts; update() rolls back the rejected ones).
     carries_drafts: bool = False
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Whether steps with drafts overlap like plain ones (EngineConfig.overlap_drafts): the next
+    # step is scheduled counting every draft in flight as accepted, and the runner takes the
+    # rejected ones back on the device. Otherwise a step that carries or proposes drafts is
+    # processed before another is scheduled.
+    overlap_drafts: bool = False
+    # Scheduled while the step before it, which carried drafts, had not been processed: its rows
+    # from that step start where the drafts it accepts end, known on the device only.
+    behind_drafts: bool = False
     # The draft gate measures this step (a decode-only step that carries drafts and proposes the
     # next, or does neither): True / False for the arm it measures; None: not measured.
     gate_arm: bool | None = None
@@ -81,8 +89,8 @@ class SchedulerOutput:
     def needs_settling(self) -> bool:
         """Whether the next step may be scheduled only after this one's output is processed:
         it carries drafts, or its speculator proposes some (the scheduler sets propose_drafts
-        False where nothing speculates). Async scheduling overlaps only steps that do neither."""
-        return self.carries_drafts or self.propose_drafts
+        False where nothing speculates), and steps with drafts do not overlap."""
+        return not self.overlap_drafts and (self.carries_drafts or self.propose_drafts)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

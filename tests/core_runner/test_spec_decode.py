@@ -6,7 +6,9 @@ token per step) in one batch, under chunked prefill and under preemption; drafts
 at all, partly and fully; max_tokens and stop tokens landing inside a run of accepted drafts;
 a multimodal model (drafts after an image prompt, M-RoPE positions) and an encoder-decoder
 (decoder-side drafts); async scheduling, which overlaps the steps that neither carry nor
-propose drafts; the refusals (bad configs). Recurrent hybrids roll their
+propose drafts and, with prompt lookup, those that do (the next step counts the drafts in flight
+as accepted; the runner moves its rows back by the rejected ones on the device); the refusals
+(bad configs). Recurrent hybrids roll their
 state back: tests/model_states/test_recurrent_rollback.py.
 
 Guards against: a draft accepted against the wrong position's noise or logits row, the KV of
@@ -59,9 +61,9 @@ def record_acceptance(llm: LLM) -> list[tuple[int, int]]:
 
     def spy(sched_out, runner_out):
         for req_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            request = scheduler._requests.get(req_id)
-            if request is not None and request.num_scheduled_drafts and sampled:
-                seen.append((request.num_scheduled_drafts, len(sampled) - 1))
+            drafts = sched_out.num_draft_tokens.get(req_id, 0)
+            if scheduler._requests.get(req_id) is not None and drafts and sampled:
+                seen.append((drafts, len(sampled) - 1))
         return update(sched_out, runner_out)
 
     scheduler.update = spy
@@ -135,10 +137,10 @@ class CyclingGate:
     [dict(max_num_seqs=12), dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=30)],
     ids=["one-batch", "preempting"],
 )
-def test_async_scheduling_overlaps_the_steps_without_drafts(llama_dir, baseline, engine_args):
-    """With async scheduling, a step that neither carries nor proposes drafts is scheduled while
-    the one before it runs, and one that does is processed before the next is scheduled: the
-    tokens (and logprobs) are those of plain decoding, as in synchronous scheduling."""
+def test_async_scheduling_overlaps_steps_with_and_without_drafts(llama_dir, baseline, engine_args):
+    """With async scheduling and prompt lookup every step is scheduled while the one before it
+    runs, whether either carries or proposes drafts or not (the gate switching them on and off):
+    the tokens (and logprobs) are those of plain decoding, as in synchronous scheduling."""
     llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM,
               async_scheduling=True, **engine_args)  # fmt: skip
     engine = llm.engine
@@ -154,6 +156,50 @@ def test_async_scheduling_overlaps_the_steps_without_drafts(llama_dir, baseline,
             assert [a.keys() for a in got.outputs[0].logprobs] == [b.keys() for b in want.outputs[0].logprobs]
     assert any(a > 0 for _, a in seen), "no draft was accepted: the case tests nothing"
     assert sum(overlapped) >= 5, f"{sum(overlapped)} of {len(overlapped)} steps were scheduled while one ran"
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == sum(a for _, a in seen)
+    if "num_kv_blocks" in engine_args:
+        assert engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(max_num_seqs=12),
+        dict(max_num_seqs=3, max_num_batched_tokens=7),
+        dict(max_num_seqs=6, max_num_batched_tokens=11, num_kv_blocks=30),
+    ],
+    ids=["one-batch", "chunked", "preempting"],
+)
+def test_steps_with_drafts_overlap(llama_dir, baseline, engine_args):
+    """Guards against the overlap of steps with drafts (EngineConfig.overlap_drafts) drifting
+    from plain decoding: a step scheduled while one with drafts runs counts them all accepted,
+    takes up to k drafts the speculator proposes meanwhile, and must start where the accepted
+    ones end (positions, KV slots, Gumbel keys, min_tokens), under chunked prefill and
+    preemption too."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM,
+              async_scheduling=True, **engine_args)  # fmt: skip
+    engine = llm.engine
+    assert engine.scheduler.overlap_drafts, "prompt lookup on a plain decoder overlaps its steps with drafts"
+    seen = record_acceptance(llm)
+    behind_drafts, schedule = [], engine.scheduler.schedule
+
+    def spy():
+        in_flight = engine._in_flight
+        out = schedule()
+        behind_drafts.append(in_flight is not None and in_flight[0].carries_drafts and out.carries_drafts)
+        return out
+
+    engine.scheduler.schedule = spy
+    prompts, params = make_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == token_ids(baseline)
+    for got, want in zip(outs, baseline):
+        if want.outputs[0].logprobs is not None:
+            for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    patterns = {"none": any(a == 0 for _, a in seen), "some": any(0 < a < d for d, a in seen), "all": any(a == d for d, a in seen)}
+    assert all(patterns.values()), f"acceptance patterns not all exercised: {patterns}"
+    assert sum(behind_drafts) >= 5, f"{sum(behind_drafts)} steps with drafts were scheduled behind one with drafts"
     assert sum(o.metrics.num_accepted_tokens for o in outs) == sum(a for _, a in seen)
     if "num_kv_blocks" in engine_args:
         assert engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
@@ -227,7 +273,8 @@ def test_stops_inside_accepted_runs(llama_dir):
 
 def test_multimodal_and_encoder_decoder(tmp_path):
     """Drafts after an image prompt (Qwen2-VL: M-RoPE positions past the prompt) and on the
-    decoder side of an encoder-decoder (BART) give the tokens decoding without them gives."""
+    decoder side of an encoder-decoder (BART) give the tokens decoding without them gives, with
+    async scheduling too (the multimodal family's steps with drafts then overlap)."""
     import numpy as np
     import torch
     import transformers
@@ -262,10 +309,12 @@ def test_multimodal_and_encoder_decoder(tmp_path):
     for directory, prompts in ((vl_dir, vl_prompts), (bart_dir, bart_prompts)):
         kw = dict(device="cpu", max_model_len=96, block_size=4, max_num_batched_tokens=9)
         want = LLM(str(directory), **kw).generate(prompts * 2, params + params[::-1], use_tqdm=False)
-        spec = LLM(str(directory), speculative_config=NGRAM, **kw)
-        got = spec.generate(prompts * 2, params + params[::-1], use_tqdm=False)
-        assert token_ids(got) == token_ids(want), directory.name
-        assert sum(o.metrics.num_draft_tokens for o in got) > 0, f"{directory.name}: no drafts were verified"
+        for async_scheduling in (False, True):  # async: the multimodal family's steps with drafts overlap
+            spec = LLM(str(directory), speculative_config=NGRAM, async_scheduling=async_scheduling, **kw)
+            got = spec.generate(prompts * 2, params + params[::-1], use_tqdm=False)
+            case = f"{directory.name}, async {async_scheduling}, overlap {spec.engine.scheduler.overlap_drafts}"
+            assert token_ids(got) == token_ids(want), case
+            assert sum(o.metrics.num_draft_tokens for o in got) > 0, f"{case}: no drafts were verified"
 
 
 def test_refusals(tmp_path, llama_dir):
