@@ -34,7 +34,8 @@ FEATURES = {
         enforce_eager=False, async_scheduling=False, enable_prefix_caching=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     ),
-    # The default on CUDA: steps without drafts overlap, those with drafts are processed first.
+    # The default on CUDA: every step overlaps where the family allows (EngineConfig.overlap_drafts:
+    # Qwen3, Qwen2-VL); elsewhere those that carry or propose drafts are processed first.
     "graphs+async+ngram drafts": dict(
         enforce_eager=False, async_scheduling=True, enable_prefix_caching=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
