@@ -151,7 +151,9 @@ class ModelRunner:
         num_draft_np = None
         if self.speculator is not None:  # drafts per row, as the scheduler scheduled them
             drafts = sched.num_draft_tokens
-            num_draft_np = np.fromiter((drafts.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+            num_draft_np = np.zeros(len(req_ids), dtype=np.int64)
+            if drafts:  # a row loop only for steps that carry drafts
+                num_draft_np[:] = [drafts.get(r, 0) for r in req_ids]
         graph_size = self._graph_size(idx_mapping_np, num_scheduled_np, num_draft_np)  # the one place that decides graph or eager
         num_reqs_padded, num_tokens_padded = (None, None) if graph_size is None else graph_size
         # Overlapped after a verifying step whose output is not processed yet: the scheduler
