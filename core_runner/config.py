@@ -197,6 +197,8 @@ class EngineConfig:
             )
         if self.async_scheduling is None:
             object.__setattr__(self, "async_scheduling", self.device.type == "cuda")
+        if self.overlap_drafts and not self.async_scheduling:
+            raise ValueError("overlap_drafts overlaps steps under async scheduling: it needs async_scheduling=True")
         if not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
 

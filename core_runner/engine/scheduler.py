@@ -79,10 +79,9 @@ class Scheduler:
         # Steps with drafts overlap (async scheduling, prompt lookup): a row whose last step is in
         # flight is scheduled at once, with every draft of it counted as accepted and the drafts
         # proposed after it -- how many is known on the device only, so up to k.
-        self.overlap_drafts = config.overlap_drafts and async_scheduling
+        self.overlap_drafts = config.overlap_drafts
         self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
         self._last_update: float | None = None  # when update() last ran (the draft gate's clock)
-        self._last_settled = False  # the last scheduled step had to be processed before the next
         self._last_scheduled: SchedulerOutput | None = None  # the newest step (the draft gate's clock)
         self._last_updated: SchedulerOutput | None = None
 
@@ -148,7 +147,7 @@ class Scheduler:
         cache forgets every hash (a failed step is rare; recomputing is always right)."""
         self._finished_req_ids |= sched_out.finished_req_ids | sched_out.preempted_req_ids
         self.reset_prefix_cache()
-        self._last_scheduled = None  # it never verified its drafts: the next step is behind none
+        self._last_updated = self._last_scheduled  # it verified no drafts: the next step is behind none
 
     def rollback(self, sched_out: SchedulerOutput) -> None:
         """Undo a step the runner never finished (interrupted), with no other step in flight.
@@ -215,7 +214,6 @@ class Scheduler:
         use_drafts = self._drafts_proposed
         out.propose_drafts = self._drafts_proposed = self.draft_gate is not None and self.draft_gate.want_drafts()
         decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
-        drafts_scheduled = False
 
         # This loop runs for every running request every step: features that are off cost no
         # call, and a decode row whose blocks already hold its next token builds nothing.
@@ -265,7 +263,6 @@ class Scheduler:
             if num_drafts:
                 request.num_inflight_drafts += num_drafts
                 out.num_draft_tokens[req_id] = num_drafts
-                drafts_scheduled = True
             cached_ids.append(req_id)
             cached_computed.append(num_computed)
             num_scheduled[req_id] = num_new
@@ -328,17 +325,16 @@ class Scheduler:
 
         if self.state_checkpoints is not None:
             self.state_checkpoints.end_step()
-        out.carries_drafts = drafts_scheduled
+        drafts_scheduled = out.carries_drafts
         # Measured: decode-only steps that carry drafts and propose the next, or do neither --
         # except, under async scheduling, the first of those without drafts after a step that had
         # to be processed first: nothing overlapped it, so the time since the last update() is
         # its whole latency, not the pipeline's period that the steps after it take (on one H200
         # it doubled the figure of going without drafts and made the gate probe drafts too often).
-        refill = self.async_scheduling and self._last_settled and not drafts_scheduled
+        refill = self.async_scheduling and last is not None and last.needs_settling and not drafts_scheduled
         if (self.draft_gate is not None and decode_only and out.num_scheduled_tokens and not out.new_reqs
                 and use_drafts == out.propose_drafts and not refill):  # fmt: skip
             out.gate_arm, out.scheduled_at = drafts_scheduled, time.perf_counter()
-        self._last_settled = out.needs_settling
         self._last_scheduled = out
         return out
 
@@ -474,7 +470,7 @@ class Scheduler:
             request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
-            num_drafts = sched_out.num_draft_tokens.get(req_id, 0) if sched_out.carries_drafts else 0
+            num_drafts = sched_out.num_draft_tokens.get(req_id, 0) if sched_out.num_draft_tokens else 0
             if num_drafts:
                 # The KV of rejected drafts is not the request's: it recomputes from the first
                 # rejected position (the new token's KV is computed next step, as in any decode).

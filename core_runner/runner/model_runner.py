@@ -92,7 +92,7 @@ class ModelRunner:
         # (SchedulerOutput.behind_drafts) starts its rows back by them, on the device. It may
         # also schedule more drafts than the speculator proposed: the others are stale tokens,
         # accepted only where the target picks them anyway (verification is exact whatever proposes).
-        self._overlap = config.overlap_drafts and config.async_scheduling
+        self._overlap = config.overlap_drafts
         self._rejected = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.kv_caches = self.kv_layout.allocate(config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(

@@ -67,9 +67,8 @@ class SchedulerOutput:
     # Speculative decoding: whether the speculator proposes drafts after this step (the draft
     # gate wants them for the next one); False: it is skipped, and the next step has none.
     propose_drafts: bool = True
-    # Whether some row of this step carries drafts, and how many each such row carries (req_id ->
-    # drafts; update() rolls back the rejected ones).
-    carries_drafts: bool = False
+    # How many drafts each row that carries some carries (req_id -> drafts; update() rolls back
+    # the rejected ones).
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # Whether steps with drafts overlap like plain ones (EngineConfig.overlap_drafts): the next
     # step is scheduled counting every draft in flight as accepted, and the runner takes the
@@ -84,6 +83,11 @@ class SchedulerOutput:
     gate_arm: bool | None = None
     scheduled_at: float = 0.0  # time.perf_counter() at the end of schedule(), for a measured step
 
+
+    @property
+    def carries_drafts(self) -> bool:
+        """Whether some row of this step carries drafts."""
+        return bool(self.num_draft_tokens)
 
     @property
     def needs_settling(self) -> bool:
