@@ -176,15 +176,27 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
 
     import torch
 
-    from slotrunner.core_runner.runner import async_output
+    from slotrunner.core_runner.runner import async_output, model_runner
 
     engine = llm.engine
+    runner = engine.runner
     totals: dict[str, float] = collections.defaultdict(float)
     steps = [0]
     wrapped = [
-        (engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine.runner, "execute_model"),
-        (engine.runner, "sample_tokens"), (engine, "_process"), (async_output.AsyncOutput, "get"),
+        (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "execute_model"),
+        (runner, "sample_tokens"), (engine, "_process"), (async_output.AsyncOutput, "get"),
     ]  # fmt: skip
+    # Parts of execute_model and sample_tokens (shown after "|": each is inside one of the above).
+    parts_of_steps = [
+        (runner, "_update_states"), (model_runner, "prepare_inputs"), (runner.model, "compute_logits"),
+        (runner, "_sample"), (model_runner, "verify_and_update"), (model_runner, "post_update"),
+        (async_output.AsyncOutput, "__init__"),
+    ]  # fmt: skip
+    if runner.cuda_graphs is not None:
+        parts_of_steps.append((runner.cuda_graphs, "run"))
+    if runner.speculator is not None:
+        parts_of_steps.append((runner.speculator, "propose"))
+    wrapped += parts_of_steps
 
     def timed(name, fn):
         def call(*a, **k):
@@ -209,11 +221,18 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
         wall = time.perf_counter() - t0
     finally:
         for owner, attr, fn in originals:  # the class's own method back; instances drop their wrapper
-            setattr(owner, attr, fn) if isinstance(owner, type) else delattr(owner, attr)
+            if isinstance(owner, type) or type(owner).__name__ == "module":
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)
     n = max(steps[0], 1)
     # get() runs inside _process's caller (_settle) and update inside _process: shown apart.
     totals["_process"] -= totals["update"]
-    parts = [f"{steps[0]} steps, wall {1000 * wall / n:.3f}"] + [f"{k} {1000 * v / n:.3f}" for k, v in totals.items()]
+    inner = {attr for _, attr, in parts_of_steps}
+    parts = [f"{steps[0]} steps, wall {1000 * wall / n:.3f}"] + [
+        f"{k} {1000 * v / n:.3f}" for k, v in totals.items() if k not in inner
+    ]
+    parts += ["| " + ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in totals.items() if k in inner)]
     if method is not None:  # where the speculating step's host time goes, by function (cProfile inflates it)
         import cProfile
         import pstats

@@ -125,9 +125,12 @@ class Request:
         sampling row every step: one call a row, not one a token."""
         output = self.output_token_ids
         max_len = min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
+        # A step scheduled ahead (async scheduling) left one token pending, whatever number of
+        # drafts it accepts: counting each accepted draft off it too would leave the request's
+        # next step in flight uncounted, and it would go unscheduled a step (the pipeline empties).
+        if self.num_pending:
+            self.num_pending -= 1
         for token_id in token_ids:
-            if self.num_pending:  # it was scheduled ahead (async scheduling): now it is known
-                self.num_pending -= 1
             output.append(token_id)
             if token_id in self._stop_ids:  # EOS wins over a stop id that is also EOS: no stop_reason
                 is_eos = not self.sampling_params.ignore_eos and token_id in self.eos_token_ids
