@@ -8,6 +8,7 @@ variables are read here and nowhere else.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -32,3 +33,15 @@ def use_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return FORCE_TRITON and TRITON_INTERPRET and device.type == "cpu"
+
+
+def jit_per_step(*varying: str):
+    """`triton.jit` for a kernel launched every step with integer arguments that change from
+    step to step (row and token counts, lengths). Triton compiles a variant per value class of
+    such an argument (equal to 1, a multiple of 16, other): a class first met mid-run compiles
+    inside a step (on one H200, twelve such compiles took 1 s of a 128-token run at batch 16,
+    and the run 0.16x plain decoding). These arguments are not specialized: one compile each."""
+    kwargs = {"do_not_specialize": list(varying)}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:  # divisibility by 16
+        kwargs["do_not_specialize_on_alignment"] = list(varying)
+    return triton.jit(**kwargs)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, use_triton
 
 _INT = (torch.int32, torch.int64)
 _BLOCK = 1024  # lanes per loop iteration: token loops, prefix sums, block-table columns
@@ -92,7 +92,7 @@ def prepare_input_ids_positions_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step('num_reqs', 'num_tokens_padded')
     def _prepare_input_ids_positions_kernel(
         idx_mapping_ptr,  # [num_reqs]
         query_start_loc_ptr,  # [num_reqs + 1]
@@ -194,7 +194,7 @@ def compute_slot_mapping_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step('num_reqs', 'num_tokens_padded')
     def _compute_slot_mapping_kernel(
         idx_mapping_ptr,  # [num_reqs]
         query_start_loc_ptr,  # [num_reqs + 1]
@@ -286,7 +286,7 @@ def gather_block_tables_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step('num_reqs', 'num_cols')
     def _gather_block_tables_kernel(
         idx_mapping_ptr,  # [num_reqs]
         block_table_ptr,  # [max_slots, max_blocks]

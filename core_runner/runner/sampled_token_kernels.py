@@ -11,7 +11,7 @@ import torch
 
 from slotrunner.core_runner.runner.input_kernels import _BLOCK, _check_1d, _check_2d
 from slotrunner.core_runner.spec_decode.verify import accept_drafts
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
 
 
 def _put_where_(dst: torch.Tensor, indices: tuple[torch.Tensor, ...], src: torch.Tensor, valid: torch.Tensor) -> None:
@@ -198,7 +198,7 @@ def post_update_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step('max_sampled')
     def _post_update_kernel(
         idx_mapping_ptr,  # [num_reqs]
         seq_lens_ptr,  # [num_reqs]
@@ -313,7 +313,7 @@ def verify_and_update_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step('num_logits', 'max_draft')
     def _verify_and_update_kernel(
         target_ptr,  # [num_logits]
         num_logits,
@@ -401,7 +401,9 @@ def verify_and_update(
     assert draft_tokens.shape[1] >= max_draft and draft_tokens.stride(1) == 1 and token_ids.stride(1) == 1
     device = token_ids.device
     picks = torch.empty(num_reqs, 1 + max_draft, dtype=torch.int64, device=device)
-    counts = torch.empty(4, num_reqs, dtype=torch.int64, device=device)  # num_sampled, num_rejected, num_known, hist_len
+    # num_sampled, num_rejected, num_known, hist_len; each starts 16-byte aligned whatever the row
+    # count, so that these pointers (here and in the speculator's kernel) meet one Triton variant.
+    counts = torch.empty(4, num_reqs + num_reqs % 2, dtype=torch.int64, device=device)[:, :num_reqs]
     if num_reqs:
         _verify_and_update_kernel[(num_reqs,)](
             target, target.shape[0], draft_tokens, draft_tokens.stride(0), idx_mapping, num_draft, cu_num_logits,
