@@ -212,6 +212,7 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
     runner = engine.runner
     totals: dict[str, float] = collections.defaultdict(float)
     steps = [0]
+    starts: list[float] = []  # each schedule()'s start: a step's period is the gap to the next
     wrapped = [
         (engine.scheduler, "schedule"), (engine.scheduler, "update"), (runner, "execute_model"),
         (runner, "sample_tokens"), (engine, "_process"), (async_output.AsyncOutput, "get"),
@@ -235,7 +236,9 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
                 return fn(*a, **k)
             finally:
                 totals[name] += time.perf_counter() - t0
-                steps[0] += name == "schedule"
+                if name == "schedule":
+                    steps[0] += 1
+                    starts.append(t0)
 
         return call
 
@@ -246,6 +249,7 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
         _, wall = run(llm, prompts, max_tokens, method)
         totals.clear()
         steps[0] = 0
+        starts.clear()
         t0 = time.perf_counter()
         run(llm, prompts, max_tokens, method)  # two generate() calls: every figure covers both
         wall = time.perf_counter() - t0
@@ -263,6 +267,15 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
         f"{k} {1000 * v / n:.3f}" for k, v in totals.items() if k not in inner
     ]
     parts += ["| " + ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in totals.items() if k in inner)]
+    if len(starts) > 2:  # slow steps (a pause, a compile, an allocation) weigh on the means above
+        import numpy as np
+
+        gaps = 1000 * np.diff(np.asarray(starts))
+        p50 = float(np.median(gaps))
+        parts.append(
+            f"| step period median {p50:.3f}, p90 {np.percentile(gaps, 90):.3f}, max {gaps.max():.3f}, "
+            f"time over 3x the median {float(np.clip(gaps - 3 * p50, 0, None).sum()):.1f} ms"
+        )
     if method is not None:  # where the speculating step's host time goes, by function (cProfile inflates it)
         import cProfile
         import pstats
