@@ -88,7 +88,7 @@ for s in "${steps[@]}"; do
       run_step hybrid-llama-yardstick 90 python3 benchmarks/mamba_throughput.py --device cuda --shape llama --skip-hf ;;
     multimodal) run_step multimodal 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up ;;
     spec)
-      run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128
+      run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3
       run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same
       run_step spec-draft-other 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other ;;
     qwen3next) run_step qwen3next 160 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 4 ;;
@@ -108,7 +108,7 @@ for s in "${steps[@]}"; do
       run_step multimodal-threads 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake threads --repeats 3 ;;
     skinny) run_step skinny 240 python3 benchmarks/skinny_gemm.py --device cuda --sweep ;;
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
-    spec-ngram) run_step spec-ngram 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 ;;
+    spec-ngram) run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3 ;;
     spec-phases) run_step spec-phases 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --phases ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;

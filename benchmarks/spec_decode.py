@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import time
 
 PASSAGE = (
@@ -69,15 +70,17 @@ def build_prompts(llm, batch_size: int) -> list[dict]:
     return prompts
 
 
-def run(llm, prompts, max_tokens: int, method: str | None = None):
-    """Serve `prompts` once untimed, then time them. The untimed run compiles every kernel the
-    timed one meets (Triton compiles on first use: verification rows of 1 + k tokens, the
-    speculator's kernels), which a short warm-up never reaches; the draft gate then starts anew."""
+def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True):
+    """Serve `prompts` once untimed (unless not `warm`: an engine that served them already), then
+    time them. The untimed run compiles every kernel the timed one meets (Triton compiles on
+    first use: verification rows of 1 + k tokens, the speculator's kernels), which a short
+    warm-up never reaches; the draft gate then starts anew."""
     from slotrunner import SamplingParams
     from slotrunner.core_runner.engine.draft_gate import DraftGate
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
+    if warm:
+        llm.generate(prompts, params, use_tqdm=False)
     if method is not None:
         llm.engine.scheduler.draft_gate = DraftGate(method)
     with compiles_counted() as compiled:
@@ -136,6 +139,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="timed runs of each arm, alternating (the table shows the medians): a host's speed moves between runs",
+    )  # fmt: skip
+    parser.add_argument(
         "--phases", action="store_true",
         help="after each speculating run, run it again timing the engine's phases per step (schedule, forward launch, "
              "sampling launch, wait for the tokens, scheduler update, output processing) and, on CUDA, the GPU's "
@@ -180,6 +187,14 @@ def main() -> None:
         # measures the cost of steps with and without drafts at this batch size.
         ref, t_base = run(base, prompts, args.max_tokens)
         got, t_spec = run(fast, prompts, args.max_tokens, spec["method"])
+        if args.repeats > 1:  # the two arms alternate, so a change in the host's speed hits both alike
+            walls = {"base": [t_base], "spec": [t_spec]}
+            for _ in range(args.repeats - 1):
+                walls["base"].append(run(base, prompts, args.max_tokens, warm=False)[1])
+                walls["spec"].append(run(fast, prompts, args.max_tokens, spec["method"], warm=False)[1])
+            t_base, t_spec = statistics.median(walls["base"]), statistics.median(walls["spec"])
+            ratios = sorted(b_ / s_ for b_, s_ in zip(walls["base"], walls["spec"]))
+            print(f"      {args.repeats} runs of each: medians below; speedup of each pair {ratios[0]:.2f}x-{ratios[-1]:.2f}x")
         tokens = sum(len(o.outputs[0].token_ids) for o in ref)
         drafts = sum(o.metrics.num_draft_tokens for o in got)
         accepted = sum(o.metrics.num_accepted_tokens for o in got)
