@@ -207,8 +207,11 @@ def main() -> None:
             f"{t_base / t_spec:>6.2f}x "
             f"{accepted / max(drafts, 1):>6.1%} {decode_tokens / max(steps, 1):>8.2f} {same}"
         )
-        costs = fast.engine.scheduler.draft_gate.costs
-        print("      draft gate, ms per token: " + ", ".join(f"{'with' if k else 'without'} drafts {1000 * v:.1f}" for k, v in costs.items()))
+        gate = fast.engine.scheduler.draft_gate
+        print("      draft gate, ms per token (decaying: the last steps weigh most): "
+              + ", ".join(f"{'with' if k else 'without'} drafts {1000 * v:.1f}" for k, v in gate.costs.items())
+              + "; steps measured and their mean ms: "
+              + ", ".join(f"{'with' if k else 'without'} {n} x {1000 * t / max(n, 1):.2f}" for k, (t, n) in gate.totals.items()))
         if args.phases:
             for name, llm, method in (("base", base, None), ("spec", fast, spec["method"])):
                 print(f"      {name} phases, ms per step: {phase_times(llm, prompts, args.max_tokens, method, name)}")

@@ -59,6 +59,7 @@ class DraftGate:
         self._since_probe = 0
         self._probe_left = 0  # decisions of the running probe still to give
         self._stale = {True: False, False: False}  # an arm probed since it last ran: its next figure replaces the average
+        self.totals = {True: [0.0, 0], False: [0.0, 0]}  # arm -> [seconds, steps] measured, undecayed (benchmarks read it)
 
     def want_drafts(self) -> bool:
         """Whether the step after the one being scheduled should carry drafts."""
@@ -101,6 +102,8 @@ class DraftGate:
         self._sums[with_drafts] = (keep * old_s + (1 - keep) * seconds, keep * old_n + (1 - keep) * num_emitted)
         self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
+        self.totals[with_drafts][0] += seconds
+        self.totals[with_drafts][1] += 1
 
     @property
     def costs(self) -> dict[bool, float]:
