@@ -7,7 +7,8 @@ free; once it is bound by arithmetic (a CPU at batch 16, or a CPU shared with ot
 when the drafts are rarely accepted, the accepted ones no longer pay for the rest. Which regime
 holds depends on the batch, the machine, its load and the text, so the gate measures it: the
 wall time per emitted token of decode-only steps with drafts and without (decaying sums of each
-arm's seconds and tokens), and schedules drafts unless going without is cheaper by more than `MARGIN`.
+arm's seconds and tokens, a step counted at most `OUTLIER` times its arm's mean step time), and
+schedules drafts unless going without is cheaper by more than `MARGIN`.
 
 The gate decides one step ahead: the scheduler asks it, while scheduling step t, whether step
 t + 1 carries drafts, so that step t proposes them only when they will be used (the runner
@@ -46,12 +47,20 @@ PROBE_LEN = {True: 2, False: 4}
 PROBE_BUDGET = 0.05  # the probes' extra cost, as a share of the time, at most
 MARGIN = 0.1  # going without drafts must be this much cheaper per token to be chosen
 DECAY = 0.7  # weight of the old average at each new step
+# A step counts at most this many times its arm's mean step time (the decaying sum of seconds,
+# whose weights sum to one): a pause (a garbage collection, the OS, a compile) of 20-35 ms in a
+# 1-3 ms step would otherwise swing the average and flip the choice until the next probe (on one
+# H200 every run had a few); capped, one raises the arm's figure by at most 45%. The cap is on
+# the step's time, not its cost per token: a step with drafts that are all rejected costs what
+# the others do for fewer tokens, and must count in full. A real change of regime still moves
+# the average within a few steps.
+OUTLIER = 2.5
 
 
 class DraftGate:
     def __init__(self, method: str = "ngram") -> None:
         self.warmup = WARMUP[method]
-        self._sums: dict[bool, tuple[float, float]] = {}  # arm (drafts or not) -> decaying sums of (seconds, tokens)
+        self._sums: dict[bool, tuple[float, float]] = {}  # arm (drafts or not) -> decaying sums of (seconds, tokens) a step
         self._steps = {True: 0, False: 0}
         self._choice = True
         self._decisions = 0
@@ -99,6 +108,8 @@ class DraftGate:
         fresh = with_drafts not in self._sums or self._stale[with_drafts]
         old_s, old_n = (0.0, 0.0) if fresh else self._sums[with_drafts]
         keep = 0.0 if fresh else DECAY
+        if not fresh:
+            seconds = min(seconds, OUTLIER * old_s)
         self._sums[with_drafts] = (keep * old_s + (1 - keep) * seconds, keep * old_n + (1 - keep) * num_emitted)
         self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
