@@ -94,6 +94,7 @@ class ModelRunner:
         # accepted only where the target picks them anyway (verification is exact whatever proposes).
         self._overlap = config.overlap_drafts
         self._rejected = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._all_true = torch.ones(config.max_num_seqs, dtype=torch.bool, device=self.device)
         self.kv_caches = self.kv_layout.allocate(config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
@@ -259,7 +260,10 @@ class ModelRunner:
             rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
             # Rows the speculator may read (rows whose sampling reads the history get no drafts).
             allowed = batch.sample_mask_np & self.sampling_states.drafts_allowed(idx)
-            allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
+            if allowed.all():  # the common case: no copy to launch
+                allowed_dev = self._all_true[:num_reqs]
+            else:
+                allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
             # Accepted counts, emitted tokens into the history, and its new length (seq_len -
             # num_rejected + 1 on sampling rows), whence the next drafts: one launch on a GPU.
             picks, num_sampled, num_rejected, num_known, hist_len = verify_and_update(
@@ -282,16 +286,20 @@ class ModelRunner:
                 )
             else:  # the draft gate wants none for the next step: the speculator is skipped
                 next_num_draft.zero_()
-        tensors = {"picks": picks, "num_sampled": num_sampled, "next_num_draft": next_num_draft}
+            # One copy to the host: per row its picks, its emitted count, the drafts for its next step.
+            width = picks.shape[1]
+            packed = torch.cat((picks, num_sampled.view(-1, 1), next_num_draft.view(-1, 1)), dim=1)
+        tensors = {"packed": packed}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
         wanted = self.sampling_states.num_logprobs_np[rows_idx]
 
         def finish(host: dict[str, torch.Tensor]) -> ModelRunnerOutput:
-            counts = host["num_sampled"].tolist()
-            picks_rows = host["picks"].tolist()
-            sampled_ids = [row[:n] for row, n in zip(picks_rows, counts)]
-            rs.num_tokens_np[idx] += host["num_sampled"].numpy() - batch.sample_mask_np  # the accepted drafts
+            packed_np = host["packed"].numpy()
+            counts_np = packed_np[:, width]
+            counts = counts_np.tolist()
+            sampled_ids = [row[:n] for row, n in zip(packed_np[:, :width].tolist(), counts)]
+            rs.num_tokens_np[idx] += counts_np - batch.sample_mask_np  # the accepted drafts
             row_logprobs: list = [None] * num_reqs
             if "lp_ids" in host:
                 lp = LogprobsTensors(host["lp_ids"], host["lp_vals"], host["lp_ranks"])
@@ -299,9 +307,7 @@ class ModelRunner:
                 for r, n in enumerate(counts):
                     if n and entries[int(cu_np[r])] is not None:
                         row_logprobs[r] = entries[int(cu_np[r]) : int(cu_np[r]) + n]
-            return ModelRunnerOutput(
-                batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, host["next_num_draft"].tolist()
-            )
+            return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, packed_np[:, width + 1].tolist())
 
         return AsyncOutput(tensors, finish, self._copy_stream)
 
