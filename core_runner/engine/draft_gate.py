@@ -60,7 +60,8 @@ OUTLIER = 2.5
 class DraftGate:
     def __init__(self, method: str = "ngram") -> None:
         self.warmup = WARMUP[method]
-        self._sums: dict[bool, tuple[float, float]] = {}  # arm (drafts or not) -> decaying sums of (seconds, tokens) a step
+        # arm (drafts or not) -> decaying sums of (seconds, tokens) a step (weights summing to one: means)
+        self._sums: dict[bool, tuple[float, float]] = {}
         self._steps = {True: 0, False: 0}
         self._choice = True
         self._decisions = 0
@@ -68,7 +69,8 @@ class DraftGate:
         self._since_probe = 0
         self._probe_left = 0  # decisions of the running probe still to give
         self._stale = {True: False, False: False}  # an arm probed since it last ran: its next figure replaces the average
-        self.totals = {True: [0.0, 0], False: [0.0, 0]}  # arm -> [seconds, steps] measured, undecayed (benchmarks read it)
+        # arm -> [seconds, steps] measured, undecayed and uncapped (benchmarks read it)
+        self.totals = {True: [0.0, 0], False: [0.0, 0]}
 
     def want_drafts(self) -> bool:
         """Whether the step after the one being scheduled should carry drafts."""
@@ -108,13 +110,13 @@ class DraftGate:
         fresh = with_drafts not in self._sums or self._stale[with_drafts]
         old_s, old_n = (0.0, 0.0) if fresh else self._sums[with_drafts]
         keep = 0.0 if fresh else DECAY
+        self.totals[with_drafts][0] += seconds
+        self.totals[with_drafts][1] += 1
         if not fresh:
             seconds = min(seconds, OUTLIER * old_s)
         self._sums[with_drafts] = (keep * old_s + (1 - keep) * seconds, keep * old_n + (1 - keep) * num_emitted)
         self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
-        self.totals[with_drafts][0] += seconds
-        self.totals[with_drafts][1] += 1
 
     @property
     def costs(self) -> dict[bool, float]:

@@ -92,7 +92,7 @@ def prepare_input_ids_positions_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step('num_reqs', 'num_tokens_padded')
+    @jit_per_step("num_reqs", "num_tokens_padded")
     def _prepare_input_ids_positions_kernel(
         idx_mapping_ptr,  # [num_reqs]
         query_start_loc_ptr,  # [num_reqs + 1]
@@ -194,7 +194,7 @@ def compute_slot_mapping_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step('num_reqs', 'num_tokens_padded')
+    @jit_per_step("num_reqs", "num_tokens_padded")
     def _compute_slot_mapping_kernel(
         idx_mapping_ptr,  # [num_reqs]
         query_start_loc_ptr,  # [num_reqs + 1]
@@ -286,7 +286,7 @@ def gather_block_tables_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step('num_reqs', 'num_cols')
+    @jit_per_step("num_reqs", "num_cols")
     def _gather_block_tables_kernel(
         idx_mapping_ptr,  # [num_reqs]
         block_table_ptr,  # [max_slots, max_blocks]

@@ -307,7 +307,8 @@ class ModelRunner:
                 for r, n in enumerate(counts):
                     if n and entries[int(cu_np[r])] is not None:
                         row_logprobs[r] = entries[int(cu_np[r]) : int(cu_np[r]) + n]
-            return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, packed_np[:, width + 1].tolist())
+            next_drafts = packed_np[:, width + 1].tolist()
+            return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, next_drafts)
 
         return AsyncOutput(tensors, finish, self._copy_stream)
 

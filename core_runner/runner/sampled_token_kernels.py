@@ -198,7 +198,7 @@ def post_update_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step('max_sampled')
+    @jit_per_step("max_sampled")
     def _post_update_kernel(
         idx_mapping_ptr,  # [num_reqs]
         seq_lens_ptr,  # [num_reqs]
@@ -313,7 +313,7 @@ def verify_and_update_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step('num_logits', 'max_draft')
+    @jit_per_step("num_logits", "max_draft")
     def _verify_and_update_kernel(
         target_ptr,  # [num_logits]
         num_logits,
