@@ -24,7 +24,7 @@
 # 512 tokens a request; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
-# of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 case with the engine's phases timed per step), suite (the whole CPU
+# of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
@@ -109,7 +109,7 @@ for s in "${steps[@]}"; do
     skinny) run_step skinny 240 python3 benchmarks/skinny_gemm.py --device cuda --sweep ;;
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
     spec-ngram) run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3 ;;
-    spec-phases) run_step spec-phases 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --phases ;;
+    spec-phases) run_step spec-phases 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1,16 --phases ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
     spec-draft-small)
