@@ -23,7 +23,6 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -77,6 +76,7 @@ def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = T
     warm-up never reaches; the draft gate then starts anew."""
     from slotrunner import SamplingParams
     from slotrunner.core_runner.engine.draft_gate import DraftGate
+    from slotrunner.core_runner.triton_utils import compiles_counted
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if warm:
@@ -91,31 +91,6 @@ def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = T
         print(f"      the timed run compiled {len(compiled)} Triton kernel(s) in {sum(t for _, t in compiled):.2f} s: "
               + ", ".join(sorted({name for name, _ in compiled})))
     return outs, wall
-
-
-@contextlib.contextmanager
-def compiles_counted():
-    """(kernel name, seconds) of each Triton compile inside the block (none without Triton)."""
-    compiled: list[tuple[str, float]] = []
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        yield compiled
-        return
-    original = JITFunction._do_compile
-
-    def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            compiled.append((getattr(self, "__name__", "?"), time.perf_counter() - t0))
-
-    JITFunction._do_compile = timed
-    try:
-        yield compiled
-    finally:
-        JITFunction._do_compile = original
 
 
 def main() -> None:

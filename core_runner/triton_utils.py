@@ -8,8 +8,11 @@ variables are read here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -45,3 +48,29 @@ def jit_per_step(*varying: str):
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:  # divisibility by 16
         kwargs["do_not_specialize_on_alignment"] = list(varying)
     return triton.jit(**kwargs)
+
+
+@contextlib.contextmanager
+def compiles_counted() -> Iterator[list[tuple[str, float]]]:
+    """(kernel name, seconds) of each Triton compile inside the block (none without Triton): a
+    benchmark names the variants its timed run met first, a test asserts there are none."""
+    compiled: list[tuple[str, float]] = []
+    if not HAS_TRITON:
+        yield compiled
+        return
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction._do_compile
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            compiled.append((getattr(self, "__name__", "?"), time.perf_counter() - t0))
+
+    JITFunction._do_compile = timed
+    try:
+        yield compiled
+    finally:
+        JITFunction._do_compile = original

@@ -69,8 +69,7 @@ class DraftGate:
         self._since_probe = 0
         self._probe_left = 0  # decisions of the running probe still to give
         self._stale = {True: False, False: False}  # an arm probed since it last ran: its next figure replaces the average
-        # arm -> [seconds, steps] measured, undecayed and uncapped (benchmarks read it)
-        self.totals = {True: [0.0, 0], False: [0.0, 0]}
+        self._seconds = {True: 0.0, False: 0.0}  # measured, undecayed and uncapped (`totals`)
 
     def want_drafts(self) -> bool:
         """Whether the step after the one being scheduled should carry drafts."""
@@ -110,13 +109,17 @@ class DraftGate:
         fresh = with_drafts not in self._sums or self._stale[with_drafts]
         old_s, old_n = (0.0, 0.0) if fresh else self._sums[with_drafts]
         keep = 0.0 if fresh else DECAY
-        self.totals[with_drafts][0] += seconds
-        self.totals[with_drafts][1] += 1
+        self._seconds[with_drafts] += seconds
         if not fresh:
             seconds = min(seconds, OUTLIER * old_s)
         self._sums[with_drafts] = (keep * old_s + (1 - keep) * seconds, keep * old_n + (1 - keep) * num_emitted)
         self._stale[with_drafts] = False
         self._steps[with_drafts] += 1
+
+    @property
+    def totals(self) -> dict[bool, tuple[float, int]]:
+        """Per arm (seconds, steps) of every measured step, undecayed and uncapped (benchmarks)."""
+        return {arm: (self._seconds[arm], self._steps[arm]) for arm in (True, False)}
 
     @property
     def costs(self) -> dict[bool, float]:
