@@ -24,7 +24,8 @@
 # 512 tokens a request; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
-# of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), suite (the whole CPU
+# of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
+# with n-gram drafts, all accepted, and its profile), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
@@ -95,6 +96,9 @@ for s in "${steps[@]}"; do
     deepseek) run_step deepseek 160 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --num-layers 4 ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
     overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
+    overhead-spec)
+      run_step overhead-spec 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16 --ngram 4 --count-ops 5
+      run_step overhead-spec-profile 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1 --ngram 4 --profile 45 ;;
     profile)
       run_step profile-bamba 90 python3 benchmarks/profile_decode.py --shape bamba
       run_step profile-llama 90 python3 benchmarks/profile_decode.py --shape llama ;;

@@ -4,10 +4,13 @@ Everything a step does besides the model runs as usual: scheduling, slot bookkee
 staging and preparation, logits of a small vocabulary, sampling, the output copy and the update
 of the scheduler and the outputs. Requests are all in decode (short prompts, EOS ignored), so
 each step has exactly `batch` rows. Steps run eagerly: a CUDA-graph replay would replace the
-model call, which is what is cut out here.
+model call, which is what is cut out here. `--ngram K` turns on n-gram speculation with K drafts
+a step: the no-op forward makes greedy decoding repeat one token, so every draft is accepted and
+each step carries K + 1 tokens a row (the draft gate is told to keep drafts on).
 
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512
     python benchmarks/step_overhead.py --device cpu --count-ops 10 --temperature 0.8
+    python benchmarks/step_overhead.py --device cuda --batch-sizes 1,16 --ngram 4 --count-ops 5
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --device cpu --clock thread --profile 30
 
 `--clock thread` counts the CPU time of the main thread instead of wall time: on a shared
@@ -134,7 +137,7 @@ def kernels_counted_by(counter: OpCounter) -> Iterator[None]:
 PARTS = ("schedule", "prepare+forward", "sample+copy", "update")
 
 
-def one_step(engine, runner, batch: int, part: Callable[[str], object]) -> None:
+def one_step(engine, runner, batch: int, part: Callable[[str], object], query_len: int = 1) -> None:
     """One engine step as `LLMEngine.step` runs it, each part inside `part(name)` (a context)."""
     with part("schedule"):
         sched = engine.scheduler.schedule()
@@ -144,23 +147,30 @@ def one_step(engine, runner, batch: int, part: Callable[[str], object]) -> None:
         out = runner.sample_tokens().get()
     with part("update"):
         engine._process(sched, out, final_only=True)  # scheduler update + output processing
-    assert len(sched.num_scheduled_tokens) == batch and all(n == 1 for n in sched.num_scheduled_tokens.values())
+    assert len(sched.num_scheduled_tokens) == batch and all(n == query_len for n in sched.num_scheduled_tokens.values())
 
 
 def measure(
     model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None,
-    count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0,
+    count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0, ngram: int = 0,
 ) -> dict[str, float]:
     from slotrunner import LLM, SamplingParams
 
+    # The no-op forward makes every logit equal, so greedy decoding emits token 0 forever: with
+    # prompts of 0s the n-gram speculator's drafts are all accepted, every step carries k.
+    spec = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 3} if ngram else None
     llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=1024,
-              max_num_seqs=batch, max_num_batched_tokens=max(2048, 8 * batch), enforce_eager=True)
+              max_num_seqs=batch, max_num_batched_tokens=max(2048, 8 * batch), enforce_eager=True, speculative_config=spec)
     engine, runner = llm.engine, llm.engine.runner
+    if ngram:  # every step carries drafts: the gate's probes of going without are left out
+        engine.scheduler.draft_gate.want_drafts = lambda: True
     hidden = torch.zeros(runner.config.max_num_batched_tokens, CONFIG["hidden_size"], device=device)
     runner.model.forward = lambda input_ids, positions, inputs_embeds=None, **kw: hidden[: input_ids.shape[0]]
     for i in range(batch):  # temperature > 0: seeded sampling (Gumbel noise keyed on each request's seed)
-        sp = SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=steps + count_steps + 50, ignore_eos=True)
-        engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i + j) % 1000 for j in range(8)]}, sp)
+        sp = SamplingParams(temperature=temperature, seed=i if temperature else None, ignore_eos=True,
+                            max_tokens=(steps + count_steps + 50) * (1 + ngram))
+        prompt = [0] * 8 if ngram else [1 + (i + j) % 1000 for j in range(8)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(5):  # prefill, then warm decode steps
         engine.step()
@@ -177,7 +187,7 @@ def measure(
     for _ in range(steps):
         sync()
         t0 = clock()
-        one_step(engine, runner, batch, timed)
+        one_step(engine, runner, batch, timed, 1 + ngram)
         parts["total"].append(1e3 * (clock() - t0))
     if profile is not None:
         profile.disable()
@@ -192,7 +202,7 @@ def measure(
             with kernels_counted_by(c), c.counting():
                 yield
 
-        one_step(engine, runner, batch, counted)
+        one_step(engine, runner, batch, counted, 1 + ngram)
         for k, c in step_counters.items():
             counts[k].append(c.totals())
         counts["total"].append(tuple(sum(c.totals()[j] for c in step_counters.values()) for j in range(3)))
@@ -216,6 +226,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling at this temperature (default greedy)")
     p.add_argument("--count-ops", type=int, default=0, metavar="N", help="count torch calls, aten ops and kernels over N more steps")
     p.add_argument("--list-ops", action="store_true", help="with --count-ops: print one counted step's calls by name")
+    p.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram speculation with K drafts a step, all accepted")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -225,13 +236,15 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(CONFIG))
         for b in sizes:
             profile = cProfile.Profile() if args.profile else None
-            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops, args.temperature)))
+            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops, args.temperature, args.ngram)))
             if profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     what = "CPU time of the main thread" if args.clock == "thread" else "wall time"
     sampling = f"seeded sampling at temperature {args.temperature}" if args.temperature else "greedy"
+    if args.ngram:
+        sampling += f", n-gram speculation with {args.ngram} drafts a step, all accepted"
     print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, median of {args.steps} steps, ms")
     print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:
