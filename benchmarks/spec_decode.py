@@ -204,6 +204,7 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
     engine = llm.engine
     runner = engine.runner
     totals: dict[str, float] = collections.defaultdict(float)
+    each: dict[str, list[float]] = collections.defaultdict(list)  # every call's seconds: medians, past the pauses
     steps = [0]
     starts: list[float] = []  # each schedule()'s start: a step's period is the gap to the next
     wrapped = [
@@ -229,6 +230,7 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
                 return fn(*a, **k)
             finally:
                 totals[name] += time.perf_counter() - t0
+                each[name].append(time.perf_counter() - t0)
                 if name == "schedule":
                     steps[0] += 1
                     starts.append(t0)
@@ -241,6 +243,7 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
     try:
         _, wall = run(llm, prompts, max_tokens, method)
         totals.clear()
+        each.clear()
         steps[0] = 0
         starts.clear()
         t0 = time.perf_counter()
@@ -260,6 +263,7 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
         f"{k} {1000 * v / n:.3f}" for k, v in totals.items() if k not in inner
     ]
     parts += ["| " + ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in totals.items() if k in inner)]
+    parts += ["| medians of a call: " + ", ".join(f"{k} {1000 * statistics.median(v):.3f}" for k, v in each.items())]
     if len(starts) > 2:  # slow steps (a pause, a compile, an allocation) weigh on the means above
         import numpy as np
 
@@ -284,6 +288,19 @@ def phase_times(llm, prompts, max_tokens: int, method: str | None, name: str = "
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels = sum(e.self_device_time_total for e in events) / 1e3  # ms, both generate() calls of run()
         parts.append(f"GPU kernels {kernels / n:.3f}")
+        # Where the host waits or pays the driver: the CUDA runtime calls of one more run, by
+        # total host time (a call that blocks on earlier GPU work shows as a long one).
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(llm, prompts, max_tokens, method)
+            torch.cuda.synchronize()
+        calls = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+        by_name: dict[str, list[float]] = collections.defaultdict(list)
+        for e in calls:
+            by_name[e.name].append(e.cpu_time_total / 1e3)  # ms
+        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+        print(f"      --- {name} run, CUDA runtime calls per step (host ms: total / count / longest)")
+        for call, ms in top:
+            print(f"         {call:<40} {sum(ms) / n:8.3f} {len(ms) / n:6.1f} {max(ms):8.3f}")
     return ", ".join(parts)
 
 
