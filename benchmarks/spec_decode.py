@@ -12,10 +12,15 @@ are identical (they must be: verification is exact).
     python benchmarks/spec_decode.py                      # CPU: SmolLM2-135M (LLM()), batch 1 and 16
     python benchmarks/spec_decode.py --qwen3-shape        # GPU: Qwen3-0.6B shape, random weights
     python benchmarks/spec_decode.py --draft-model PATH   # a draft model instead of prompt lookup
+    python benchmarks/spec_decode.py --qwen3-shape --prime-tokens 256   # GPU: nearly every draft accepted
 
 `--qwen3-shape` builds a random-weight model of Qwen3-0.6B's shape (as benchmarks/throughput.py
 does); random weights do not copy their prompt, so there it measures the cost of verification
-(acceptance near 0) unless `--model` names a real checkpoint.
+(acceptance near 0) unless `--model` names a real checkpoint. Its greedy output does fall into a
+cycle after a while, which prompt lookup then predicts (about 60% of drafts accepted over 128
+tokens). `--prime-tokens N` appends to each prompt the target's own greedy continuation of N
+tokens (made untimed, before both arms run): the timed output continues text the prompt holds,
+as a copy task does for a real model, and nearly every draft is accepted.
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -69,6 +74,15 @@ def build_prompts(llm, batch_size: int) -> list[dict]:
     return prompts
 
 
+def primed(llm, prompts: list[dict], num_tokens: int) -> list[dict]:
+    """Each prompt followed by the model's own greedy continuation of `num_tokens` tokens."""
+    from slotrunner import SamplingParams
+
+    ids = [p["prompt_token_ids"] for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True), use_tqdm=False)
+    return [{"prompt_token_ids": list(i) + list(o.outputs[0].token_ids)} for i, o in zip(ids, outs)]
+
+
 def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True):
     """Serve `prompts` once untimed (unless not `warm`: an engine that served them already), then
     time them. The untimed run compiles every kernel the timed one meets (Triton compiles on
@@ -114,6 +128,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--device", default=None)
     parser.add_argument(
+        "--prime-tokens", type=int, default=0,
+        help="append to each prompt the target's own greedy continuation of this many tokens: the output then "
+             "continues text in the prompt (with --qwen3-shape: the case where nearly every draft is accepted)",
+    )  # fmt: skip
+    parser.add_argument(
         "--repeats", type=int, default=1,
         help="timed runs of each arm, alternating (the table shows the medians): a host's speed moves between runs",
     )  # fmt: skip
@@ -153,11 +172,14 @@ def main() -> None:
     fast = LLM(model, speculative_config=spec, **common)
     print(f"model={model or 'SmolLM2-135M-Instruct'} device={base.config.device} dtype={base.config.dtype} "
           f"k={args.num_speculative_tokens} " + (f"draft={args.draft_model}{'' if args.draft_layers is None else f' ({args.draft_layers} layers)'} " if args.draft_model else
-          f"n={args.prompt_lookup_min}..{args.prompt_lookup_max} ") + f"max_tokens={args.max_tokens}")
+          f"n={args.prompt_lookup_min}..{args.prompt_lookup_max} ") + f"max_tokens={args.max_tokens}"
+          + (f" prompts primed with {args.prime_tokens} tokens of the target's own output" if args.prime_tokens else ""))
     print(f"{'batch':>5} {'base ms/tok':>11} {'spec ms/tok':>11} {'base tok/s':>10} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accept':>6} {'tok/step':>8} identical")
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = build_prompts(base, b)
+        if args.prime_tokens:
+            prompts = primed(base, prompts, args.prime_tokens)
         # Each timed run starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
         # measures the cost of steps with and without drafts at this batch size.
         ref, t_base = run(base, prompts, args.max_tokens)
