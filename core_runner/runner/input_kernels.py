@@ -77,8 +77,15 @@ def prepare_input_ids_positions_ref(
     input_ids_out: torch.Tensor,  # [max_num_tokens] int64
     positions_out: torch.Tensor,  # [max_num_tokens] int64
     num_tokens_padded: int,
+    rejected_by_slot: torch.Tensor | None = None,  # [max_slots]: see prepare_input_ids_positions
+    seq_lens: torch.Tensor | None = None,  # [num_reqs], with rejected_by_slot
+    num_back_rows: int = 0,
 ) -> None:
     num_reqs = idx_mapping.shape[0]
+    if num_back_rows:
+        back = rejected_by_slot[idx_mapping[:num_back_rows].long()]
+        num_computed_tokens[:num_back_rows] -= back.to(num_computed_tokens.dtype)
+        seq_lens[:num_back_rows] -= back.to(seq_lens.dtype)
     if num_reqs == 0:
         input_ids_out[:num_tokens_padded] = 0
         positions_out[:num_tokens_padded] = 0
@@ -92,7 +99,7 @@ def prepare_input_ids_positions_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step("num_reqs", "num_tokens_padded")
+    @jit_per_step("num_reqs", "num_tokens_padded", "num_back_rows")
     def _prepare_input_ids_positions_kernel(
         idx_mapping_ptr,  # [num_reqs]
         query_start_loc_ptr,  # [num_reqs + 1]
@@ -103,7 +110,11 @@ if HAS_TRITON:
         positions_ptr,  # [max_num_tokens]
         num_reqs,
         num_tokens_padded,
+        rejected_ptr,  # [max_slots] (HAS_BACK)
+        seq_lens_ptr,  # [num_reqs] (HAS_BACK)
+        num_back_rows,
         BLOCK: tl.constexpr,
+        HAS_BACK: tl.constexpr,
     ):
         # Programs 0..num_reqs-1 fill one row's query each; program num_reqs zeroes the padding.
         row = tl.program_id(0)
@@ -120,6 +131,13 @@ if HAS_TRITON:
             query_start = tl.load(query_start_loc_ptr + row).to(tl.int32)
             query_len = tl.load(query_start_loc_ptr + row + 1).to(tl.int32) - query_start
             num_computed = tl.load(num_computed_ptr + row).to(tl.int64)
+            if HAS_BACK:
+                if row < num_back_rows:  # the row starts back by its drafts the last step rejected
+                    back = tl.load(rejected_ptr + slot).to(tl.int64)
+                    num_computed -= back
+                    tl.store(num_computed_ptr + row, num_computed.to(num_computed_ptr.dtype.element_ty))
+                    seq_len = tl.load(seq_lens_ptr + row).to(tl.int64) - back
+                    tl.store(seq_lens_ptr + row, seq_len.to(seq_lens_ptr.dtype.element_ty))
             for i in range(0, query_len, BLOCK):
                 offs = i + tl.arange(0, BLOCK)
                 in_query = offs < query_len
@@ -137,11 +155,19 @@ def prepare_input_ids_positions(
     input_ids_out: torch.Tensor,  # [max_num_tokens] int64, written in [0, num_tokens_padded)
     positions_out: torch.Tensor,  # [max_num_tokens] int64, written in [0, num_tokens_padded)
     num_tokens_padded: int,
+    rejected_by_slot: torch.Tensor | None = None,  # [max_slots] int32/int64, drafts each slot's last step rejected
+    seq_lens: torch.Tensor | None = None,  # [num_reqs] int32/int64, with rejected_by_slot
+    num_back_rows: int = 0,  # rows (the first ones) that rejected_by_slot applies to
 ) -> None:
     """Query token i of row r: position num_computed[r] + i, input id token_ids[slot, position].
 
     Tokens in [num_tokens, num_tokens_padded) (CUDA-graph padding) get position 0 and id 0,
     so a padded forward reads valid memory; entries past num_tokens_padded are untouched.
+
+    An overlapped step after a verifying one whose output the host has not seen (it counted
+    every draft accepted): rows r < num_back_rows first move back by the drafts their slot's
+    last step rejected, num_computed_tokens[r] and seq_lens[r] decreasing by
+    rejected_by_slot[idx_mapping[r]] in place -- in this op's launch, not in four more.
     """
     num_reqs = idx_mapping.shape[0]
     _check_1d(idx_mapping, "idx_mapping", num_reqs)
@@ -150,11 +176,18 @@ def prepare_input_ids_positions(
     _check_2d(token_ids, "token_ids", (torch.int64,))
     _check_1d(input_ids_out, "input_ids_out", num_tokens_padded, (torch.int64,))
     _check_1d(positions_out, "positions_out", num_tokens_padded, (torch.int64,))
+    assert 0 <= num_back_rows <= num_reqs, f"num_back_rows {num_back_rows} outside [0, {num_reqs}]"
+    if num_back_rows:
+        assert rejected_by_slot is not None and seq_lens is not None, "num_back_rows needs rejected_by_slot and seq_lens"
+        _check_1d(rejected_by_slot, "rejected_by_slot", 0)
+        _check_1d(seq_lens, "seq_lens", num_back_rows)
     if not use_triton(input_ids_out.device):
         prepare_input_ids_positions_ref(
-            idx_mapping, query_start_loc, num_computed_tokens, token_ids, input_ids_out, positions_out, num_tokens_padded
-        )
+            idx_mapping, query_start_loc, num_computed_tokens, token_ids, input_ids_out, positions_out, num_tokens_padded,
+            rejected_by_slot, seq_lens, num_back_rows,
+        )  # fmt: skip
         return
+    has_back = num_back_rows > 0
     _prepare_input_ids_positions_kernel[(num_reqs + 1,)](
         idx_mapping,
         query_start_loc,
@@ -165,7 +198,11 @@ def prepare_input_ids_positions(
         positions_out,
         num_reqs,
         num_tokens_padded,
+        rejected_by_slot if has_back else idx_mapping,
+        seq_lens if has_back else idx_mapping,
+        num_back_rows,
         BLOCK=_BLOCK,
+        HAS_BACK=has_back,
     )
 
 

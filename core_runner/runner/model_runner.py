@@ -245,16 +245,20 @@ class ModelRunner:
         num_reqs = batch.num_reqs
         with torch.inference_mode():
             prompt_logprobs = self._prompt_logprobs(step)  # host syncs, only for rows that ask
-            logits = self.model.compute_logits(step.hidden.index_select(0, batch.logits_indices))
+            num_logits = int(cu_np[-1])
+            every_token = num_logits == batch.num_tokens  # decode rows only: every token is a logits row, no gather
+            hidden = step.hidden[:num_logits] if every_token else step.hidden.index_select(0, batch.logits_indices)
+            logits = self.model.compute_logits(hidden)
             # Logits row j of batch row r predicts the token after its query token j, at that
             # token's position + 1 (on the device: overlapped rows start where the device says),
-            # which keys its Gumbel noise; its output count (min_tokens) is the row's plus j.
+            # which keys its Gumbel noise (greedy rows need none); its output count (min_tokens)
+            # is the row's plus j.
             num_logits_np = 1 + num_draft_np
-            j_np = np.arange(int(cu_np[-1])) - np.repeat(cu_np[:-1], num_logits_np)
+            j_np = np.arange(num_logits) - np.repeat(cu_np[:-1], num_logits_np)
             rows_idx = np.repeat(idx, num_logits_np)
             num_output_np = np.repeat(rs.num_tokens_np[idx] - rs.prompt_len_np[idx], num_logits_np) + j_np
-            positions = batch.positions.index_select(0, batch.logits_indices) + 1
-            out = self._sample(rows_idx, num_output_np, positions, logits)
+            tokens = batch.positions[:num_logits] if every_token else batch.positions.index_select(0, batch.logits_indices)
+            out = self._sample(rows_idx, num_output_np, lambda: tokens + 1, logits)
             # Every sampling row emits one token at least: counted now (async scheduling needs the
             # history's length before the next step); accepted drafts when the output arrives.
             rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
@@ -264,16 +268,16 @@ class ModelRunner:
                 allowed_dev = self._all_true[:num_reqs]
             else:
                 allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
+            # For the next step, scheduled before this one's output is processed: the drafts each
+            # slot of this step rejected (zero for every other slot), written by the verification.
+            rejected_by_slot = self._rejected.zero_() if self._overlap else None
             # Accepted counts, emitted tokens into the history, and its new length (seq_len -
             # num_rejected + 1 on sampling rows), whence the next drafts: one launch on a GPU.
             picks, num_sampled, num_rejected, num_known, hist_len = verify_and_update(
                 out.sampled, rs.draft_tokens, batch.idx_mapping, batch.num_draft, batch.cu_num_logits, batch.num_sampled,
-                batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft,
+                batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft, rejected_by_slot,
             )  # fmt: skip
             self.model_state.postprocess_state(batch, num_sampled, num_rejected)
-            if self._overlap:  # for the next step, scheduled before this one's output is processed
-                self._rejected.zero_()
-                self._rejected.index_copy_(0, batch.idx_mapping.long(), num_rejected)
             next_num_draft = self._next_num_draft[:num_reqs]
             if step.propose_drafts:
                 self.speculator.propose(
@@ -323,9 +327,11 @@ class ModelRunner:
         self,
         idx: np.ndarray,  # [rows] slot of each logits row
         num_output_np: np.ndarray,  # [rows] tokens generated before the one being sampled
-        positions: torch.Tensor,  # [rows] int32/int64, position each sampled token will take
+        positions: torch.Tensor | Callable[[], torch.Tensor],  # [rows] int32/int64, position each sampled token will take
         logits: torch.Tensor,  # [rows, vocab]
     ) -> SamplerOutput:
+        """Sample one token per logits row. `positions` may be a function that makes them: it is
+        called only when a row samples at random (greedy picks need no noise, so no launch)."""
         rs = self.req_state
         history_lists = None
         if self.sampling_states.needs_history(idx):  # multi-token bad words: a small host copy
@@ -339,6 +345,8 @@ class ModelRunner:
                 torch.from_numpy(rs.prompt_len_np[idx[rows_np]]).to(self.device),
                 torch.from_numpy(rs.num_tokens_np[idx[rows_np]]).to(self.device),
             )
+        if callable(positions):
+            positions = None if params.all_greedy else positions()
         return self.sampler(logits, params, positions, history)
 
     def _prompt_logprobs(self, step: _ExecutedStep) -> dict[str, PromptLogprobs]:

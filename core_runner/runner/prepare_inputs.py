@@ -62,22 +62,19 @@ def prepare_inputs(
         shared_prefix_len,
     )
     rows, tokens = b.rows(num_reqs), b.tokens(num_tokens)
-    if rejected is not None:
-        # The host counted the last step's drafts as accepted (its output is not processed yet):
-        # move these rows back by the rejected ones on the device. Host-side lengths stay upper
-        # bounds, except on a CPU, where reading the table costs nothing and the torch
-        # attention reads them.
-        by_slot, num_rows = rejected
-        back = by_slot.index_select(0, rows.idx_mapping[:num_rows])
-        rows.num_computed[:num_rows] -= back
-        rows.seq_lens[:num_rows] -= back.to(rows.seq_lens.dtype)
-        if back.device.type == "cpu":
-            back_np = back.numpy()
-            num_computed_np[:num_rows] -= back_np
-            seq_lens_np[:num_rows] -= back_np
+    by_slot, num_back_rows = (None, 0) if rejected is None else rejected
+    if by_slot is not None and by_slot.device.type == "cpu":
+        # The host counted the last step's drafts as accepted (its output is not processed yet);
+        # the input op moves these rows back by the rejected ones on the device. Host-side
+        # lengths stay upper bounds, except on a CPU, where reading the table costs nothing and
+        # the torch attention reads them.
+        back_np = by_slot.numpy()[idx_mapping_np[:num_back_rows]]
+        num_computed_np[:num_back_rows] -= back_np
+        seq_lens_np[:num_back_rows] -= back_np
     ik.prepare_input_ids_positions(
-        rows.idx_mapping, b.query_start_loc, rows.num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded
-    )
+        rows.idx_mapping, b.query_start_loc, rows.num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded,
+        by_slot, rows.seq_lens, num_back_rows,
+    )  # fmt: skip
     max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
     for g in range(block_tables.num_groups):  # each KV-cache group's slots and table rows
         ik.compute_slot_mapping(

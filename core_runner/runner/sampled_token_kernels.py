@@ -300,6 +300,7 @@ def verify_and_update_ref(
     token_ids: torch.Tensor,  # [slots, max_model_len] int64, updated in place
     last_sampled: torch.Tensor,  # [slots] int64, updated in place
     max_draft: int,
+    rejected_by_slot: torch.Tensor | None = None,  # [slots] int64: num_rejected scattered by slot, in place
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`accept_drafts`, then the counts and `post_update`, as separate torch ops (the spec)."""
     picks, num_accepted = accept_drafts(target, draft_tokens, idx_mapping, num_draft, cu_num_logits, max_draft)
@@ -307,6 +308,8 @@ def verify_and_update_ref(
     num_sampled = s * (num_accepted + 1)
     num_rejected = s * (num_draft.long() - num_accepted)
     post_update_ref(idx_mapping, seq_lens, picks, num_sampled, num_rejected, token_ids, last_sampled)
+    if rejected_by_slot is not None:
+        rejected_by_slot.index_copy_(0, idx_mapping.long(), num_rejected)
     num_known = seq_lens.long() - num_rejected + s
     return picks, num_sampled, num_rejected, num_known, torch.where(allowed, num_known, 0)
 
@@ -334,8 +337,10 @@ if HAS_TRITON:
         num_rejected_ptr,  # [num_reqs] out
         num_known_ptr,  # [num_reqs] out
         hist_len_ptr,  # [num_reqs] out
+        rejected_by_slot_ptr,  # [slots] out (HAS_BY_SLOT)
         max_draft,
         ROW_BLOCK: tl.constexpr,  # >= 1 + max_draft
+        HAS_BY_SLOT: tl.constexpr,
     ):
         row = tl.program_id(0)
         slot = tl.load(idx_mapping_ptr + row).to(tl.int64)
@@ -357,6 +362,8 @@ if HAS_TRITON:
         rejected = s * (d - accepted)
         tl.store(num_sampled_ptr + row, n)
         tl.store(num_rejected_ptr + row, rejected)
+        if HAS_BY_SLOT:
+            tl.store(rejected_by_slot_ptr + slot, rejected)
         # post_update: the n emitted tokens end at the surviving KV length c.
         c = seq_len - rejected
         cols = c - n + 1 + j
@@ -381,6 +388,7 @@ def verify_and_update(
     token_ids: torch.Tensor,
     last_sampled: torch.Tensor,
     max_draft: int,
+    rejected_by_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A speculating step's verification after sampling, in one launch on the GPU (a few dozen
     small torch ops otherwise: each row's accepted count, what it emits, the history write and
@@ -389,14 +397,17 @@ def verify_and_update(
     Returns (picks [num_reqs, 1 + max_draft] int64 -- row r emits picks[r, :num_sampled[r]] --,
     num_sampled [num_reqs] int64 = samples * (accepted + 1), num_rejected [num_reqs] int64 =
     samples * (num_draft - accepted), num_known [num_reqs] int64 = the history's new length, and
-    hist_len [num_reqs] int64 = num_known where `allowed`, else 0). token_ids and last_sampled are updated as `post_update` does."""
+    hist_len [num_reqs] int64 = num_known where `allowed`, else 0). token_ids and last_sampled are updated as `post_update` does.
+    With `rejected_by_slot`, each row's num_rejected is also written at its slot there (the next
+    overlapped step's inputs move back by it: `prepare_input_ids_positions`); other slots keep theirs."""
     num_reqs = idx_mapping.shape[0]
     if not use_triton(token_ids.device):
         return verify_and_update_ref(
             target, draft_tokens, idx_mapping, num_draft, cu_num_logits, samples, seq_lens, allowed, token_ids,
-            last_sampled, max_draft,
+            last_sampled, max_draft, rejected_by_slot,
         )  # fmt: skip
     assert target.dtype == torch.int64 and token_ids.dtype == torch.int64 and last_sampled.dtype == torch.int64
+    assert rejected_by_slot is None or (rejected_by_slot.dtype == torch.int64 and rejected_by_slot.dim() == 1)
     assert allowed.dtype == torch.bool, f"allowed must be a bool tensor, got {allowed.dtype}"
     assert draft_tokens.shape[1] >= max_draft and draft_tokens.stride(1) == 1 and token_ids.stride(1) == 1
     device = token_ids.device
@@ -408,6 +419,7 @@ def verify_and_update(
         _verify_and_update_kernel[(num_reqs,)](
             target, target.shape[0], draft_tokens, draft_tokens.stride(0), idx_mapping, num_draft, cu_num_logits,
             samples, seq_lens, allowed.view(torch.int8), token_ids, token_ids.stride(0), token_ids.shape[1], last_sampled,
-            picks, counts[0], counts[1], counts[2], counts[3], max_draft, ROW_BLOCK=triton.next_power_of_2(1 + max_draft),
+            picks, counts[0], counts[1], counts[2], counts[3], last_sampled if rejected_by_slot is None else rejected_by_slot,
+            max_draft, ROW_BLOCK=triton.next_power_of_2(1 + max_draft), HAS_BY_SLOT=rejected_by_slot is not None,
         )  # fmt: skip
     return picks, counts[0], counts[1], counts[2], counts[3]

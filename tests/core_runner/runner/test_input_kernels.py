@@ -48,6 +48,14 @@ def test_input_ids_positions_ref_by_hand():
     ik.prepare_input_ids_positions_ref(t([2, 0, 1], I32), t([0, 2, 2, 3], I32), t([3, 5, 0], I32), token_ids, ids, pos, 6)
     assert pos.tolist() == [3, 4, 0, 0, 0, 0, SENTINEL, SENTINEL]
     assert ids.tolist() == [23, 24, 10, 0, 0, 0, SENTINEL, SENTINEL]
+    # the same rows counted ahead by the drafts their slots rejected (slot 2: 2, slot 0: 1), the
+    # first two moved back: row 0 restarts at 3, row 1's count and length drop by slot 0's 1
+    num_computed, seq_lens = t([5, 6, 0], I32), t([7, 6, 1], I32)
+    ik.prepare_input_ids_positions_ref(
+        t([2, 0, 1], I32), t([0, 2, 2, 3], I32), num_computed, token_ids, ids, pos, 6, t([1, 0, 2]), seq_lens, 2
+    )
+    assert num_computed.tolist() == [3, 5, 0] and seq_lens.tolist() == [5, 5, 1]
+    assert pos.tolist()[:3] == [3, 4, 0] and ids.tolist()[:3] == [23, 24, 10]
 
 
 def test_combine_ref_by_hand():
@@ -170,6 +178,20 @@ def _check_kernels_match_references():
         )
         _assert_same(f"input ids/positions, {case}", got, want)
         input_ids, positions = want
+
+        # rows moved back first by the drafts their slot's last step rejected (overlapped steps)
+        # (each row counted 2 more tokens than it keeps at most: no position goes negative)
+        rejected = torch.randint(0, 3, (MAX_SLOTS,), generator=gen)
+        for num_back in sorted({0, n_req // 2, n_req}):
+            ahead = nc + 2
+            back_lens = ahead.long() + torch.tensor(qlens, dtype=torch.int64)
+            got, want = _both(
+                ik.prepare_input_ids_positions,
+                ik.prepare_input_ids_positions_ref,
+                [filled(MAX_TOKENS), filled(MAX_TOKENS), ahead, back_lens.to(idx_dtype)],
+                lambda o: (idx, qsl, o[2], token_ids, o[0], o[1], n_tok + pad_tokens, rejected, o[3], num_back),
+            )
+            _assert_same(f"input ids/positions, {num_back} rows moved back, {case}", got, want)
 
         seq_lens = (nc.long() + torch.tensor(qlens, dtype=torch.int64)).to(I32)
 

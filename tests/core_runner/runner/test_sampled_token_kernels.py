@@ -48,12 +48,15 @@ def _check_verify_kernel(device: str = "cpu") -> None:
     for case in _verify_cases(gen):
         *inputs, max_draft = case
         tables = torch.randint(1, 99, (SLOTS, MAX_MODEL_LEN), generator=gen), torch.randint(1, 99, (SLOTS,), generator=gen)
+        by_slot = torch.randint(1, 99, (SLOTS,), generator=gen)  # slots outside the batch keep theirs
         got_tables = [t.clone().to(device) for t in tables]
         want_tables = [t.clone() for t in tables]
-        got = verify_and_update(*[x.to(device) for x in inputs], *got_tables, max_draft)
-        want = verify_and_update_ref(*inputs, *want_tables, max_draft)
-        for name, g, w in zip(("picks", "num_sampled", "num_rejected", "num_known", "hist_len", "token_ids", "last_sampled"),
-                              [*got, *got_tables], [*want, *want_tables]):  # fmt: skip
+        got_by_slot, want_by_slot = by_slot.clone().to(device), by_slot.clone()
+        got = verify_and_update(*[x.to(device) for x in inputs], *got_tables, max_draft, got_by_slot)
+        want = verify_and_update_ref(*inputs, *want_tables, max_draft, want_by_slot)
+        assert torch.equal(want_by_slot[inputs[2].long()], want[2]), "the reference scattered num_rejected by slot"
+        names = ("picks", "num_sampled", "num_rejected", "num_known", "hist_len", "token_ids", "last_sampled", "by slot")
+        for name, g, w in zip(names, [*got, *got_tables, got_by_slot], [*want, *want_tables, want_by_slot]):
             g = g.cpu()
             assert g.dtype == w.dtype and torch.equal(g, w), f"{name}, max_draft {max_draft}:\nkernel {g.tolist()}\nref    {w.tolist()}"
 
