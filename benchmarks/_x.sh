@@ -1,2 +1,2 @@
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --phases 2>&1 | grep -v "^\s*[0-9]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* /\|Writing\|ncalls\|Ordered\|List reduced\|function calls\|warn"
+timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/core_runner/spec_decode/test_overlap_gpu.py 2>&1 | grep -v "^  warn\|Warning" | tail -40
