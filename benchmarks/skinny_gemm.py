@@ -68,7 +68,7 @@ def main() -> None:
             line = (f"{name:>8} {m:>4} {t_blas * 1e6:>9.2f} {nbytes / t_blas / 1e12:>5.2f} {t_kern * 1e6:>9.2f} "
                     f"{nbytes / t_kern / 1e12:>5.2f} {t_blas / t_kern:>4.2f}x")  # fmt: skip
             if args.sweep:
-                grid = itertools.product([8, 16], [64, 128, 256], [2, 4, 8], [3, 4])
+                grid = itertools.product([8, 16], [256, 512, 1024], [4, 8], [3, 4])
                 best = None
                 for tiles in grid:
                     try:

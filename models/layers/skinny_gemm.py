@@ -64,48 +64,6 @@ def skinny_linear_ref(
 if HAS_TRITON:
 
     @triton.jit
-    def _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, r, M, writer, BLOCK_H: tl.constexpr):
-        """norm.py's _rms_norm_kernel for row r (row M - 1 for a padding row): stores x + residual
-        when `writer`, returns the row's 1 / rms."""
-        hs = tl.arange(0, BLOCK_H)
-        rr = tl.minimum(r, M - 1)
-        row_x = tl.load(x_ptr + rr * x_stride + hs, mask=hs < K, other=0.0)
-        row_res = tl.load(res_ptr + rr * res_stride + hs, mask=hs < K, other=0.0)
-        row_x = (row_x.to(tl.float32) + row_res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + rr * K + hs, row_x, mask=hs < tl.where(writer, tl.where(r < M, K, 0), 0))
-        row_h = row_x.to(tl.float32)
-        return tl.math.rsqrt(tl.sum(row_h * row_h, axis=0) * inv_k + eps)
-
-    @triton.jit
-    def _x_chunk(x_ptr, x_stride, res_ptr, res_stride, r, M, K, k, k_ok, rstd, wn,
-                 NORM: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-        """Row r's input over the K chunk `k`, in fp32 (padding rows read row M - 1 again): x, or
-        rms_norm(x, residual) / act(gate) * up rounded where their own kernels round."""
-        x_row = x_ptr + tl.minimum(r, M - 1) * x_stride
-        xr = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM > 0:
-            rv = tl.load(res_ptr + tl.minimum(r, M - 1) * res_stride + k, mask=k_ok, other=0.0)
-            h = (xr + rv.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32) * rstd
-            if NORM == 2:
-                xr = (h * (1.0 + wn)).to(x_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                xr = h.to(x_ptr.dtype.element_ty).to(tl.float32) * wn
-                xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
-        if ACT >= 0:
-            up = tl.load(x_row + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            xr = gated_value(xr, up, ACT, LIBDEVICE, x_ptr.dtype.element_ty)
-            xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
-        return xr
-
-    @triton.jit
-    def _store_row(acc, out_ptr, bias_ptr, r, M, N, cols, col_ok, HAS_BIAS: tl.constexpr):
-        """Row r's outputs: its products summed over the K lanes (then the bias), if r < M."""
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * N + cols, y.to(out_ptr.dtype.element_ty), mask=cols < tl.where(r < M, N, 0))
-
-    @triton.jit
     def _skinny_gemm_kernel(
         x_ptr,  # [M, K], unit column stride
         x_stride,
@@ -127,99 +85,70 @@ if HAS_TRITON:
         BLOCK_H: tl.constexpr,  # power of two >= K (NORM: the whole row in one block, as the norm kernel)
         ACT: tl.constexpr,  # -1: x is the input; else x is [gate | up] (2K wide), input act(gate) * up
         LIBDEVICE: tl.constexpr,  # compiled: CUDA's exp/tanh (activation.gated_value)
-        ROWS: tl.constexpr,  # 1..8, >= M
+        ROWS: tl.constexpr,  # power of two >= M
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # Each row owns an accumulator of [BLOCK_N, BLOCK_K] lanes: every W tile, loaded once, is
-        # multiplied by each row's chunk and added lane by lane, and a row's lanes are summed once,
-        # after the K loop. No reduction runs inside the loop (a cross-warp sum per row per chunk
-        # made each extra row cost as much as the first), and a row's sums run in one order
-        # whatever ROWS is: its result does not depend on the batch. (Eight named accumulators:
-        # a kernel holds no list of tensors; those past ROWS are never touched.)
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
+        row_ids = tl.arange(0, ROWS)
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
-        # each row's 1 / rms (NORM)
-        r0 = 0.0
-        r1 = 0.0
-        r2 = 0.0
-        r3 = 0.0
-        r4 = 0.0
-        r5 = 0.0
-        r6 = 0.0
-        r7 = 0.0
-        if NORM > 0:
-            wr = pid == 0  # one program stores the new residual
-            r0 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 0, M, wr, BLOCK_H)
-            if ROWS > 1:
-                r1 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 1, M, wr, BLOCK_H)
-            if ROWS > 2:
-                r2 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 2, M, wr, BLOCK_H)
-            if ROWS > 3:
-                r3 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 3, M, wr, BLOCK_H)
-            if ROWS > 4:
-                r4 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 4, M, wr, BLOCK_H)
-            if ROWS > 5:
-                r5 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 5, M, wr, BLOCK_H)
-            if ROWS > 6:
-                r6 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 6, M, wr, BLOCK_H)
-            if ROWS > 7:
-                r7 = _norm_row(x_ptr, x_stride, res_ptr, res_stride, res_out_ptr, K, inv_k, eps, 7, M, wr, BLOCK_H)
-        a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a4 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a5 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a6 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a7 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        rstd = tl.zeros((ROWS,), dtype=tl.float32)
+        if NORM > 0:  # norm.py's _rms_norm_kernel, row by row: the residual sum and each row's 1 / rms
+            hs = tl.arange(0, BLOCK_H)
+            # (Names apart from the K loop's: compiled, a name keeps one shape through the loop.)
+            for r in tl.static_range(ROWS):
+                rr = tl.minimum(r, M - 1)
+                row_x = tl.load(x_ptr + rr * x_stride + hs, mask=hs < K, other=0.0)
+                row_res = tl.load(res_ptr + rr * res_stride + hs, mask=hs < K, other=0.0)
+                row_x = (row_x.to(tl.float32) + row_res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                writer = (pid == 0) & (r < M)  # one program stores the new residual
+                tl.store(res_out_ptr + rr * K + hs, row_x, mask=hs < tl.where(writer, K, 0))
+                row_h = row_x.to(tl.float32)
+                rstd = tl.where(row_ids == r, tl.math.rsqrt(tl.sum(row_h * row_h, axis=0) * inv_k + eps), rstd)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            wn = 0.0
+            # Each x row against the W tile loaded once: its partial sums over this K chunk, in
+            # the same order whatever ROWS is (a row's result does not depend on the batch).
             if NORM > 0:  # the norm's weight over this chunk, for every row
                 wn = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            a0 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 0, M, K, k, k_ok, r0, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 1:
-                a1 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 1, M, K, k, k_ok, r1, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 2:
-                a2 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 2, M, K, k, k_ok, r2, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 3:
-                a3 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 3, M, K, k, k_ok, r3, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 4:
-                a4 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 4, M, K, k, k_ok, r4, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 5:
-                a5 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 5, M, K, k, k_ok, r5, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 6:
-                a6 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 6, M, K, k, k_ok, r6, wn, NORM, ACT, LIBDEVICE)[None, :]
-            if ROWS > 7:
-                a7 += w * _x_chunk(x_ptr, x_stride, res_ptr, res_stride, 7, M, K, k, k_ok, r7, wn, NORM, ACT, LIBDEVICE)[None, :]
-        _store_row(a0, out_ptr, bias_ptr, 0, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 1:
-            _store_row(a1, out_ptr, bias_ptr, 1, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 2:
-            _store_row(a2, out_ptr, bias_ptr, 2, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 3:
-            _store_row(a3, out_ptr, bias_ptr, 3, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 4:
-            _store_row(a4, out_ptr, bias_ptr, 4, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 5:
-            _store_row(a5, out_ptr, bias_ptr, 5, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 6:
-            _store_row(a6, out_ptr, bias_ptr, 6, M, N, cols, col_ok, HAS_BIAS)
-        if ROWS > 7:
-            _store_row(a7, out_ptr, bias_ptr, 7, M, N, cols, col_ok, HAS_BIAS)
+            for r in tl.static_range(ROWS):
+                # Padding rows (r >= M) read row M - 1 again; their sums are never stored.
+                x_row = x_ptr + tl.minimum(r, M - 1) * x_stride
+                xr = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                if NORM > 0:  # this chunk of rms_norm(x, residual), rounded where the norm kernel rounds
+                    rv = tl.load(res_ptr + tl.minimum(r, M - 1) * res_stride + k, mask=k_ok, other=0.0)
+                    h = (xr + rv.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    h = h * tl.sum(tl.where(row_ids == r, rstd, 0.0), axis=0)
+                    if NORM == 2:
+                        xr = (h * (1.0 + wn)).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    else:
+                        xr = h.to(x_ptr.dtype.element_ty).to(tl.float32) * wn
+                        xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
+                if ACT >= 0:  # the gated activation's output, rounded as its own kernel stores it
+                    up = tl.load(x_row + K + k, mask=k_ok, other=0.0).to(tl.float32)
+                    xr = gated_value(xr, up, ACT, LIBDEVICE, x_ptr.dtype.element_ty)
+                    xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
+                part = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
+                acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + row_ids.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row_ids < M)[:, None] & col_ok[None, :])
 
 
 def skinny_tiles(k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a product over K inputs: the fastest of a
     sweep on one H200 at the Qwen3-0.6B shape's products (benchmarks/skinny_gemm.py). They
     depend on K alone, never on the row count, so a row's sums run in one order at any M."""
-    return 8, 128, 4, 4
+    if k >= 2048:
+        return 8, 1024, 8, 4
+    return 8, 512, 4, 3
 
 
 def wants_skinny(
@@ -294,7 +223,7 @@ def _launch(x, weight, bias, tiles, code: int, m: int, k: int, norm: tuple | Non
         x, x.stride(0), weight, weight.stride(0), out if bias is None else bias, out,
         residual, residual.stride(0), norm_weight, res_out, m, n, k, 1.0 / k, eps,
         HAS_BIAS=bias is not None, NORM=norm_code, BLOCK_H=triton.next_power_of_2(k) if norm_code else 16, ACT=code,
-        LIBDEVICE=not TRITON_INTERPRET, ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k,
+        LIBDEVICE=not TRITON_INTERPRET, ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
         enable_fp_fusion=False,  # no fma: each product rounded, as the norm's and activation's own kernels do
     )  # fmt: skip
