@@ -17,6 +17,7 @@ class DefaultModelState(ModelState):
     family = "default decoder"
     supports_cuda_graphs = True  # no family inputs at all
     cuda_graphs_with_drafts = True
+    cuda_graphs_for_prefill = True
 
     def add_request(self, slot: int, new_request: NewRequestData) -> None:
         """Nothing to rebuild: the KV blocks and the runner's tables are the whole state."""

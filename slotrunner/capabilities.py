@@ -35,7 +35,10 @@ def _always(_: type[ModelState]) -> str:
 
 
 def _cuda_graphs(cls: type[ModelState]) -> str:
-    return "yes" if cls.supports_cuda_graphs else "eager (logged)"
+    if not cls.supports_cuda_graphs:
+        return "eager (logged)"
+    # A prefill step of one request alone replays a graph too (cuda_graphs.PREFILL_GRAPH_LENS).
+    return "yes (decode; one request's prefill too)" if cls.cuda_graphs_for_prefill else "yes (decode)"
 
 
 def _prefix_caching(cls: type[ModelState]) -> str:

@@ -133,6 +133,7 @@ def replayed_decode():
     class ReplayedDecode(CudaGraphs):
         def capture(self) -> None:
             keys = [(n, 1) for n in self.sizes] + [(n, self.draft_query_len) for n in self.draft_sizes]
+            keys += [(1, q) for q in self.prefill_lens]
             self.captured = {(n, q): self._dummy_inputs(n, q) for n, q in keys}
             self.replays, self.padded = Counter(), 0
 

@@ -90,7 +90,7 @@ def test_rows_follow_the_flags():
     (name, cells), = capability_rows([Probe, Probe])  # duplicates collapse
     status = dict(zip((f.name for f in FEATURES), cells))
     assert name == "Probe"
-    assert status["CUDA graphs"] == "yes"
+    assert status["CUDA graphs"] == "yes (decode)"
     assert status["prefix caching"].startswith("refused") and status["speculative decoding"] == "refused"
     assert status["n > 1"] == "yes (prompt per sample)"
 
@@ -103,5 +103,12 @@ def test_rows_follow_the_flags():
 
     (_, cells), = capability_rows([Checkpointing])
     status = dict(zip((f.name for f in FEATURES), cells))
+    assert status["CUDA graphs"] == "yes (decode)"
     assert status["prefix caching"] == "yes (default on; state checkpoints)"
     assert status["n > 1"] == "yes (prompt shared after the first sample's prefill)"
+
+    class PrefillGraphs(Probe):
+        cuda_graphs_for_prefill = True
+
+    (_, cells), = capability_rows([PrefillGraphs])
+    assert dict(zip((f.name for f in FEATURES), cells))["CUDA graphs"] == "yes (decode; one request's prefill too)"

@@ -3,8 +3,8 @@
 A decode-only step of `num_reqs` rows is padded up to the next captured size: the padding rows
 have an empty query and seq_len 0, the padding tokens slot -1 (never written to the cache).
 Every input the graph reads lives in InputBuffers, whose addresses never change, so a replay
-sees the step the input-preparation ops just wrote. Prefill and mixed steps, and batches larger
-than the largest captured size, run eagerly. Only the model forward is captured; logits and
+sees the step the input-preparation ops just wrote. Prefill and mixed steps of several requests, and
+batches larger than the largest captured size, run eagerly. Only the model forward is captured; logits and
 sampling run eagerly after it.
 
 With speculative decoding (`draft_query_len` = 1 + num_speculative_tokens), decode steps whose
@@ -12,6 +12,13 @@ rows carry drafts are captured too, at `draft_query_len` tokens per row: a row w
 leaves the rest of its tokens as padding (the kernels read each row's real query length from
 the buffers; host-side sizes are upper bounds), so one graph per batch size serves any mix of
 draft counts.
+
+A step that is one request's prefill chunk alone (the prompt of an interactive request, or a
+chunk of it) replays a graph of one row captured at the next of `PREFILL_GRAPH_LENS` tokens,
+where the model's layers and the family allow it (`ModelState.cuda_graphs_for_prefill`, rows of
+several tokens in graphs): an eager forward launches a few hundred kernels, each paying the
+host's launch cost, for a prompt whose kernels take a fraction of that. The padding tokens after
+the prompt's are computed and dropped (slot -1: never written to the cache).
 
 With prefix caching, decode steps of `shared_prefix_min_rows` rows or more are captured a second
 time with the shared-prefix launch (AttentionMetadata.shared_prefix_len, whose length the
@@ -31,6 +38,9 @@ from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
 from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
 
+# Token counts at which a one-row prefill chunk is captured (those up to the step's token budget).
+PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256, 512)
+
 class CudaGraphs:
     def __init__(
         self,
@@ -42,6 +52,7 @@ class CudaGraphs:
         max_model_len: int,
         draft_query_len: int = 1,  # > 1: also capture decode steps with drafts, at this many tokens a row
         shared_prefix_min_rows: int | None = None,  # also capture one-token rows with a shared prefix from this size
+        prefill: bool = False,  # also capture one-row prefill chunks (PREFILL_GRAPH_LENS)
     ) -> None:
         self.model = model
         self.model_state = model_state
@@ -55,6 +66,8 @@ class CudaGraphs:
         m = shared_prefix_min_rows
         self.shared_prefix_sizes = [] if m is None else [s for s in self.sizes if s >= m]
         self.max_model_len = max_model_len
+        fits = min(buffers.max_num_tokens, max_model_len)
+        self.prefill_lens = [q for q in PREFILL_GRAPH_LENS if q <= fits and q != draft_query_len] if prefill else []
         # Keyed by (rows, tokens a row, shared prefix): the graph, its output [rows * tokens,
         # hidden], and the family inputs it captured.
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
@@ -67,6 +80,12 @@ class CudaGraphs:
         sizes = self.sizes if query_len == 1 else self.draft_sizes if query_len == self.draft_query_len else []
         i = bisect.bisect_left(sizes, num_reqs)
         return sizes[i] if i < len(sizes) else None
+
+    def prefill_len(self, num_tokens: int) -> int | None:
+        """The captured token count a one-row prefill chunk of `num_tokens` tokens replays at,
+        or None (eager)."""
+        i = bisect.bisect_left(self.prefill_lens, num_tokens)
+        return self.prefill_lens[i] if i < len(self.prefill_lens) else None
 
     def _metadata(self, n: int, q: int, shared: bool) -> tuple[AttentionMetadata, ...]:
         """Metadata over the first n rows and n * q tokens of the persistent buffers, per
@@ -109,6 +128,7 @@ class CudaGraphs:
         pool = torch.cuda.graph_pool_handle()
         keys = [(n, self.draft_query_len, False) for n in self.draft_sizes] + [(n, 1, False) for n in self.sizes]
         keys += [(n, 1, True) for n in self.shared_prefix_sizes]
+        keys += [(1, q, False) for q in self.prefill_lens]
         for key in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first
             n, q, shared = key
             meta = self._metadata(n, q, shared)

@@ -123,6 +123,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphs(
                 model, self.model_state, self.attn_backend, self.input_buffers, config.cuda_graph_sizes, config.max_model_len,
                 draft_len, SHARED_PREFIX_MIN_ROWS if self._shared_prefix_granule else None,
+                model_state.cuda_graphs_for_prefill and multi_token_rows_capturable(model),
             )  # fmt: skip
             self.cuda_graphs.capture()
         self._executed: _ExecutedStep | None = None
@@ -421,14 +422,20 @@ class ModelRunner:
     def _graph_size(
         self, idx_mapping_np: np.ndarray, num_scheduled_np: np.ndarray, num_draft_np: np.ndarray | None
     ) -> tuple[int, int] | None:
-        """(rows, tokens) of the captured graph a decode-only step replays, or None: run eagerly.
-        A step whose rows carry drafts (speculative decoding; query length 1 + drafts) replays
-        the graphs captured at `draft_query_len` tokens a row when every row is a decode row --
-        its last known token and its drafts, no prefill chunk."""
+        """(rows, tokens) of the captured graph a step replays, or None: run eagerly. A
+        decode-only step replays the graph of its padded batch size. A step whose rows carry
+        drafts (speculative decoding; query length 1 + drafts) replays the graphs captured at
+        `draft_query_len` tokens a row when every row is a decode row -- its last known token and
+        its drafts, no prefill chunk. A step that is one request's prefill chunk alone replays
+        the one-row graph of the next captured token count (`CudaGraphs.prefill_len`)."""
         if self.cuda_graphs is None or not len(idx_mapping_np):
             return None
         q = int(num_scheduled_np.max())
         if q > 1:
+            drafts = num_draft_np is not None and bool(num_draft_np.any())
+            if len(idx_mapping_np) == 1 and not drafts:  # one request's prefill chunk
+                q = self.cuda_graphs.prefill_len(q)
+                return None if q is None else (1, q)
             if q > self.cuda_graphs.draft_query_len:
                 return None
             if num_draft_np is None or not (num_scheduled_np == 1 + num_draft_np).all():

@@ -101,6 +101,11 @@ class ModelState(abc.ABC):
     # may replay CUDA graphs too, under the same contract for such batches. False: those steps
     # run eagerly (the runner's default decode steps still replay).
     cuda_graphs_with_drafts: ClassVar[bool] = False
+    # Whether a step that is one request's prefill chunk (one row of 2..PREFILL_GRAPH_LENS[-1]
+    # tokens, alone in its batch: an interactive request's prompt) may replay a graph captured
+    # at the next power-of-two token count, under the same contract for such batches (a prompt
+    # with media, whose prepare_inputs_embeds returns embeddings, may not). False: eager.
+    cuda_graphs_for_prefill: ClassVar[bool] = False
     # Whether speculative decoding may run: rejected drafts must leave no trace. True when the
     # family's per-request state is only in KV blocks (rejected positions are overwritten later)
     # or when `postprocess_state` rolls its state back to the last accepted token. False: the

@@ -46,6 +46,29 @@ def test_graphs_equal_eager(qwen3_dir, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_request_prefill_graphs_equal_eager(qwen3_dir, dtype):
+    """Prompts served one at a time (each prefill a step of one row, padded to a captured token
+    count; one chunked in two): the tokens of eager steps, and each prefill replayed a graph."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(0, 200, (n,), generator=gen).tolist()} for n in (2, 9, 16, 33, 100)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(qwen3_dir), device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=64)  # fmt: skip
+        graphs, replayed = llm.engine.runner.cuda_graphs, []
+        if not eager:
+            assert graphs.prefill_lens == [16, 32, 64], graphs.prefill_lens
+            run = graphs.run
+            graphs.run = lambda batch: replayed.append(batch.num_tokens_padded) or run(batch)
+        runs.append([llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts])
+        if not eager:
+            assert {16, 32, 64} <= set(replayed), replayed
+    assert runs[0] == runs[1]
+
+
+@needs_cuda
 def test_decode_step_does_not_sync(qwen3_dir, run_decode_steps_without_sync):
     llm = LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=16)
     engine = llm.engine
@@ -138,6 +161,49 @@ def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arc
         assert set(graphs.replays) == {1}, graphs.replays
     else:
         assert graphs.replays[q] > 0 and graphs.padded > 0, graphs.replays
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration", "BambaForCausalLM"])
+def test_one_request_prefill_replays_its_graph(tmp_path, replayed_decode, arch):
+    """A step that is one request's prefill chunk alone replays the one-row graph of the next
+    captured token count (padding tokens dropped, never cached): prompts of 3..100 tokens, a
+    chunked 150-token prompt (chunks of 64), a prefix-cache hit (the rest of the prompt after
+    the cached blocks); tokens equal eager steps. Several prompts in one step, and families
+    whose prefill needs more than token ids (media) or keeps state (a recurrent hybrid), run
+    their prefill eagerly."""
+    from slotrunner.conformance import build_case
+    from slotrunner.core_runner.runner.model_runner import multi_token_rows_capturable
+
+    build_case(tiny_config(arch), tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    lens = (3, 17, 40, 64, 100, 150, 150)
+    prompts = [{"prompt_token_ids": torch.randint(10, 200, (n,), generator=gen).tolist()} for n in lens]
+    prompts[-1] = {"prompt_token_ids": prompts[-2]["prompt_token_ids"][:120] + [5] * 30}  # shares 120 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    common = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+
+    def one_at_a_time(llm) -> list[list[int]]:
+        return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+    want = one_at_a_time(LLM(str(tmp_path), enforce_eager=True, **common))
+    llm = LLM(str(tmp_path), **common)
+    runner = llm.engine.runner
+    state = runner.model_state
+    graphs = replayed_decode(runner.model, state, runner.attn_backend, runner.input_buffers, (1, 2, 4), 256, 1,
+                             prefill=state.cuda_graphs_for_prefill and multi_token_rows_capturable(runner.model))  # fmt: skip
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    assert one_at_a_time(llm) == want
+    if not state.cuda_graphs_for_prefill:  # media or recurrent state: prefill stays eager
+        assert set(graphs.replays) == {1}, graphs.replays
+        return
+    assert graphs.prefill_lens == [16, 32, 64], graphs.prefill_lens  # up to the token budget
+    assert graphs.replays[16] >= 1 and graphs.replays[32] >= 1 and graphs.replays[64] >= 6, graphs.replays
+    # every step of several prompts' prefill runs eagerly: two prompts at once replay no prefill graph
+    graphs.replays.clear()
+    outs = llm.generate(prompts[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want[:2]
+    assert set(graphs.replays) == {1}, graphs.replays
 
 
 @pytest.mark.parametrize(("arch", "want"), [("Qwen3ForCausalLM", 4), ("DeepseekV2ForCausalLM", 1), ("BambaForCausalLM", 1)])
