@@ -74,12 +74,24 @@ class Request:
     _stop_ids: frozenset[int] = field(init=False, repr=False)  # EOS (unless ignore_eos) and stop_token_ids
     _max_tokens: int = field(init=False, repr=False)  # sys.maxsize when max_tokens is None
     group_id: str = field(init=False, repr=False)  # the user's request id (`group`, else req_id)
+    # Output tokens it may reach at most: min(max_tokens, max_model_len - prompt length), set by
+    # the scheduler that takes it (`set_output_limit`), read per row per step (None before).
+    max_output: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.group_id = self.group if self.group is not None else self.req_id
         sp = self.sampling_params
         self._stop_ids = frozenset(sp.stop_token_ids or ()) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
         self._max_tokens = sys.maxsize if sp.max_tokens is None else sp.max_tokens
+
+    def output_limit(self, max_model_len: int) -> int:
+        """Output tokens it may reach at most under `max_model_len` (and its max_tokens)."""
+        if self.max_output is not None:
+            return self.max_output
+        return min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
+
+    def set_output_limit(self, max_model_len: int) -> None:
+        self.max_output = min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +122,7 @@ class Request:
         `with_drafts`: whether they may, counting every draft in flight as accepted (a step
         scheduled on that count could pass the limits: it waits for them)."""
         num_output = len(self.output_token_ids) + self.num_pending + (self.num_inflight_drafts if with_drafts else 0)
-        return num_output >= min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
+        return num_output >= self.output_limit(max_model_len)
 
     @property
     def min_tokens_reached(self) -> bool:
@@ -124,7 +136,9 @@ class Request:
         tokens after that one are dropped. Returns whether it finished. Called for every
         sampling row every step: one call a row, not one a token."""
         output = self.output_token_ids
-        max_len = min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
+        max_len = self.max_output  # set by the scheduler; output_limit() for a request outside one
+        if max_len is None:
+            max_len = self.output_limit(max_model_len)
         # A step scheduled ahead (async scheduling) left one token pending, whatever number of
         # drafts it accepts: counting each accepted draft off it too would leave the request's
         # next step in flight uncounted, and it would go unscheduled a step (the pipeline empties).

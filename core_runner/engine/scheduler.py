@@ -97,6 +97,7 @@ class Scheduler:
             f"request {request.req_id!r} has {request.num_tokens} tokens; the engine must reject "
             f"prompts that are empty or leave no room for output (max_model_len={self.max_model_len})"
         )
+        request.set_output_limit(self.max_model_len)
         self._requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -184,7 +185,6 @@ class Scheduler:
         return f"{len(self.running)} running and {len(self.waiting)} waiting requests have nothing to compute"
 
     # ---- queries ------------------------------------------------------------------------
-
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -197,7 +197,6 @@ class Scheduler:
         return bool(self._requests)
 
     # ---- one step -----------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running requests first (admission order), then new ones.
 
@@ -206,11 +205,9 @@ class Scheduler:
         succeeds; the output carries the values from before the step. A step that does not
         succeed must be undone: `rollback`, or its requests finished (then `release_step_slots`).
         """
-        out = SchedulerOutput(finished_req_ids=self._finished_req_ids, overlap_drafts=self.overlap_drafts)
-        last = self._last_scheduled
+        out, last = SchedulerOutput(finished_req_ids=self._finished_req_ids, overlap_drafts=self.overlap_drafts), self._last_scheduled
         out.behind_drafts = last is not None and last.carries_drafts and last is not self._last_updated
-        self._finished_req_ids = set()
-        budget = self.max_num_batched_tokens
+        self._finished_req_ids, budget = set(), self.max_num_batched_tokens
         use_drafts = self._drafts_proposed
         out.propose_drafts = self._drafts_proposed = self.draft_gate is not None and self.draft_gate.want_drafts()
         decode_only = True  # every scheduled row decodes (the steps the draft gate compares)
@@ -219,7 +216,9 @@ class Scheduler:
         # call, and a decode row whose blocks already hold its next token builds nothing.
         checkpoints, windows = self.state_checkpoints is not None, self.block_manager.has_windows
         bm, block_size, prefix_caching = self.block_manager, self.block_size, self.prefix_caching
-        lookahead, max_model_len, overlap = self.num_lookahead_tokens > 0, self.max_model_len, self.overlap_drafts
+        lookahead, max_model_len, overlap, async_scheduling = (
+            self.num_lookahead_tokens > 0, self.max_model_len, self.overlap_drafts, self.async_scheduling
+        )
         room = bm.room  # req_id -> tokens its blocks hold: most decode rows stay within it
         cached_reqs, num_scheduled, running = out.cached_reqs, out.num_scheduled_tokens, self.running
         cached_ids, cached_computed = cached_reqs.req_ids, cached_reqs.num_computed_tokens
@@ -228,12 +227,15 @@ class Scheduler:
             request = running[i]
             i += 1
             num_pending, inflight = request.num_pending, request.num_inflight_drafts
-            if num_pending and request.done_when_pending_arrive(max_model_len, inflight > 0):
+            num_output = len(request.output_token_ids)
+            # Request.done_when_pending_arrive(max_model_len, inflight > 0), inlined (every row)
+            if num_pending and num_output + num_pending + inflight >= request.max_output:
                 continue
             req_id = request.req_id
             num_computed = request.num_computed_tokens
             # Drafts in flight count as computed tokens of the request (all accepted, until update()).
-            num_uncomputed = len(request.prompt_token_ids) + len(request.output_token_ids) + inflight - num_computed
+            num_known = len(request.prompt_token_ids) + num_output
+            num_uncomputed = num_known + inflight - num_computed
             num_new = num_uncomputed + num_pending
             if num_new > budget:
                 num_new = budget
@@ -272,7 +274,9 @@ class Scheduler:
                 self._cache_blocks(request, end)
             if checkpoints:
                 self._checkpoint_state(request, num_computed, num_new, out)
-            self._advance(request, end)
+            request.num_computed_tokens = end  # _advance, inlined (every row)
+            if async_scheduling and end >= num_known + request.num_inflight_drafts + num_pending:
+                request.num_pending = num_pending + 1
             budget -= num_new
 
         while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -339,9 +343,8 @@ class Scheduler:
         return out
 
     def _advance(self, request: Request, num_computed: int) -> None:
-        """Count a scheduled request's step as done (`schedule` promises this): nothing else in
-        the same `schedule()` reads the request again -- preemption victims come from the
-        unscheduled tail -- so this happens as soon as the request is scheduled."""
+        """Count a scheduled request's step as done (`schedule` promises this) as soon as it is
+        scheduled: nothing else in `schedule()` reads it again (victims come from the tail)."""
         request.num_computed_tokens = num_computed
         num_known = len(request.prompt_token_ids) + len(request.output_token_ids)  # num_tokens, without a call
         if self.async_scheduling and num_computed >= num_known + request.num_inflight_drafts + request.num_pending:
@@ -462,7 +465,7 @@ class Scheduler:
                 emitted = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
                 self.draft_gate.observe(sched_out.gate_arm, now - (sched_out.scheduled_at if last is None else last), emitted)
         touched: list[Request] = []
-        next_drafts = runner_out.num_draft_tokens
+        next_drafts, draft_counts = runner_out.num_draft_tokens, sched_out.num_draft_tokens
         requests, max_model_len, synchronous = self._requests, self.max_model_len, not self.async_scheduling
         unscheduled = set(runner_out.req_ids) - sched_out.num_scheduled_tokens.keys()
         assert not unscheduled, f"runner returned rows for unscheduled {sorted(unscheduled)}"
@@ -470,7 +473,7 @@ class Scheduler:
             request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
-            num_drafts = sched_out.num_draft_tokens.get(req_id, 0) if sched_out.num_draft_tokens else 0
+            num_drafts = draft_counts.get(req_id, 0) if draft_counts else 0
             if num_drafts:
                 # The KV of rejected drafts is not the request's: it recomputes from the first
                 # rejected position (the new token's KV is computed next step, as in any decode).
