@@ -10,6 +10,7 @@ RequestOutput.metrics), the mean tokens per decode step of a request, and whethe
 are identical (they must be: verification is exact).
 
     python benchmarks/spec_decode.py                      # CPU: SmolLM2-135M (LLM()), batch 1 and 16
+    python benchmarks/spec_decode.py --batch-sizes 1 --num-speculative-tokens 8 --repeats 3   # CPU, long drafts
     python benchmarks/spec_decode.py --qwen3-shape        # GPU: Qwen3-0.6B shape, random weights
     python benchmarks/spec_decode.py --draft-model PATH   # a draft model instead of prompt lookup
     python benchmarks/spec_decode.py --qwen3-shape --prime-tokens 256   # GPU: nearly every draft accepted
