@@ -236,11 +236,16 @@ def test_ctrl_c_in_a_step_lets_every_rank_finish_it_then_interrupts(one_rank, tw
             os.kill(os.getpid(), signal.SIGINT)
 
     remove = two_ranks.engine.runner.add_step_observer(interrupt)
+    # Ctrl-C as Python handles it by default: the engine hands the held signal to the handler it
+    # found, whatever an earlier test or library of this process left installed.
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             two_ranks.generate({"prompt_token_ids": ALONE[1]}, _greedy(), use_tqdm=False)
     finally:
         remove()
+        signal.signal(signal.SIGINT, found)
+    assert fired, "the step observer never ran: no Ctrl-C was sent"
     ours = two_ranks.generate({"prompt_token_ids": ALONE[1]}, _greedy(), use_tqdm=False)[0]
     ref = one_rank.generate({"prompt_token_ids": ALONE[1]}, _greedy(), use_tqdm=False)[0]
     assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
