@@ -122,7 +122,7 @@ def replayed_decode():
     `prepare_dummy_inputs`), and every padded step it serves runs the model over the padded
     buffers with those same objects -- the state must have rewritten them in place. Attention:
     `RealRowsAttention` (graph safety of attention itself is tested on the GPU). Counts
-    `replays` (per tokens a row), `padded` steps and `replayed` (rows, tokens) graphs."""
+    `replays` (per tokens a row) and `padded` steps."""
     from collections import Counter
 
     import torch
@@ -135,19 +135,17 @@ def replayed_decode():
             keys = [(n, 1) for n in self.sizes] + [(n, self.draft_query_len) for n in self.draft_sizes]
             keys += [(1, q) for q in self.prefill_lens]
             self.captured = {(n, q): self._dummy_inputs(n, q) for n, q in keys}
-            self.replays, self.padded, self.replayed = Counter(), 0, Counter()
+            self.replays, self.padded = Counter(), 0
 
         def run(self, batch) -> torch.Tensor:
-            n, b, t = batch.num_reqs_padded, self.buffers, batch.num_tokens_padded
-            q = self.query_len(n, t)
-            assert t == self.graph_tokens(n, q), (n, q, t)
+            n, b = batch.num_reqs_padded, self.buffers
+            q = batch.num_tokens_padded // n
             extra, family_attn = self.captured[n, q]
             real = batch.attn_metadata()
             ctx = ForwardContext(RealRowsAttention(self.backend, real), real, family_attn)
             with torch.inference_mode(), forward_context(ctx):
-                hidden = self.model(b.input_ids[:t], b.positions[:t], inputs_embeds=None, **extra.as_kwargs())
+                hidden = self.model(b.input_ids[: n * q], b.positions[: n * q], inputs_embeds=None, **extra.as_kwargs())
             self.replays[q] += 1
-            self.replayed[n, t] += 1
             self.padded += n > batch.num_reqs
             return hidden[: batch.num_tokens]
 

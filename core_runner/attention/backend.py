@@ -40,16 +40,13 @@ class AttentionMetadata:
         block_tables: torch.Tensor,  # [>= n, max_num_blocks_per_req]
         slot_mapping: torch.Tensor,  # [>= n * q]
         shared_prefix_len: torch.Tensor | None = None,  # [1]: a capture of decode steps with a shared prefix
-        num_tokens: int | None = None,  # >= n * q (default): the tokens past the rows' are padding
     ) -> AttentionMetadata:
-        """Metadata of a CUDA-graph capture over the first n rows and `num_tokens` tokens of
-        persistent buffers. Host-side fields are upper bounds: the captured kernels read each
-        row's real query and length from the buffers, rewritten before every replay."""
-        num_tokens = n * q if num_tokens is None else num_tokens
-        assert num_tokens >= n * q, f"{num_tokens} tokens for {n} rows of {q}"
+        """Metadata of a CUDA-graph capture over the first n rows and n * q tokens of persistent
+        buffers. Host-side fields are upper bounds: the captured kernels read each row's real
+        query and length from the buffers, rewritten before every replay."""
         return cls(
             num_reqs=n,
-            num_tokens=num_tokens,
+            num_tokens=n * q,
             query_start_loc=query_start_loc[: n + 1],
             query_start_loc_np=np.arange(n + 1) * q,
             seq_lens=seq_lens[:n],
@@ -57,7 +54,7 @@ class AttentionMetadata:
             max_query_len=q,
             max_seq_len=max_model_len,
             block_tables=block_tables[:n],
-            slot_mapping=slot_mapping[:num_tokens],
+            slot_mapping=slot_mapping[: n * q],
             shared_prefix_len=shared_prefix_len,
         )
 

@@ -11,10 +11,7 @@ With speculative decoding (`draft_query_len` = 1 + num_speculative_tokens), deco
 rows carry drafts are captured too, at `draft_query_len` tokens per row: a row with fewer drafts
 leaves the rest of its tokens as padding (the kernels read each row's real query length from
 the buffers; host-side sizes are upper bounds), so one graph per batch size serves any mix of
-draft counts. A graph of rows of several tokens holds at least `MIN_MULTI_TOKEN_GRAPH_TOKENS`
-tokens: one row of 1 + 4 drafts is captured at 8, its last 3 tokens padding. Its products then
-take the kernels cuBLAS picks for 8 rows, which on one H200 beat those it picks for 3-7
-(`benchmarks/skinny_gemm.py`: the Qwen3-0.6B shape's o-proj 12.8 us at 4 rows, 5.9 at 8).
+draft counts.
 
 A step that is one request's prefill chunk alone (the prompt of an interactive request, or a
 chunk of it) replays a graph of one row captured at the next of `PREFILL_GRAPH_LENS` tokens,
@@ -43,8 +40,6 @@ from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
 
 # Token counts at which a one-row prefill chunk is captured (those up to the step's token budget).
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256, 512)
-# The fewest tokens of a graph whose rows have several tokens (the padding past them is dropped).
-MIN_MULTI_TOKEN_GRAPH_TOKENS = 8
 
 class CudaGraphs:
     def __init__(
@@ -72,9 +67,8 @@ class CudaGraphs:
         self.shared_prefix_sizes = [] if m is None else [s for s in self.sizes if s >= m]
         self.max_model_len = max_model_len
         fits = min(buffers.max_num_tokens, max_model_len)
-        one_row_draft = self.graph_tokens(1, q) if self.draft_sizes[:1] == [1] else None
-        self.prefill_lens = [t for t in PREFILL_GRAPH_LENS if t <= fits and t != one_row_draft] if prefill else []
-        # Keyed by (rows, tokens a row, shared prefix): the graph, its output [graph_tokens,
+        self.prefill_lens = [q for q in PREFILL_GRAPH_LENS if q <= fits and q != draft_query_len] if prefill else []
+        # Keyed by (rows, tokens a row, shared prefix): the graph, its output [rows * tokens,
         # hidden], and the family inputs it captured.
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
@@ -87,21 +81,6 @@ class CudaGraphs:
         i = bisect.bisect_left(sizes, num_reqs)
         return sizes[i] if i < len(sizes) else None
 
-    def graph_tokens(self, n: int, q: int) -> int:
-        """Tokens of the graph of n rows of q tokens: n * q, padded up to
-        MIN_MULTI_TOKEN_GRAPH_TOKENS (as far as the buffers hold) where rows have several."""
-        if q == 1:
-            return n
-        return max(n * q, min(MIN_MULTI_TOKEN_GRAPH_TOKENS, self.buffers.max_num_tokens))
-
-    def query_len(self, n: int, num_tokens: int) -> int:
-        """Tokens a row of the graph of n rows and `num_tokens` tokens (the inverse of graph_tokens)."""
-        if num_tokens == n:
-            return 1
-        if n == 1 and num_tokens in self.prefill_lens:
-            return num_tokens
-        return self.draft_query_len
-
     def prefill_len(self, num_tokens: int) -> int | None:
         """The captured token count a one-row prefill chunk of `num_tokens` tokens replays at,
         or None (eager)."""
@@ -109,14 +88,14 @@ class CudaGraphs:
         return self.prefill_lens[i] if i < len(self.prefill_lens) else None
 
     def _metadata(self, n: int, q: int, shared: bool) -> tuple[AttentionMetadata, ...]:
-        """Metadata over the first n rows and graph_tokens(n, q) tokens of the persistent
-        buffers, per KV-cache group. Host-side fields are upper bounds (the captured kernels read the real
+        """Metadata over the first n rows and n * q tokens of the persistent buffers, per
+        KV-cache group. Host-side fields are upper bounds (the captured kernels read the real
         lengths from the buffers)."""
         b = self.buffers
         return tuple(
             AttentionMetadata.for_capture(
                 n, q, self.max_model_len, b.query_start_loc, b.seq_lens, b.group_block_tables[g], b.group_slot_mapping[g],
-                b.shared_prefix_len if shared else None, self.graph_tokens(n, q),
+                b.shared_prefix_len if shared else None,
             )  # fmt: skip
             for g in range(b.group_block_tables.shape[0])
         )
@@ -126,7 +105,7 @@ class CudaGraphs:
         the dummy hooks write persistent buffers (padding rows' slots, say), and a write recorded
         in the graph would run again at every replay, after the step's own prepare_attn /
         prepare_inputs, and undo them."""
-        return self.model_state.prepare_dummy_inputs(n, self.graph_tokens(n, q)), self.model_state.prepare_dummy_attn(n)
+        return self.model_state.prepare_dummy_inputs(n, n * q), self.model_state.prepare_dummy_attn(n)
 
     def _forward(
         self, metas: tuple[AttentionMetadata, ...], extra: ModelInputs, family_attn: FamilyAttnMetadata | None
@@ -165,8 +144,8 @@ class CudaGraphs:
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
         n = batch.num_reqs_padded
-        key = (n, self.query_len(n, batch.num_tokens_padded), batch.shared_prefix_len > 0)
-        assert key in self._graphs and batch.num_tokens_padded == self.graph_tokens(n, key[1]), (
+        key = (n, batch.num_tokens_padded // n, batch.shared_prefix_len > 0)
+        assert key in self._graphs and batch.num_tokens_padded == n * key[1], (
             f"no graph captured for {n} rows of {batch.num_tokens_padded} tokens (shared prefix: {key[2]})"
         )
         self._graphs[key].replay()

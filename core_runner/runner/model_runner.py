@@ -442,7 +442,7 @@ class ModelRunner:
                 return None  # a prefill chunk in the batch
             q = self.cuda_graphs.draft_query_len
         n = self.cuda_graphs.padded_size(len(idx_mapping_np), q)
-        return None if n is None else (n, self.cuda_graphs.graph_tokens(n, q))
+        return None if n is None else (n, n * q)
 
 
 def overlaps_drafts(config: EngineConfig, model: nn.Module, model_state_cls: type[ModelState]) -> bool:

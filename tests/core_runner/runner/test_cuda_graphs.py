@@ -132,8 +132,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration"])
 def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arch):
     """Decode steps whose rows carry n-gram drafts replay the graphs captured at 1 + k tokens a
-    row (rows with fewer drafts padded), padded to a captured batch size and to at least 8
-    tokens (one row of 1 + 3: 4 padding tokens past it); steps with a prefill
+    row (rows with fewer drafts padded), padded to a captured batch size; steps with a prefill
     chunk run eagerly. Tokens equal a run without speculation. With the family's
     `cuda_graphs_with_drafts` off, such steps run eagerly and the tokens are the same. Qwen2-VL:
     the multimodal family, its M-RoPE positions written per token of the draft rows."""
@@ -142,7 +141,7 @@ def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arc
     build_case(tiny_config(arch), tmp_path)
     motif = [7, 19, 23, 44, 12]  # no media placeholder id (3, 4 in the tiny configs)
     prompts = [{"prompt_token_ids": motif * 6 + [i + 30]} for i in range(3)] + [{"prompt_token_ids": [5, 9, 11]}]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (50, 12, 30, 30)]  # the first alone at the end
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 30, 30)]
     common = dict(device="cpu", max_model_len=128, max_num_seqs=4, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **common).generate(prompts, params, use_tqdm=False)]
 
@@ -162,10 +161,6 @@ def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arc
         assert set(graphs.replays) == {1}, graphs.replays
     else:
         assert graphs.replays[q] > 0 and graphs.padded > 0, graphs.replays
-        # rows of several tokens: graphs of at least 8 tokens, one row of 1 + 3 drafts padded to 8
-        assert [graphs.graph_tokens(n, q) for n in (1, 2, 4)] == [8, 8, 16]
-        if arch == "Qwen3ForCausalLM":  # its first request ends alone, with drafts (the tiny Qwen2-VL's, without)
-            assert graphs.replayed[1, 8] > 0, graphs.replayed
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration", "BambaForCausalLM"])
