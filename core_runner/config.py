@@ -34,6 +34,9 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 # Decode batch sizes captured as CUDA graphs by default (sizes above max_num_seqs are dropped):
 # dense where batches are small, every 32 or 64 rows above.
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Token counts at which one request's prefill chunk alone is captured (those up to the step's
+# token budget): the target's (runner/cuda_graphs.py) and a draft model's catch-up over a prompt.
+PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256, 512)
 
 
 def blocks_to_hold(windows: tuple[int | None, ...], block_size: int, num_tokens: int, chunk: int) -> int:

@@ -37,7 +37,7 @@ def _always(_: type[ModelState]) -> str:
 def _cuda_graphs(cls: type[ModelState]) -> str:
     if not cls.supports_cuda_graphs:
         return "eager (logged)"
-    # A prefill step of one request alone replays a graph too (cuda_graphs.PREFILL_GRAPH_LENS).
+    # A prefill step of one request alone replays a graph too (config.PREFILL_GRAPH_LENS).
     return "yes (decode; one request's prefill too)" if cls.cuda_graphs_for_prefill else "yes (decode)"
 
 

@@ -34,12 +34,11 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, FamilyAttnMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.config import PREFILL_GRAPH_LENS
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
 from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
 
-# Token counts at which a one-row prefill chunk is captured (those up to the step's token budget).
-PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256, 512)
 
 class CudaGraphs:
     def __init__(

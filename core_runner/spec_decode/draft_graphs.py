@@ -7,7 +7,11 @@ tokens), then k - 1 forwards of one token per proposing row
 host -- on one H200 about as much as the target's eager step, so a draft model slowed decoding
 down. Both kinds are captured once per padded batch size, like the target's decode steps
 (`core_runner/runner/cuda_graphs.py`): one-token rows, and catch-up rows of up to
-`catch_up_len` tokens. Every input a graph reads lives in buffers of this class, rewritten in
+`catch_up_len` tokens; and, where given `prefill_lens`, the catch-up of one row alone over a
+prompt (or a chunk of it) at the next of those token counts -- the draft's share of a new
+request, which run eagerly cost about what the target's eager prefill does (tens of ms on one
+H200), a fixed cost that a speculating engine paid on every prompt even when its drafts were
+never accepted. Every input a graph reads lives in buffers of this class, rewritten in
 place before each replay. A row shorter than its graph's query length leaves the rest as
 padding: the kernels read each row's real query length from `query_start_loc` (host-side sizes
 are upper bounds), and padding tokens have slot -1; padding rows have an empty query and
@@ -37,14 +41,17 @@ class DraftDecodeGraphs:
         max_model_len: int,
         device: torch.device,
         catch_up_len: int = 1,  # > 1: also capture catch-up forwards of up to this many tokens a row
+        prefill_lens: tuple[int, ...] = (),  # also capture one row's catch-up at these token counts
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.sizes = sorted({s for s in capture_sizes if 1 <= s <= max_rows})
         self.query_lens = (1, catch_up_len) if catch_up_len > 1 else (1,)
         self.catch_up_len = catch_up_len
+        # One row alone, longer than a decode row's catch-up: the prompt's (needs a size-1 graph's padding rule).
+        self.prefill_lens = sorted(t for t in set(prefill_lens) if t > max(self.query_lens)) if 1 in self.sizes else []
         self.max_model_len = max_model_len
-        max_tokens = max_rows * max(self.query_lens)
+        max_tokens = max([max_rows * max(self.query_lens)] + self.prefill_lens)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -78,7 +85,8 @@ class DraftDecodeGraphs:
         self.query_start_loc.zero_()
         self.slot_mapping.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
-        for n, q in sorted(((n, q) for n in self.sizes for q in self.query_lens), key=lambda k: k[0] * k[1], reverse=True):
+        keys = [(n, q) for n in self.sizes for q in self.query_lens] + [(1, t) for t in self.prefill_lens]
+        for n, q in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):
             self._forward(n, q)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -100,11 +108,13 @@ class DraftDecodeGraphs:
         block_tables: torch.Tensor,  # [rows, max_blocks] int32
         slot_mapping: torch.Tensor,  # [tokens] int64
     ) -> torch.Tensor:  # [tokens, hidden]
-        """The draft's forward over rows of at most `catch_up_len` tokens, through the graph of
-        the next captured size and query length."""
+        """The draft's forward over rows of at most `catch_up_len` tokens, or one row of at most
+        the longest of `prefill_lens`, through the graph of the next captured size and query
+        length."""
         rows, tokens = query_start_loc_np.shape[0] - 1, input_ids.shape[0]
         q_max = int(np.diff(query_start_loc_np).max())
-        q = next((q for q in self.query_lens if q >= q_max), None)
+        lens = self.query_lens if q_max <= max(self.query_lens) or rows > 1 else self.prefill_lens
+        q = next((q for q in lens if q >= q_max), None)
         n = self.padded_size(rows)
         assert n is not None and q is not None, f"no draft graph for {rows} rows of up to {q_max} tokens"
         self.input_ids[:tokens].copy_(input_ids)
@@ -122,4 +132,7 @@ class DraftDecodeGraphs:
 
     def fits(self, rows: int, query_lens: np.ndarray) -> bool:
         """Whether `rows` rows of these query lengths replay a captured graph."""
-        return self.padded_size(rows) is not None and int(query_lens.max()) <= max(self.query_lens)
+        q_max = int(query_lens.max())
+        if rows == 1 and self.prefill_lens and q_max <= self.prefill_lens[-1]:
+            return True
+        return self.padded_size(rows) is not None and q_max <= max(self.query_lens)

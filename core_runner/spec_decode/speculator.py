@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend
-from slotrunner.core_runner.config import EngineConfig
+from slotrunner.core_runner.config import PREFILL_GRAPH_LENS, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,14 @@ def build_speculator(
             from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 
             # A decode row's catch-up: up to k accepted drafts and the emitted token.
-            catch_up = spec.num_speculative_tokens + 1 if multi_token_rows_capturable(draft_model) else 1
+            capturable = multi_token_rows_capturable(draft_model)
+            catch_up = spec.num_speculative_tokens + 1 if capturable else 1
+            # One request's prompt alone: its catch-up of up to a step's token budget (or a whole prompt).
+            fits = min(config.max_num_batched_tokens, config.max_model_len)
+            prefill_lens = tuple(t for t in PREFILL_GRAPH_LENS if t <= fits) if capturable else ()
             speculator.graphs = DraftDecodeGraphs(
                 draft_model, attn_backend, config.cuda_graph_sizes, config.max_num_seqs, config.max_num_blocks_per_req,
-                config.max_model_len, config.device, catch_up,
+                config.max_model_len, config.device, catch_up, prefill_lens,
             )  # fmt: skip
             speculator.graphs.capture()
         return speculator

@@ -1,6 +1,7 @@
 """DraftDecodeGraphs: the draft model's forwards through persistent buffers, as a CUDA-graph
 replay runs them (on the CPU, the forward runs over the buffers instead of a replay): the
-one-token forwards of drafts 2..k, and the catch-up forwards of up to k + 1 tokens a row.
+one-token forwards of drafts 2..k, the catch-up forwards of up to k + 1 tokens a row, and one
+row's catch-up over its prompt at the next captured token count.
 
 Guards against: a draft step replayed with stale inputs (a buffer reallocated, not rewritten),
 a row's position, length, query start, block-table row or cache slot written wrong, padding
@@ -43,7 +44,7 @@ class BufferReplay(DraftDecodeGraphs):
     with an eager forward over the caller's own tensors."""
 
     def capture(self) -> None:
-        self.padded, self.by_query_len = 0, {q: 0 for q in self.query_lens}
+        self.padded, self.by_query_len = 0, {q: 0 for q in [*self.query_lens, *self.prefill_lens]}
 
     def _replay(self, n: int, q: int, tokens: int) -> torch.Tensor:
         qsl, seq = self.query_start_loc[: n + 1], self.seq_lens[:n]
@@ -85,9 +86,37 @@ def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, base
     assert graphs.replays == sum(graphs.by_query_len.values())
 
 
+def test_one_prompt_catches_up_through_the_graph_of_its_length(dirs, baseline):  # noqa: F811
+    """Prompts served one at a time: the draft's catch-up over a prompt of 14 tokens replays the
+    one-row graph of 16 (2 padding tokens), one of 5 the decode rows' catch-up graph, one of 23
+    (past the longest captured) runs eagerly; every draft is still accepted, and every replay
+    is checked against an eager forward (BufferReplay)."""
+    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
+                          speculative_config=draft_config(dirs / "target", k=K)))  # fmt: skip
+    runner = llm.engine.runner
+    config, speculator = runner.config, runner.speculator
+    speculator.graphs = graphs = BufferReplay(
+        speculator.model, runner.attn_backend, (1, 3, 6), config.max_num_seqs, config.max_num_blocks_per_req,
+        config.max_model_len, runner.device, catch_up_len=K + 1, prefill_lens=(4, 8, 16),
+    )  # fmt: skip
+    graphs.capture()
+    assert graphs.prefill_lens == [8, 16]  # those longer than a decode row's catch-up
+    prompts, params = make_requests()
+    lens = [len(p["prompt_token_ids"]) for p in prompts]
+    assert {5, 14, 23} <= set(lens), lens
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
+    assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
+    assert graphs.by_query_len[16] == lens.count(14), graphs.by_query_len
+    assert graphs.by_query_len[1] > 0 and graphs.by_query_len[K + 1] > 0, graphs.by_query_len
+
+
 def test_fits():
     graphs = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"), catch_up_len=6)
     assert graphs.fits(3, np.array([1, 6, 2])) and graphs.fits(1, np.array([1]))
     assert not graphs.fits(5, np.array([1])) and not graphs.fits(2, np.array([7, 1]))
+    prompt = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"), 6, (16, 32))
+    assert prompt.fits(1, np.array([32])) and not prompt.fits(1, np.array([33])) and not prompt.fits(2, np.array([7, 1]))
+    assert prompt.input_ids.shape[0] == 32  # one row of 32 tokens is more than 4 rows of 6
     one = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"))
     assert one.fits(4, np.array([1])) and not one.fits(1, np.array([2]))
