@@ -13,9 +13,10 @@ rows longer than a catch-up graph (prompt chunks).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from slotrunner import LLM
+from slotrunner import LLM, SamplingParams
 from slotrunner.core_runner.attention.backend import AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
@@ -120,3 +121,23 @@ def test_fits():
     assert prompt.input_ids.shape[0] == 32  # one row of 32 tokens is more than 4 rows of 6
     one = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"))
     assert one.fits(4, np.array([1])) and not one.fits(1, np.array([2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_prompt_catch_up_replays_its_graph_and_keeps_every_draft_accepted(dirs):  # noqa: F811
+    """On CUDA (fp32, graphs captured for real): prompts of 14, 40 and 100 tokens served one at a
+    time; the draft (the target itself) catches up over each through the one-row graph of 16, 64
+    and 128 tokens, and every draft is accepted, tokens equal to a run without drafts."""
+    common = dict(device="cuda", dtype="float32", max_model_len=256)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 900 + 5 for i in range(n)]} for n in (14, 40, 100)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [LLM(str(dirs / "target"), **common).generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = with_drafts(LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target", k=K), **common))
+    graphs = llm.engine.runner.speculator.graphs
+    assert graphs is not None and {16, 64, 128} <= set(graphs.prefill_lens), graphs.prefill_lens
+    replayed, replay = [], graphs._replay
+    graphs._replay = lambda n, q, tokens: replayed.append((n, q)) or replay(n, q, tokens)
+    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
+    assert {(1, 16), (1, 64), (1, 128)} <= set(replayed), replayed
