@@ -227,8 +227,13 @@ def main() -> None:
     p.add_argument("--count-ops", type=int, default=0, metavar="N", help="count torch calls, aten ops and kernels over N more steps")
     p.add_argument("--list-ops", action="store_true", help="with --count-ops: print one counted step's calls by name")
     p.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram speculation with K drafts a step, all accepted")
+    p.add_argument("--triton-dispatch", action="store_true", help="launch every Triton kernel through Triton's own dispatch (no CachedLaunch)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if args.triton_dispatch:
+        from slotrunner.core_runner import triton_utils
+
+        triton_utils.CACHED_LAUNCH = False
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     rows = []
@@ -245,6 +250,8 @@ def main() -> None:
     sampling = f"seeded sampling at temperature {args.temperature}" if args.temperature else "greedy"
     if args.ngram:
         sampling += f", n-gram speculation with {args.ngram} drafts a step, all accepted"
+    if args.triton_dispatch:
+        sampling += ", Triton kernels through Triton's dispatch"
     print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, median of {args.steps} steps, ms")
     print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 FORCE_TRITON = os.environ.get("SLOTRUNNER_FORCE_TRITON", "0") == "1"
+CACHED_LAUNCH = True  # CachedLaunch's own path; benchmarks turn it off to time Triton's dispatch (read per launch)
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
@@ -43,11 +44,78 @@ def jit_per_step(*varying: str):
     step to step (row and token counts, lengths). Triton compiles a variant per value class of
     such an argument (equal to 1, a multiple of 16, other): a class first met mid-run compiles
     inside a step (on one H200, twelve such compiles took 1 s of a 128-token run at batch 16,
-    and the run 0.16x plain decoding). These arguments are not specialized: one compile each."""
+    and the run 0.16x plain decoding). These arguments are not specialized: one compile each.
+    Launches go through `CachedLaunch`."""
     kwargs = {"do_not_specialize": list(varying)}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:  # divisibility by 16
         kwargs["do_not_specialize_on_alignment"] = list(varying)
-    return triton.jit(**kwargs)
+    return lambda fn: CachedLaunch(triton.jit(**kwargs)(fn))
+
+
+def launch_key(args: tuple, by_class: tuple[bool, ...]) -> tuple:
+    """What a compiled Triton kernel was specialized on, for one launch's arguments, at least as
+    finely as Triton keys it: per tensor its dtype, device and 16-byte alignment; an int Triton
+    does not specialize (`by_class`: jit_per_step's varying ones) by its classes (equal to 1, a
+    multiple of 16, 32-bit), any other int -- a constexpr among them -- by its value; other
+    values (constexprs, flags, None) as they are."""
+    key = []
+    for a, cls in zip(args, by_class):
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.device.index, a.data_ptr() % 16 == 0))
+        elif cls and type(a) is int:
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        elif type(a) is float:
+            key.append(float)
+        else:
+            key.append((type(a), a))  # True and 1 apart
+    return tuple(key)
+
+
+class CachedLaunch:
+    """A Triton kernel that, once launched for a specialization (`launch_key`), is launched again
+    through the compiled kernel Triton returned: Triton's own dispatch (argument binding,
+    specialization, its cache key, the device and stream lookups) took about as long as the
+    launch itself for the few small kernels a step launches -- the host, not the GPU, bounds a
+    small batch's step. The key is at least as fine as Triton's, so a launch that Triton would
+    compile or dispatch differently takes Triton's path (which compiles or finds the variant)
+    and is cached in turn. Interpreted (TRITON_INTERPRET=1), every launch takes Triton's path."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        params = getattr(fn, "params", None)
+        self._names = None if params is None or TRITON_INTERPRET else [p.name for p in params]
+        self._name_set = frozenset(self._names or ())
+        self._defaults = {p.name: p.default for p in params or () if p.default is not inspect.Parameter.empty}
+        self._by_class = tuple(bool(getattr(p, "do_not_specialize", False)) for p in params or ())
+        self._compiled: dict[tuple, object] = {}
+
+    def __getattr__(self, name: str):  # the JITFunction's own attributes
+        if name == "fn":  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args: tuple, kwargs: dict):
+        if self._names is None or callable(grid) or not CACHED_LAUNCH:
+            return self.fn[grid](*args, **kwargs)
+        names = self._names
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._name_set))  # num_warps, ...
+        if len(args) < len(names):  # keyword and default arguments, in the kernel's order
+            args = args + tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in names[len(args) :])
+        device = torch._C._cuda_getDevice()
+        key = (launch_key(args, self._by_class), options, device)
+        compiled = self._compiled.get(key)
+        if compiled is None:  # Triton's path: compiles or finds the variant
+            compiled = self.fn[grid](*args, **dict(options))
+            if hasattr(compiled, "result"):  # compiled asynchronously
+                compiled = compiled.result()
+            if compiled is not None:
+                self._compiled[key] = compiled
+            return compiled
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, stream=torch._C._cuda_getCurrentRawStream(device))
+        return compiled
 
 
 @contextlib.contextmanager

@@ -63,7 +63,7 @@ def combine_sampled_and_draft_tokens_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step()
     def _combine_sampled_and_draft_tokens_kernel(
         input_ids_ptr,  # [max_num_tokens]
         idx_mapping_ptr,  # [num_reqs]

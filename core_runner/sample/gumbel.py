@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, triton, tl, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, triton, tl, use_triton
 
 _M32 = 0xFFFFFFFF
 _TINY = 2.0**-25  # keeps u in (0, 1): -log(-log(u)) stays finite
@@ -70,7 +70,7 @@ if HAS_TRITON:
         x = (x * 0xC2B2AE35) & 0xFFFFFFFF
         return x ^ (x >> 16)
 
-    @triton.jit
+    @jit_per_step()
     def _gumbel_sample_kernel(
         logits_ptr,  # [rows, vocab]
         logits_stride,

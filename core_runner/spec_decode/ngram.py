@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from slotrunner.core_runner.spec_decode.speculator import ProposeInputs, Speculator
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
 
 _BLOCK = 256  # candidate start positions per loop iteration
 
@@ -65,7 +65,7 @@ def ngram_propose_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step()
     def _ngram_propose_kernel(
         idx_mapping_ptr,  # [num_reqs]
         num_tokens_ptr,  # [num_reqs]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, jit_per_step, tl, triton, use_triton
 from slotrunner.models.layers.activation import gated_act_ref, kernel_act
 from slotrunner.models.layers.norm import rms_norm_ref
 
@@ -63,7 +63,7 @@ def skinny_linear_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step()
     def _skinny_gemm_kernel(
         x_ptr,  # [M, K], unit column stride
         x_stride,
