@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from torch import Tensor
 
 FORCE_TRITON = os.environ.get("SLOTRUNNER_FORCE_TRITON", "0") == "1"
 CACHED_LAUNCH = True  # CachedLaunch's own path; benchmarks turn it off to time Triton's dispatch (read per launch)
@@ -54,20 +55,22 @@ def jit_per_step(*varying: str):
 
 def launch_key(args: tuple, by_class: tuple[bool, ...]) -> tuple:
     """What a compiled Triton kernel was specialized on, for one launch's arguments, at least as
-    finely as Triton keys it: per tensor its dtype, device and 16-byte alignment; an int Triton
-    does not specialize (`by_class`: jit_per_step's varying ones) by its classes (equal to 1, a
-    multiple of 16, 32-bit), any other int -- a constexpr among them -- by its value; other
-    values (constexprs, flags, None) as they are."""
+    finely as Triton keys it: per tensor its dtype and 16-byte alignment; an int Triton does not
+    specialize (`by_class`: jit_per_step's varying ones) by its classes (equal to 1, a multiple
+    of 16, 32-bit), any other int -- a constexpr among them -- by its value; other values
+    (constexprs, flags, None) as they are. (Per launch on the host: kept to one pass.)"""
     key = []
+    add = key.append
     for a, cls in zip(args, by_class):
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.device.index, a.data_ptr() % 16 == 0))
-        elif cls and type(a) is int:
-            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-        elif type(a) is float:
-            key.append(float)
+        kind = type(a)
+        if kind is Tensor or isinstance(a, Tensor):
+            add((a.dtype, not a.data_ptr() & 15))
+        elif kind is int:
+            add((a == 1, not a & 15, -2147483648 <= a < 2147483648) if cls else (int, a))
+        elif kind is float:
+            add(float)
         else:
-            key.append((type(a), a))  # True and 1 apart
+            add((kind, a))  # True and 1 apart
     return tuple(key)
 
 
