@@ -67,17 +67,23 @@ class BufferReplay(DraftDecodeGraphs):
         return got
 
 
-def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, baseline):  # noqa: F811
-    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
-                          speculative_config=draft_config(dirs / "target", k=K)))  # fmt: skip
+def _with_buffer_replay(root, prefill_lens: tuple[int, ...] = ()) -> tuple[LLM, BufferReplay]:
+    """An engine whose draft (the target itself) runs through BufferReplay at sizes 1, 3, 6: two
+    rows pad to 3, four or five to 6, more run eagerly."""
+    llm = with_drafts(LLM(str(root / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
+                          speculative_config=draft_config(root / "target", k=K)))  # fmt: skip
     runner = llm.engine.runner
     config, speculator = runner.config, runner.speculator
-    # Sizes 1, 3, 6: two rows pad to 3, four or five to 6, more run eagerly.
     speculator.graphs = graphs = BufferReplay(
         speculator.model, runner.attn_backend, (1, 3, 6), config.max_num_seqs, config.max_num_blocks_per_req,
-        config.max_model_len, runner.device, catch_up_len=K + 1,
+        config.max_model_len, runner.device, catch_up_len=K + 1, prefill_lens=prefill_lens,
     )  # fmt: skip
     graphs.capture()
+    return llm, graphs
+
+
+def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, baseline):  # noqa: F811
+    llm, graphs = _with_buffer_replay(dirs)
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
@@ -92,15 +98,7 @@ def test_one_prompt_catches_up_through_the_graph_of_its_length(dirs, baseline): 
     one-row graph of 16 (2 padding tokens), one of 5 the decode rows' catch-up graph, one of 23
     (past the longest captured) runs eagerly; every draft is still accepted, and every replay
     is checked against an eager forward (BufferReplay)."""
-    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
-                          speculative_config=draft_config(dirs / "target", k=K)))  # fmt: skip
-    runner = llm.engine.runner
-    config, speculator = runner.config, runner.speculator
-    speculator.graphs = graphs = BufferReplay(
-        speculator.model, runner.attn_backend, (1, 3, 6), config.max_num_seqs, config.max_num_blocks_per_req,
-        config.max_model_len, runner.device, catch_up_len=K + 1, prefill_lens=(4, 8, 16),
-    )  # fmt: skip
-    graphs.capture()
+    llm, graphs = _with_buffer_replay(dirs, prefill_lens=(4, 8, 16))
     assert graphs.prefill_lens == [8, 16]  # those longer than a decode row's catch-up
     prompts, params = make_requests()
     lens = [len(p["prompt_token_ids"]) for p in prompts]
