@@ -33,6 +33,7 @@ class RowViews(NamedTuple):
     num_draft: torch.Tensor  # [num_reqs]
     cu_num_logits: torch.Tensor  # [num_reqs + 1]
     logits_indices: torch.Tensor  # [num_reqs], the logits rows of a step without drafts
+    one_logits_row_each: torch.Tensor  # [num_reqs + 1] 0..num_reqs: cu_num_logits of a step without drafts
     group_block_tables: torch.Tensor  # [groups, num_reqs, max_blocks]
     block_tables_of: tuple[torch.Tensor, ...]  # per KV-cache group, [num_reqs, max_blocks]
 
@@ -105,6 +106,7 @@ class InputBuffers:
         self.positions = torch.zeros(max_num_tokens, **i64)  # [max_num_tokens]
         self.slot_mapping = self.group_slot_mapping[0]  # [max_num_tokens] -1 on padding tokens
         self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
+        self.one_logits_row_each = torch.arange(max_num_reqs + 1, **i32)  # [max_num_reqs + 1], never written
         # The staging is rewritten next step only after this step's copy has read it.
         self._copied = torch.cuda.Event() if pin else None
         # A step's InputBatch is views of these buffers; the views of a size are made once (each
@@ -119,7 +121,8 @@ class InputBuffers:
         return RowViews(
             self.idx_mapping[:n], self.num_computed[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
             self.num_sampled[:n], self.num_rejected[:n], self.num_draft[:n], self.cu_num_logits[: n + 1],
-            self.logits_indices[:n], self.group_block_tables[:, :n], tuple(t[:n] for t in self.group_block_tables),
+            self.logits_indices[:n], self.one_logits_row_each[: n + 1], self.group_block_tables[:, :n],
+            tuple(t[:n] for t in self.group_block_tables),
         )  # fmt: skip
 
     @torch.inference_mode(False)
@@ -141,8 +144,9 @@ class InputBuffers:
     ) -> None:
         """Copy the host description of the step to the device. Rows in [num_reqs,
         num_reqs_padded) are padding: slot 0, nothing cached, an empty query, seq_len 0, no
-        sample. Without drafts, row r's logits row is its last query token; with drafts the
-        device writes the logits rows (combine_sampled_and_draft_tokens).
+        sample. Without drafts (`num_draft_np` None or all zero), row r's logits row is its last
+        query token; with drafts the device writes the logits rows
+        (combine_sampled_and_draft_tokens).
 
         The whole staging area is copied: entries past a field's padded rows hold what an
         earlier step left there, as the device's did before (nothing reads them)."""
@@ -158,9 +162,9 @@ class InputBuffers:
         qsl = h["query_start_loc"]
         qsl[: n + 1] = query_start_loc_np
         qsl[n + 1 : num_reqs_padded + 1] = query_start_loc_np[-1]
-        if num_draft_np is None:
+        if num_draft_np is None or not num_draft_np.any():
             np.subtract(query_start_loc_np[1:], 1, out=h["logits_indices"][:n])
-        else:
+        if num_draft_np is not None:
             h["num_draft"][:n] = num_draft_np
             h["num_draft"][n:num_reqs_padded] = 0
         h["shared_prefix_len"][0] = shared_prefix_len

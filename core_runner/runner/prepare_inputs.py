@@ -82,9 +82,13 @@ def prepare_inputs(
             b.slot_mapping_of[g], num_tokens_padded,
         )  # fmt: skip
         ik.gather_block_tables(rows.idx_mapping, block_tables.table_of[g], b.block_tables_of[g], num_reqs_padded, max_blocks)
-    cu_num_logits_np = None
+    cu_num_logits_np, cu_num_logits = None, None
     logits_indices = rows.logits_indices
-    if speculative:
+    if speculative and not num_draft_np.any():
+        # No row carries drafts: its inputs are in the token history, as without speculation
+        # (the last step's tokens were written there on the device), one logits row each.
+        cu_num_logits_np, cu_num_logits = np.arange(num_reqs + 1), rows.one_logits_row_each
+    elif speculative:
         assert int(num_draft_np.max(initial=0)) <= state.draft_tokens.shape[1], "more drafts scheduled than proposed"
         # Decode rows' drafts into their queries; logits rows: the last 1 + num_draft tokens per row.
         sk.combine_sampled_and_draft_tokens(
@@ -94,6 +98,7 @@ def prepare_inputs(
         cu_num_logits_np = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(1 + num_draft_np, out=cu_num_logits_np[1:])
         logits_indices = b.logits_indices[: int(cu_num_logits_np[-1])]
+        cu_num_logits = rows.cu_num_logits
     return InputBatch(
         req_ids=req_ids,
         num_reqs=num_reqs,
@@ -122,7 +127,7 @@ def prepare_inputs(
         buffers=b,
         num_draft_np=num_draft_np,
         num_draft=rows.num_draft if speculative else None,
-        cu_num_logits=rows.cu_num_logits if speculative else None,
+        cu_num_logits=cu_num_logits,
         cu_num_logits_np=cu_num_logits_np,
         shared_prefix_len=shared_prefix_len,
     )

@@ -161,6 +161,36 @@ def test_async_scheduling_overlaps_steps_with_and_without_drafts(llama_dir, base
         assert engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
 
+def test_steps_without_drafts_prepare_as_without_speculation(llama_dir, baseline, monkeypatch):
+    """A step in which no row carries drafts takes its inputs from the token history, as without
+    speculation: no combine launch (the last step's tokens, accepted drafts included, are in the
+    history already), one logits row per row. Overlapped behind steps that rejected drafts too
+    (async scheduling, the gate switching drafts on and off); the tokens stay those of plain
+    decoding."""
+    from slotrunner.core_runner.runner import prepare_inputs as prepare_module
+
+    combines, combine = [], prepare_module.sk.combine_sampled_and_draft_tokens
+    monkeypatch.setattr(prepare_module.sk, "combine_sampled_and_draft_tokens", lambda *a: combines.append(1) or combine(*a))
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM, async_scheduling=True,
+              max_num_seqs=12)  # fmt: skip
+    scheduler = llm.engine.scheduler
+    scheduler.draft_gate = CyclingGate()
+    with_drafts, without, schedule = [], [], scheduler.schedule
+
+    def counted():
+        out = schedule()
+        if out.num_scheduled_tokens:
+            (with_drafts if out.num_draft_tokens else without).append(out.behind_drafts)
+        return out
+
+    scheduler.schedule = counted
+    seen = record_acceptance(llm)
+    prompts, params = make_requests()
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(baseline)
+    assert len(combines) == len(with_drafts) > 0 and len(without) > 0
+    assert any(without) and any(a < d for d, a in seen), "no step without drafts ran behind rejected drafts"
+
+
 @pytest.mark.parametrize(
     "engine_args",
     [
