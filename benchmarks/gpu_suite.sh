@@ -25,7 +25,8 @@
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
-# with n-gram drafts, all accepted, and its profile), suite (the whole CPU
+# with n-gram drafts, all accepted, and its profile), launch-ab (that host time with cached Triton launches against
+# Triton's dispatch, three alternating pairs), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
@@ -114,6 +115,11 @@ for s in "${steps[@]}"; do
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
     spec-ngram) run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3 ;;
     spec-phases) run_step spec-phases 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1,16 --phases ;;
+    launch-ab)  # cached Triton launches against Triton's dispatch, alternating processes (the host's speed drifts)
+      for i in 1 2 3; do
+        run_step "overhead-ngram-cached-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60
+        run_step "overhead-ngram-dispatch-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60 --triton-dispatch
+      done ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
     spec-draft-small)
