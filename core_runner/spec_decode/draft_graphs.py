@@ -48,7 +48,7 @@ class DraftDecodeGraphs:
         self.sizes = sorted({s for s in capture_sizes if 1 <= s <= max_rows})
         self.query_lens = (1, catch_up_len) if catch_up_len > 1 else (1,)
         self.catch_up_len = catch_up_len
-        # One row alone, longer than a decode row's catch-up: the prompt's (needs a size-1 graph's padding rule).
+        # One row alone over more tokens than a decode row's catch-up (a prompt); only where one row is a captured size.
         self.prefill_lens = sorted(t for t in set(prefill_lens) if t > max(self.query_lens)) if 1 in self.sizes else []
         self.max_model_len = max_model_len
         max_tokens = max([max_rows * max(self.query_lens)] + self.prefill_lens)
