@@ -29,7 +29,7 @@ from slotrunner.core_runner.runner.kv_cache import allocate_kv_cache, kv_cache_l
 from slotrunner.core_runner.runner.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from slotrunner.core_runner.runner.prepare_inputs import post_update, prepare_inputs
 from slotrunner.core_runner.runner.request_state import RequestState
-from slotrunner.core_runner.runner.sampled_token_kernels import verify_and_update
+from slotrunner.core_runner.runner.sampled_token_kernels import VerifyOutputs, verify_and_update
 from slotrunner.core_runner.sample.logprobs import LogprobsTensors, prompt_logprobs_chunked
 from slotrunner.core_runner.sample.sampler import Sampler, SamplerOutput, TokenHistory
 from slotrunner.core_runner.sample.sampling_states import SamplingStates
@@ -95,6 +95,7 @@ class ModelRunner:
         self._overlap = config.overlap_drafts
         self._rejected = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._all_true = torch.ones(config.max_num_seqs, dtype=torch.bool, device=self.device)
+        self._verified = None if spec is None else VerifyOutputs(config.max_num_seqs, max_draft, self.device)
         self.kv_caches = self.kv_layout.allocate(config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
@@ -276,7 +277,7 @@ class ModelRunner:
             # num_rejected + 1 on sampling rows), whence the next drafts: one launch on a GPU.
             picks, num_sampled, num_rejected, num_known, hist_len = verify_and_update(
                 out.sampled, rs.draft_tokens, batch.idx_mapping, batch.num_draft, batch.cu_num_logits, batch.num_sampled,
-                batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft, rejected_by_slot,
+                batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft, rejected_by_slot, self._verified,
             )  # fmt: skip
             self.model_state.postprocess_state(batch, num_sampled, num_rejected)
             next_num_draft = self._next_num_draft[:num_reqs]

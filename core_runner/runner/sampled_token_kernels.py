@@ -7,6 +7,8 @@ included (`verify_and_update`). The companion of `input_kernels.py` (same conven
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slotrunner.core_runner.runner.input_kernels import _BLOCK, _check_1d, _check_2d
@@ -376,6 +378,24 @@ if HAS_TRITON:
         tl.store(hist_len_ptr + row, tl.where(ok, c + s, 0))
 
 
+class VerifyOutputs:
+    """Persistent outputs of `verify_and_update` for up to `max_rows` rows and `max_draft` drafts:
+    each step's are views of the same two buffers, made once per (rows, picks a row), so a
+    speculating step allocates and slices nothing for them on its host path. A step's outputs
+    are read within the step (the speculator, the family's rollback, the copy packed for the
+    host); the next step's verification rewrites them after, in stream order."""
+
+    def __init__(self, max_rows: int, max_draft: int, device: torch.device) -> None:
+        self._picks = torch.empty(max_rows * (1 + max_draft), dtype=torch.int64, device=device)
+        # Four count rows, each 16-byte aligned whatever the row count (one Triton variant).
+        self._counts = torch.empty(4, max_rows + max_rows % 2, dtype=torch.int64, device=device)
+        self.views = functools.lru_cache(maxsize=None)(self._views)
+
+    @torch.inference_mode(False)  # plain views, whoever asks first
+    def _views(self, num_reqs: int, width: int) -> tuple[torch.Tensor, ...]:  # picks, then the four count rows
+        return (self._picks[: num_reqs * width].view(num_reqs, width), *self._counts[:, :num_reqs])
+
+
 def verify_and_update(
     target: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -389,6 +409,7 @@ def verify_and_update(
     last_sampled: torch.Tensor,
     max_draft: int,
     rejected_by_slot: torch.Tensor | None = None,
+    out: VerifyOutputs | None = None,  # where the outputs go (else new tensors)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A speculating step's verification after sampling, in one launch on the GPU (a few dozen
     small torch ops otherwise: each row's accepted count, what it emits, the history write and
@@ -399,7 +420,8 @@ def verify_and_update(
     samples * (num_draft - accepted), num_known [num_reqs] int64 = the history's new length, and
     hist_len [num_reqs] int64 = num_known where `allowed`, else 0). token_ids and last_sampled are updated as `post_update` does.
     With `rejected_by_slot`, each row's num_rejected is also written at its slot there (the next
-    overlapped step's inputs move back by it: `prepare_input_ids_positions`); other slots keep theirs."""
+    overlapped step's inputs move back by it: `prepare_input_ids_positions`); other slots keep theirs.
+    With `out`, the five outputs are views of its buffers (on the GPU; the reference allocates)."""
     num_reqs = idx_mapping.shape[0]
     if not use_triton(token_ids.device):
         return verify_and_update_ref(
@@ -410,11 +432,14 @@ def verify_and_update(
     assert rejected_by_slot is None or (rejected_by_slot.dtype == torch.int64 and rejected_by_slot.dim() == 1)
     assert allowed.dtype == torch.bool, f"allowed must be a bool tensor, got {allowed.dtype}"
     assert draft_tokens.shape[1] >= max_draft and draft_tokens.stride(1) == 1 and token_ids.stride(1) == 1
-    device = token_ids.device
-    picks = torch.empty(num_reqs, 1 + max_draft, dtype=torch.int64, device=device)
-    # num_sampled, num_rejected, num_known, hist_len; each starts 16-byte aligned whatever the row
-    # count, so that these pointers (here and in the speculator's kernel) meet one Triton variant.
-    counts = torch.empty(4, num_reqs + num_reqs % 2, dtype=torch.int64, device=device)[:, :num_reqs]
+    if out is not None:
+        picks, *counts = out.views(num_reqs, 1 + max_draft)
+    else:
+        device = token_ids.device
+        picks = torch.empty(num_reqs, 1 + max_draft, dtype=torch.int64, device=device)
+        # num_sampled, num_rejected, num_known, hist_len; each starts 16-byte aligned whatever the row
+        # count, so that these pointers (here and in the speculator's kernel) meet one Triton variant.
+        counts = torch.empty(4, num_reqs + num_reqs % 2, dtype=torch.int64, device=device)[:, :num_reqs]
     if num_reqs:
         _verify_and_update_kernel[(num_reqs,)](
             target, target.shape[0], draft_tokens, draft_tokens.stride(0), idx_mapping, num_draft, cu_num_logits,

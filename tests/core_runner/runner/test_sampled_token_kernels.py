@@ -1,5 +1,6 @@
 """verify_and_update: a speculating step's verification in one launch (accepted counts, the
-emitted tokens written into the history, the history lengths), against its reference --
+emitted tokens written into the history, the history lengths; into new tensors or persistent
+`VerifyOutputs`), against its reference --
 `accept_drafts`, the counts and `post_update_ref` -- under the Triton interpreter on CPU, and
 compiled on a GPU.
 
@@ -40,19 +41,23 @@ def _verify_cases(gen: torch.Generator):
 
 
 def _check_verify_kernel(device: str = "cpu") -> None:
-    from slotrunner.core_runner.runner.sampled_token_kernels import verify_and_update, verify_and_update_ref
+    from slotrunner.core_runner.runner.sampled_token_kernels import VerifyOutputs, verify_and_update, verify_and_update_ref
     from slotrunner.core_runner.triton_utils import use_triton
 
     assert use_triton(torch.device(device)), "the interpreter switch did not take"
     gen = torch.Generator().manual_seed(0)
-    for case in _verify_cases(gen):
+    # Every other case writes into persistent outputs, reused across row counts and draft widths.
+    out = VerifyOutputs(6, 5, torch.device(device))
+    for i, case in enumerate(_verify_cases(gen)):
         *inputs, max_draft = case
         tables = torch.randint(1, 99, (SLOTS, MAX_MODEL_LEN), generator=gen), torch.randint(1, 99, (SLOTS,), generator=gen)
         by_slot = torch.randint(1, 99, (SLOTS,), generator=gen)  # slots outside the batch keep theirs
         got_tables = [t.clone().to(device) for t in tables]
         want_tables = [t.clone() for t in tables]
         got_by_slot, want_by_slot = by_slot.clone().to(device), by_slot.clone()
-        got = verify_and_update(*[x.to(device) for x in inputs], *got_tables, max_draft, got_by_slot)
+        got = verify_and_update(*[x.to(device) for x in inputs], *got_tables, max_draft, got_by_slot, out if i % 2 else None)
+        if i % 2:
+            assert got[0].data_ptr() == out._picks.data_ptr() and got[1].data_ptr() == out._counts.data_ptr()
         want = verify_and_update_ref(*inputs, *want_tables, max_draft, want_by_slot)
         assert torch.equal(want_by_slot[inputs[2].long()], want[2]), "the reference scattered num_rejected by slot"
         names = ("picks", "num_sampled", "num_rejected", "num_known", "hist_len", "token_ids", "last_sampled", "by slot")
