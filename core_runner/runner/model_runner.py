@@ -7,6 +7,7 @@ ModelState hooks, called in the order `core_runner/runner/model_state.py` lists.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class ModelRunner:
         self._rejected = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._all_true = torch.ones(config.max_num_seqs, dtype=torch.bool, device=self.device)
         self._verified = None if spec is None else VerifyOutputs(config.max_num_seqs, max_draft, self.device)
+        self._spec_rows = functools.lru_cache(maxsize=None)(self._first_rows)  # views made once per row count
         self.kv_caches = self.kv_layout.allocate(config.num_kv_blocks, config.block_size, config.cache_dtype, self.device)
         self.model_state.initialize_cache(
             CacheSpec(config.num_kv_blocks, config.block_size, config.dtype, self.device)
@@ -259,15 +261,20 @@ class ModelRunner:
             j_np = np.arange(num_logits) - np.repeat(cu_np[:-1], num_logits_np)
             rows_idx = np.repeat(idx, num_logits_np)
             num_output_np = np.repeat(rs.num_tokens_np[idx] - rs.prompt_len_np[idx], num_logits_np) + j_np
-            tokens = batch.positions[:num_logits] if every_token else batch.positions.index_select(0, batch.logits_indices)
-            out = self._sample(rows_idx, num_output_np, lambda: tokens + 1, logits)
+
+            def noise_positions() -> torch.Tensor:  # built only where a row samples with noise
+                rows = batch.positions[:num_logits] if every_token else batch.positions.index_select(0, batch.logits_indices)
+                return rows + 1
+
+            out = self._sample(rows_idx, num_output_np, noise_positions, logits)
             # Every sampling row emits one token at least: counted now (async scheduling needs the
             # history's length before the next step); accepted drafts when the output arrives.
             rs.num_tokens_np[idx[batch.sample_mask_np]] += 1
             # Rows the speculator may read (rows whose sampling reads the history get no drafts).
             allowed = batch.sample_mask_np & self.sampling_states.drafts_allowed(idx)
+            all_true, next_num_draft, next_num_draft_column = self._spec_rows(num_reqs)
             if allowed.all():  # the common case: no copy to launch
-                allowed_dev = self._all_true[:num_reqs]
+                allowed_dev = all_true
             else:
                 allowed_dev = torch.from_numpy(allowed).to(self.device, non_blocking=True)
             # For the next step, scheduled before this one's output is processed: the drafts each
@@ -280,7 +287,6 @@ class ModelRunner:
                 batch.seq_lens, allowed_dev, rs.token_ids, rs.last_sampled, max_draft, rejected_by_slot, self._verified,
             )  # fmt: skip
             self.model_state.postprocess_state(batch, num_sampled, num_rejected)
-            next_num_draft = self._next_num_draft[:num_reqs]
             if step.propose_drafts:
                 self.speculator.propose(
                     ProposeInputs(
@@ -294,7 +300,7 @@ class ModelRunner:
                 next_num_draft.zero_()
             # One copy to the host: per row its picks, its emitted count, the drafts for its next step.
             width = picks.shape[1]
-            packed = torch.cat((picks, num_sampled.view(-1, 1), next_num_draft.view(-1, 1)), dim=1)
+            packed = torch.cat((picks, num_sampled.view(-1, 1), next_num_draft_column), dim=1)
         tensors = {"packed": packed}
         if out.logprobs is not None:
             tensors.update(lp_ids=out.logprobs.token_ids, lp_vals=out.logprobs.logprobs, lp_ranks=out.logprobs.ranks)
@@ -317,6 +323,11 @@ class ModelRunner:
             return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, next_drafts)
 
         return AsyncOutput(tensors, finish, self._copy_stream)
+
+    @torch.inference_mode(False)  # plain views, whoever asks first
+    def _first_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(all-true mask, drafts proposed per row, the same as a column) over the first n rows."""
+        return self._all_true[:n], self._next_num_draft[:n], self._next_num_draft[:n].view(-1, 1)
 
     def _pick(self, slots_np: np.ndarray, positions_np: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
         """The token the sampler picks from `logits` [rows, vocab] for the given slots at the given
