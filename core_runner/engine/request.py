@@ -91,7 +91,8 @@ class Request:
         return min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
 
     def set_output_limit(self, max_model_len: int) -> None:
-        self.max_output = min(self._max_tokens, max_model_len - len(self.prompt_token_ids))
+        self.max_output = None
+        self.max_output = self.output_limit(max_model_len)
 
     @property
     def num_tokens(self) -> int:

@@ -141,12 +141,12 @@ class InputBuffers:
         num_reqs_padded: int,
         num_draft_np: np.ndarray | None = None,  # [num_reqs] drafts per row (speculative decoding)
         shared_prefix_len: int = 0,  # keys every row reads from the same blocks (InputBatch.shared_prefix_len)
+        carries_drafts: bool = False,  # some row of num_draft_np has drafts
     ) -> None:
         """Copy the host description of the step to the device. Rows in [num_reqs,
         num_reqs_padded) are padding: slot 0, nothing cached, an empty query, seq_len 0, no
-        sample. Without drafts (`num_draft_np` None or all zero), row r's logits row is its last
-        query token; with drafts the device writes the logits rows
-        (combine_sampled_and_draft_tokens).
+        sample. Without drafts (not `carries_drafts`), row r's logits row is its last query token;
+        with drafts the device writes the logits rows (combine_sampled_and_draft_tokens).
 
         The whole staging area is copied: entries past a field's padded rows hold what an
         earlier step left there, as the device's did before (nothing reads them)."""
@@ -162,7 +162,7 @@ class InputBuffers:
         qsl = h["query_start_loc"]
         qsl[: n + 1] = query_start_loc_np
         qsl[n + 1 : num_reqs_padded + 1] = query_start_loc_np[-1]
-        if num_draft_np is None or not num_draft_np.any():
+        if not carries_drafts:
             np.subtract(query_start_loc_np[1:], 1, out=h["logits_indices"][:n])
         if num_draft_np is not None:
             h["num_draft"][:n] = num_draft_np

@@ -54,12 +54,13 @@ def prepare_inputs(
     if speculative and num_draft_np is None:
         num_draft_np = np.maximum(seq_lens_np - state.num_tokens_np[idx_mapping_np], 0)
 
+    carries_drafts = speculative and bool(num_draft_np.any())
     b = buffers
     # seq_lens and (without drafts) the logits rows come from the host: it knows them, and a
     # kernel launch costs more host time than their bytes in the one staging copy.
     b.stage(
         idx_mapping_np, num_computed_np, query_start_loc_np, seq_lens_np, sample_mask_np, num_reqs_padded, num_draft_np,
-        shared_prefix_len,
+        shared_prefix_len, carries_drafts,
     )
     rows, tokens = b.rows(num_reqs), b.tokens(num_tokens)
     by_slot, num_back_rows = (None, 0) if rejected is None else rejected
@@ -84,7 +85,7 @@ def prepare_inputs(
         ik.gather_block_tables(rows.idx_mapping, block_tables.table_of[g], b.block_tables_of[g], num_reqs_padded, max_blocks)
     cu_num_logits_np, cu_num_logits = None, None
     logits_indices = rows.logits_indices
-    if speculative and not num_draft_np.any():
+    if speculative and not carries_drafts:
         # No row carries drafts: its inputs are in the token history, as without speculation
         # (the last step's tokens were written there on the device), one logits row each.
         cu_num_logits_np, cu_num_logits = np.arange(num_reqs + 1), rows.one_logits_row_each

@@ -387,7 +387,8 @@ class VerifyOutputs:
 
     def __init__(self, max_rows: int, max_draft: int, device: torch.device) -> None:
         self._picks = torch.empty(max_rows * (1 + max_draft), dtype=torch.int64, device=device)
-        # Four count rows, each 16-byte aligned whatever the row count (one Triton variant).
+        # num_sampled, num_rejected, num_known, hist_len: each row 16-byte aligned whatever the row
+        # count, so that these pointers (here and in the speculator's kernel) meet one Triton variant.
         self._counts = torch.empty(4, max_rows + max_rows % 2, dtype=torch.int64, device=device)
         self.views = functools.lru_cache(maxsize=None)(self._views)
 
@@ -432,14 +433,8 @@ def verify_and_update(
     assert rejected_by_slot is None or (rejected_by_slot.dtype == torch.int64 and rejected_by_slot.dim() == 1)
     assert allowed.dtype == torch.bool, f"allowed must be a bool tensor, got {allowed.dtype}"
     assert draft_tokens.shape[1] >= max_draft and draft_tokens.stride(1) == 1 and token_ids.stride(1) == 1
-    if out is not None:
-        picks, *counts = out.views(num_reqs, 1 + max_draft)
-    else:
-        device = token_ids.device
-        picks = torch.empty(num_reqs, 1 + max_draft, dtype=torch.int64, device=device)
-        # num_sampled, num_rejected, num_known, hist_len; each starts 16-byte aligned whatever the row
-        # count, so that these pointers (here and in the speculator's kernel) meet one Triton variant.
-        counts = torch.empty(4, num_reqs + num_reqs % 2, dtype=torch.int64, device=device)[:, :num_reqs]
+    # picks, then num_sampled, num_rejected, num_known, hist_len (VerifyOutputs' layout)
+    picks, *counts = (out or VerifyOutputs(num_reqs, max_draft, token_ids.device)).views(num_reqs, 1 + max_draft)
     if num_reqs:
         _verify_and_update_kernel[(num_reqs,)](
             target, target.shape[0], draft_tokens, draft_tokens.stride(0), idx_mapping, num_draft, cu_num_logits,

@@ -113,10 +113,9 @@ class DraftDecodeGraphs:
         length."""
         rows, tokens = query_start_loc_np.shape[0] - 1, input_ids.shape[0]
         q_max = int(np.diff(query_start_loc_np).max())
-        lens = self.query_lens if q_max <= max(self.query_lens) or rows > 1 else self.prefill_lens
-        q = next((q for q in lens if q >= q_max), None)
-        n = self.padded_size(rows)
-        assert n is not None and q is not None, f"no draft graph for {rows} rows of up to {q_max} tokens"
+        graph = self._graph_for(rows, q_max)
+        assert graph is not None, f"no draft graph for {rows} rows of up to {q_max} tokens"
+        n, q = graph
         self.input_ids[:tokens].copy_(input_ids)
         self.positions[:tokens].copy_(positions)
         self.slot_mapping[:tokens].copy_(slot_mapping)
@@ -132,7 +131,11 @@ class DraftDecodeGraphs:
 
     def fits(self, rows: int, query_lens: np.ndarray) -> bool:
         """Whether `rows` rows of these query lengths replay a captured graph."""
-        q_max = int(query_lens.max())
-        if rows == 1 and self.prefill_lens and q_max <= self.prefill_lens[-1]:
-            return True
-        return self.padded_size(rows) is not None and q_max <= max(self.query_lens)
+        return self._graph_for(rows, int(query_lens.max())) is not None
+
+    def _graph_for(self, rows: int, q_max: int) -> tuple[int, int] | None:
+        """(rows, tokens a row) of the graph that rows of up to q_max tokens replay, or None."""
+        n = self.padded_size(rows)
+        lens = self.query_lens if q_max <= max(self.query_lens) or rows > 1 else self.prefill_lens
+        q = next((q for q in lens if q >= q_max), None)
+        return None if n is None or q is None else (n, q)
