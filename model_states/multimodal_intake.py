@@ -76,7 +76,8 @@ def process_multimodal_prompt(prompt: PromptType, ctx: IntakeContext) -> Process
         token_ids = _int_list(token_ids)
         datas = _preprocess(read, handler, ctx.processor)
         token_ids = _expand(token_ids, handler, [handler.num_tokens(d) for d in datas])
-    items = tuple(handler.item(d) for d in datas)
+    finish = handler.device_finish(ctx.processor)  # read items leave it to the device; pre-computed ones are final
+    items = tuple(handler.item(d, None if pre else finish) for d, pre in zip(datas, precomputed))
     offsets = _placeholder_offsets(token_ids, handler, items)
     token_ids = validate_token_ids(token_ids, ctx)
     return ProcessedPrompt(text, token_ids, MultimodalInputs(items, offsets) if items else None)

@@ -27,6 +27,7 @@ def _feature_layers(hf_config: Any) -> list[int]:
 
 class LlavaImageHandler(ImageHandler):
     data_keys = ("pixel_values",)
+    device_pixels = "pixel_values"
 
     @staticmethod
     def placeholder_token_id(hf_config: Any) -> int:

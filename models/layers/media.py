@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from slotrunner.models.layers.media_item import MediaItem
+from slotrunner.models.layers.media_item import MediaItem, PixelFinish
 from slotrunner.models.layers.media_source import read_media_source
 
 # Images with more pixels are refused before they are decoded (PIL's own default warning
@@ -43,12 +43,15 @@ MAX_IMAGE_PIXELS = 89_478_485
 MAX_IMAGE_ASPECT_RATIO = 200
 
 
-def content_hash(modality: str, data: Mapping[str, torch.Tensor]) -> str:
-    """128 bits of SHA-256 over the item's tensors, their bytes read in place. Every media
-    prompt pays it at intake (a 336 px image's float32 pixels are 1.35 MB): OpenSSL's SHA-256
-    uses the CPU's SHA instructions where it has them -- 1.2 GB/s against blake2b's 0.66 on the
-    2-core CI machine, 1.4 against 2.4 ms an image with the copy `tobytes` made."""
+def content_hash(modality: str, data: Mapping[str, torch.Tensor], finish: Mapping[str, PixelFinish] | None = None) -> str:
+    """128 bits of SHA-256 over the item's tensors, their bytes read in place, and what the
+    device still does to them (`finish`). Every media prompt pays it at intake (a 336 px image's
+    pixels are 0.34 MB as uint8, 1.35 MB as float32): OpenSSL's SHA-256 uses the CPU's SHA
+    instructions where it has them -- 1.2 GB/s against blake2b's 0.66 on the 2-core CI machine,
+    1.4 against 2.4 ms a float32 image with the copy `tobytes` made."""
     h = hashlib.sha256(modality.encode())
+    if finish:
+        h.update(repr(sorted(finish.items())).encode())
     for key in sorted(data):
         t = data[key].detach().cpu().contiguous()
         h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
@@ -92,9 +95,16 @@ class MediaHandler(abc.ABC):
     def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
         """Processor outputs (batched over items) for raw items, without text."""
 
-    def item(self, data: Mapping[str, torch.Tensor]) -> MediaItem:
-        """One item's checked tensors as the MediaItem the tower will encode."""
-        return MediaItem(self.modality, data, self.num_tokens(data), content_hash(self.modality, data))
+    def item(self, data: Mapping[str, torch.Tensor], finish: Mapping[str, PixelFinish] | None = None) -> MediaItem:
+        """One item's checked tensors as the MediaItem the tower will encode; `finish`: what the
+        device still applies to them (`device_finish`, for items the processor read)."""
+        finish = dict(finish or {})
+        return MediaItem(self.modality, data, self.num_tokens(data), content_hash(self.modality, data, finish), finish)
+
+    def device_finish(self, processor: Any) -> dict[str, PixelFinish]:
+        """Per data key, the processor's last steps that this handler leaves for the device (the
+        processor is then called without them). Default: none."""
+        return {}
 
     def check(self, data: Mapping[str, torch.Tensor], index: int) -> None:
         """Raise ValueError if one item's tensors cannot be what the tower takes. Override to
@@ -177,6 +187,17 @@ def decode_image(item: Any) -> Any:
 class ImageHandler(MediaHandler):
     modality = "image"
     processor_kwarg = "images"
+    # The data key of channels-first pixels [1, C, H, W] that the tower takes as the processor
+    # leaves them, so that their rescale and normalize may run on the device (PixelFinish); None:
+    # the processor does every step (e.g. pixels it flattens into patches afterwards).
+    device_pixels: ClassVar[str | None] = None
+
+    def device_finish(self, processor: Any) -> dict[str, PixelFinish]:
+        finish = None if self.device_pixels is None or processor is None else PixelFinish.of(self.sub_processor(processor))
+        return {} if finish is None else {self.device_pixels: finish}
+
+    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
+        return dict(PixelFinish.SKIP) if self.device_finish(processor) else {}
 
     def read(self, item: Any, index: int) -> Any:
         if isinstance(item, Mapping):
@@ -200,7 +221,7 @@ class ImageHandler(MediaHandler):
         return getattr(processor, "image_processor", None) or processor
 
     def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
-        return self.sub_processor(processor)(images=raw, return_tensors="pt")
+        return self.sub_processor(processor)(images=raw, return_tensors="pt", **self.processor_kwargs(processor))
 
 
 def check_audio_length(num_samples: int, sampling_rate: int, extractor: Any, what: str) -> None:

@@ -7,10 +7,56 @@ hands it to the model's `encode_media`.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class PixelFinish:
+    """The part of an image processor's work left for the device: rescale (e.g. 1/255) and
+    per-channel normalize of channels-first pixels [N, C, H, W]. The host hands the tower uint8
+    pixels -- a quarter of the float32 bytes to hash, pickle from an intake worker and copy to the
+    device, and no float pass over them on the host. The arithmetic is transformers' own
+    (`image_transforms.rescale` in float64, then `normalize` in float32), so the pixels equal
+    what the processor itself would have returned."""
+
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def of(cls, image_processor: Any) -> PixelFinish | None:
+        """What `image_processor` would rescale and normalize, or None if it does neither."""
+        rescale = float(image_processor.rescale_factor) if getattr(image_processor, "do_rescale", False) else None
+        mean = std = None
+        if getattr(image_processor, "do_normalize", False):
+            mean, std = _floats(image_processor.image_mean), _floats(image_processor.image_std)
+        return None if rescale is None and mean is None else cls(rescale, mean, std)
+
+    # The processor call's keywords that leave both steps to `__call__`.
+    SKIP = {"do_rescale": False, "do_normalize": False}
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = (pixels.double() * self.rescale).float() if self.rescale is not None else pixels.float()
+        if self.mean is None:
+            return x
+        return (x - _channels(self.mean, x.device)) / _channels(self.std, x.device)
+
+
+def _floats(values: Any) -> tuple[float, ...]:
+    return tuple(float(v) for v in values) if hasattr(values, "__iter__") else (float(values),)
+
+
+@functools.lru_cache(maxsize=64)
+def _channels(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """Per-channel constants as [C, 1, 1] float32 on `device`, made once (a copy to the GPU from
+    a Python list waits for the device)."""
+    return torch.tensor(values, dtype=torch.float32).view(-1, 1, 1).to(device)
 
 
 @dataclass(frozen=True)
@@ -21,15 +67,27 @@ class MediaItem:
     data: Mapping[str, torch.Tensor]  # the processor's tensors for this item alone, batch dim first
     num_tokens: int  # placeholder tokens it fills = rows of its embedding
     content_hash: str  # of `data`: identical media share one encoder run
+    # Per data key, what the device still applies to the tensor before the tower takes it (items
+    # read by a processor that leaves it for the device; none for pre-computed items).
+    finish: Mapping[str, PixelFinish] = field(default_factory=dict)
 
 
 def stack_to_device(items: Sequence[MediaItem], key: str, device: torch.device) -> torch.Tensor:
-    """The items' `key` tensors concatenated along their batch dim, on `device` -- what a tower
-    takes in a step. On CUDA they are gathered into page-locked memory first (the same one copy
-    `torch.cat` makes): a copy from pageable memory, non_blocking or not, has the host wait for
+    """The items' `key` tensors concatenated along their batch dim, on `device`, each finished
+    as its item says (`MediaItem.finish`) -- what a tower takes in a step. Items run by run of
+    one finish are copied and finished together."""
+    parts = []
+    for finish, run in itertools.groupby(items, key=lambda it: it.finish.get(key)):
+        stacked = _copy_to_device([it.data[key] for it in run], device)
+        parts.append(stacked if finish is None else finish(stacked))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _copy_to_device(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors concatenated on `device`. On CUDA they are gathered into page-locked memory
+    first (the same one copy `torch.cat` makes): a copy from pageable memory, non_blocking or not, has the host wait for
     every kernel queued before it (under async scheduling, the step in flight), while one from
     page-locked memory is queued behind them and the host goes on preparing the step."""
-    tensors = [it.data[key] for it in items]
     if device.type != "cuda":
         return torch.cat(tensors).to(device)
     first = tensors[0]

@@ -347,16 +347,62 @@ def test_tower_inputs_are_stacked_in_item_order():
     assert out[:, 0, 0, 0].tolist() == [0.0, 1.0, 2.0]
 
 
+def test_read_images_leave_rescale_and_normalize_to_the_device(llava_ctx):
+    """Guards against: pixels finished on the device that differ from the processor's own (the
+    tower would see other inputs than transformers'), pre-computed pixels finished twice, or
+    items of both kinds stacked out of order. LLaVA's items read by the processor hold uint8
+    pixels and what the device still does; stacked, they equal the processor's float32 output
+    bit for bit, in item order beside pre-computed items."""
+    from slotrunner.models.layers.media_item import stack_to_device
+
+    images = [image(0), image(1, h=61, w=23), image(2, h=17, w=90)]
+    processor = llava_ctx.processor.image_processor
+    expected = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert expected.dtype == torch.float32
+    mixed = [images[0], {"pixel_values": expected[1:2]}, images[2]]  # the middle one pre-computed
+    out = process(llava_ctx, {"prompt": "<image> <image> w10 <image>", "multi_modal_data": {"image": mixed}})
+    items = out.family_inputs.items
+    assert [it.data["pixel_values"].dtype for it in items] == [torch.uint8, torch.float32, torch.uint8]
+    assert [bool(it.finish) for it in items] == [True, False, True]
+    stacked = stack_to_device(items, "pixel_values", torch.device("cpu"))
+    assert stacked.dtype == torch.float32 and torch.equal(stacked, expected)
+    # The same image read twice is one item; read, it is not the pre-computed one (finished differently).
+    again = process(llava_ctx, {"prompt": "<image>", "multi_modal_data": {"image": images[0]}}).family_inputs.items[0]
+    assert again.content_hash == items[0].content_hash
+    computed = process(llava_ctx, {"prompt": "<image>", "multi_modal_data": {"image": {"pixel_values": expected[:1]}}})
+    assert computed.family_inputs.items[0].content_hash != items[0].content_hash
+
+
+def test_pixel_finish_follows_the_processor_settings():
+    """A processor that does neither step leaves nothing to the device; one that only rescales
+    or only normalizes (a scalar mean) is finished as it would have done."""
+    from transformers import CLIPImageProcessorPil
+
+    from slotrunner.models.layers.media_item import PixelFinish
+
+    kwargs = dict(size={"shortest_edge": 14}, crop_size={"height": 14, "width": 14})
+    img = image(4, h=20, w=30)
+    assert PixelFinish.of(CLIPImageProcessorPil(do_rescale=False, do_normalize=False, **kwargs)) is None
+    for settings in (dict(do_normalize=False), dict(do_rescale=False, image_mean=0.5, image_std=0.25)):
+        processor = CLIPImageProcessorPil(**settings, **kwargs)
+        finish = PixelFinish.of(processor)
+        raw = processor(images=[img], return_tensors="pt", **PixelFinish.SKIP)["pixel_values"]
+        assert torch.equal(finish(raw), processor(images=[img], return_tensors="pt")["pixel_values"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_tower_inputs_do_not_wait_for_queued_kernels():
+@pytest.mark.parametrize("finished", [False, True], ids=["float32", "uint8-finished-on-device"])
+def test_gpu_tower_inputs_do_not_wait_for_queued_kernels(finished):
     """Guards against: a tower's inputs copied to the GPU from pageable memory, which has the host
     wait for every kernel queued before the copy -- under async scheduling, the step in flight --
-    non_blocking or not."""
+    non_blocking or not; or finished on the device with constants copied from the host each time."""
     import time
 
-    from slotrunner.models.layers.media_item import MediaItem, stack_to_device
+    from slotrunner.models.layers.media_item import MediaItem, PixelFinish, stack_to_device
 
-    items = [MediaItem("image", {"pixel_values": torch.randn(1, 3, 336, 336)}, 576, str(i)) for i in range(4)]
+    finish = {"pixel_values": PixelFinish(1 / 255, (0.5, 0.4, 0.3), (0.2, 0.3, 0.4))} if finished else {}
+    pixels = [torch.randint(0, 256, (1, 3, 336, 336), dtype=torch.uint8) if finished else torch.randn(1, 3, 336, 336) for _ in range(4)]
+    items = [MediaItem("image", {"pixel_values": p}, 576, str(i), finish) for i, p in enumerate(pixels)]
     cuda = torch.device("cuda")
     stack_to_device(items, "pixel_values", cuda)  # the host allocator's first block
     torch.cuda.synchronize()
@@ -366,4 +412,5 @@ def test_gpu_tower_inputs_do_not_wait_for_queued_kernels():
     waited = time.perf_counter() - start
     torch.cuda.synchronize()
     assert waited < 0.2, f"the copy waited {waited:.2f} s for the kernels queued before it"
-    assert torch.equal(out.cpu(), torch.cat([it.data["pixel_values"] for it in items]))
+    expected = torch.cat(pixels)
+    assert torch.equal(out.cpu(), finish["pixel_values"](expected) if finished else expected)
