@@ -20,8 +20,8 @@
 #
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
-# processes while the engine steps against threads that read first, and the media read beforehand), spec (spec-long: n-gram at
-# 512 tokens a request; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
+# processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone), spec (spec-long: n-gram at
+# 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
@@ -40,6 +40,7 @@ GPU_TESTS=(
   tests/conformance/test_decoders_gpu.py
   tests/conformance/test_multimodal.py::test_gpu_graphs_equal_eager
   tests/conformance/test_multimodal.py::test_gpu_decode_step_does_not_sync
+  tests/model_states/test_multimodal_model_state.py::test_gpu_tower_inputs_do_not_wait_for_queued_kernels
   tests/core_runner/runner/test_cuda_graphs.py
   tests/core_runner/runner/test_features_gpu.py
   tests/core_runner/runner/test_input_kernels.py
@@ -108,6 +109,7 @@ for s in "${steps[@]}"; do
       run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 --host-profile "$out/llava-lm" ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     multimodal-profile) run_step multimodal-profile 240 python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --profile ;;
+    multimodal-processes) run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes --repeats 3 ;;
     multimodal-intake)
       run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes --repeats 3
       run_step multimodal-threads 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake threads --repeats 3 ;;
@@ -120,6 +122,7 @@ for s in "${steps[@]}"; do
         run_step "overhead-ngram-cached-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60
         run_step "overhead-ngram-dispatch-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60 --triton-dispatch
       done ;;
+    spec-draft-other) run_step spec-draft-other 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
     spec-draft-small)
