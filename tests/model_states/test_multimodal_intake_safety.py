@@ -235,8 +235,8 @@ def test_processor_errors_of_any_type_become_value_errors(llava_processor, monke
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(type(llava_processor), "__call__", broken)
-    with pytest.raises(ValueError, match="processor rejected the prompt or its image.*ZeroDivisionError"):
+    monkeypatch.setattr(type(llava_processor.image_processor), "__call__", broken)
+    with pytest.raises(ValueError, match="processor rejected the image.*ZeroDivisionError"):
         process(ctx, image(0))
 
 

@@ -82,6 +82,27 @@ def test_text_prompt_is_expanded_by_the_processor(llava_ctx):
     assert out.family_inputs.items[0].content_hash != out.family_inputs.items[1].content_hash
 
 
+@pytest.mark.parametrize("model", ["llava", "qwen2-audio"])
+def test_text_prompt_ids_equal_the_full_processors(model, llava_ctx, audio_ctx):
+    """Guards against: intake's own expansion (the text tokenized as written, each placeholder
+    token repeated per embedding row) giving other ids than the model's processor, which
+    tokenizes the expanded text: placeholders at the start, the end, side by side and between
+    words, items of different sizes."""
+    ctx = llava_ctx if model == "llava" else audio_ctx
+    if model == "llava":
+        mark, kwarg, key = "<image>", "images", "image"
+        media = [image(0), image(1, h=61, w=23), image(2, h=17, w=90)]
+    else:
+        mark, kwarg, key = "<|AUDIO|>", "audio", "audio"
+        media = [np.random.RandomState(i).randn(n).astype(np.float32) for i, n in enumerate((4000, 9000, 16000))]
+    texts = [f"{mark}w10 w11 {mark}{mark} w12", f"w13 {mark} w14, w15{mark} w16 {mark}"]
+    extra = {"sampling_rate": 16000} if model != "llava" else {}
+    for text in texts:
+        expected = ctx.processor(text=[text], return_tensors="pt", **{kwarg: media}, **extra)["input_ids"][0].tolist()
+        given = media if model == "llava" else [(m, 16000) for m in media]
+        assert process(ctx, {"prompt": text, "multi_modal_data": {key: given}}).prompt_token_ids == expected
+
+
 def test_token_ids_accept_one_placeholder_per_item_or_all_of_them(llava_ctx):
     single = process(llava_ctx, {"prompt_token_ids": [10, 3, 11], "multi_modal_data": {"image": image(0)}})
     expanded = process(llava_ctx, {"prompt_token_ids": [10] + [3] * 16 + [11], "multi_modal_data": {"image": image(0)}})
