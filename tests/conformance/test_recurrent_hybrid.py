@@ -31,10 +31,12 @@ from slotrunner.registry import tiny_config
 def _mamba2_oracle_overrides() -> dict:
     """Older transformers (5.17, on the GPU machine) normalise Mamba2's gated RMSNorm over the
     whole intermediate size, ignoring n_groups -- unlike mamba_ssm, vLLM and transformers 5.24,
-    whose per-group norm slotrunner implements. That oracle is right for one group only."""
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    whose per-group norm slotrunner implements. That oracle is right for one group only. (5.25
+    renamed the class Mamba2RMSNormGated.)"""
+    from transformers.models.mamba2 import modeling_mamba2
 
-    return {} if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters else {"n_groups": 1}
+    norm = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+    return {} if "group_size" in inspect.signature(norm.__init__).parameters else {"n_groups": 1}
 
 
 CASES = {

@@ -270,7 +270,11 @@ SHARED_CASES = [
 
 def check_shared_prefix() -> None:
     """Run in the interpreter subprocess: the shared-prefix launch plus the decode launch give
-    bitwise the decode launch's own output, and the reference's within tolerance."""
+    the decode launch's own output up to the interpreter's products, and the reference's within
+    tolerance. (The interpreter's `tl.dot` is `np.matmul`, whose BLAS may round a row of a tile
+    differently by its place in the tile -- numpy 2.4: 4e-6 on a 16 x 128 x 128 float32 product
+    -- and the two launches place a row's heads differently; on the GPU the outputs are bitwise
+    equal: test_gpu_shared_prefix_equals_decode_launch.)"""
     failures = []
     for case, shared in SHARED_CASES:
         spec, q, k, v, cache, plain, with_prefix, num_real = with_shared_prefix(case, "cpu", shared)
@@ -279,7 +283,7 @@ def check_shared_prefix() -> None:
         out = backend.forward(spec, q, k, v, cache.clone(), with_prefix)
         ref_meta = dataclasses.replace(plain, num_tokens=num_real, slot_mapping=plain.slot_mapping[:num_real])
         ref = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], cache.clone(), ref_meta)
-        if not torch.equal(out, expected):
+        if not torch.allclose(out.float(), expected.float(), atol=1e-6, rtol=1e-5):
             failures.append(f"[{case.name}] differs from the decode launch alone by {(out - expected).abs().max()}")
         if not torch.allclose(out[:num_real].float(), ref.float(), atol=1e-4, rtol=1e-4):
             failures.append(f"[{case.name}] differs from the reference by {(out[:num_real] - ref).abs().max()}")
