@@ -7,6 +7,11 @@ read per second, to compare with the ~4.8 TB/s of one H200.
 
     python benchmarks/attention_kernel.py --batch 256 --min-len 100 --max-len 1400
     python benchmarks/attention_kernel.py --batch 256 --min-len 2100 --max-len 2400 --shared-prefix 2048
+    python benchmarks/attention_kernel.py --fp8
+
+With `--fp8` the default tiles only, over the bf16 cache and the same keys and values rounded
+to a float8 e4m3 cache (kv_cache_dtype="fp8"): time, bytes read per second, and how far the
+outputs are apart.
 
 With `--shared-prefix N` every row's first N keys are one set of blocks (as prefix caching leaves
 requests over one cached prompt): the decode launch alone against the shared-prefix launch plus
@@ -36,6 +41,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1400)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of the decode tile, 128)")
+    p.add_argument("--fp8", action="store_true", help="the default tiles over the bf16 cache and its float8 e4m3 copy")
     args = p.parse_args()
     B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
     lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)
@@ -54,6 +60,18 @@ def main() -> None:
     k, v = torch.randn(B, Hk, D, dtype=dt, device=dev), torch.randn(B, Hk, D, dtype=dt, device=dev)
     kv_bytes = int(lens.sum()) * Hk * D * 2 * 2
     print(f"decode batch {B}, lengths {args.min_len}-{args.max_len}, {Hq}/{Hk} heads x {D}, bf16, {torch.cuda.get_device_name()}")
+    if args.fp8:
+        from slotrunner.core_runner.attention.backend import to_cache_dtype
+
+        backend = TritonBackend()
+        outs = {}
+        for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+            t = timed(backend, spec, q, k, v, c.clone(), meta, args.iters)
+            outs[name] = backend.forward(spec, q, k, v, c.clone(), meta).float()
+            read = int(lens.sum()) * Hk * D * 2 * itemsize
+            print(f"{name} cache: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
+        print(f"outputs apart by at most {(outs['bf16'] - outs['fp8']).abs().max():.4f} (the cache's rounding)")
+        return
     if args.shared_prefix:
         shared_meta = dataclasses.replace(meta, shared_prefix_len=torch.tensor([args.shared_prefix], dtype=torch.int32, device=dev))
         unique = (int(lens.sum()) - B * args.shared_prefix + args.shared_prefix) * Hk * D * 2 * 2

@@ -21,7 +21,28 @@ import torch
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton
 
+
+def fp8_in_fp16(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """Whether attention over a float8 e4m3 cache takes its products in fp16: with 16-bit q. An
+    e4m3 value widens to fp16 exactly in one instruction a pair on Hopper; to bf16, Triton goes
+    through fp16 and fp32 (five a pair) for every key and value a decode step reads. Products in
+    fp16 are also finer than bf16's; fp32 q keeps fp32 products."""
+    return cache_dtype == torch.float8_e4m3fn and q_dtype in (torch.float16, torch.bfloat16)
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def attention_q(q, scale, cache_dtype, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr):
+        """q as the products with the cache's keys take it. A float8 cache with 16-bit q is read
+        in fp16 (`fp8_in_fp16`): q scaled by the softmax scale first, so that a large query
+        cannot overflow fp16's range (the scores then need no scaling); fp32 q stays fp32."""
+        if KV_FP8:
+            if FP8_F16:
+                q = (q.to(tl.float32) * scale).to(tl.float16)
+        else:
+            q = q.to(cache_dtype)
+        return q
 
     @triton.jit
     def _shared_prefix_kernel(
@@ -49,6 +70,7 @@ if HAS_TRITON:
         USE_SOFT_CAP: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr,
+        FP8_F16: tl.constexpr,
     ):
         """The shared prefix of a decode batch, read once for ROWS rows at a time: each key tile
         is loaded once per program instead of once per row. Every step of the online softmax is
@@ -70,8 +92,7 @@ if HAS_TRITON:
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_M, HEAD_DIM_P2]
-        if not KV_FP8:
-            q = q.to(k_cache_ptr.dtype.element_ty)
+        q = attention_q(q, scale, k_cache_ptr.dtype.element_ty, KV_FP8, FP8_F16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
@@ -86,7 +107,9 @@ if HAS_TRITON:
             k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None], other=0.0)
             if KV_FP8:
                 k_t = k_t.to(q.dtype)
-            s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] fp32
+            s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+            if not FP8_F16:
+                s = s * scale
             if USE_SOFT_CAP:
                 s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
             # Every prefix key precedes every query: only rows outside the batch are masked.
@@ -127,6 +150,7 @@ def shared_prefix_state(
     num_stages: int,
     dot_precision: str,
     kv_fp8: bool,
+    fp8_f16: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_reqs, num_heads, head_dim], [num_reqs, num_heads, 2] fp32
     """Run the shared prefix for every decode row; returns the state the decode launch takes."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -142,6 +166,6 @@ def shared_prefix_state(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, ROWS=rows, BLOCK_M=block_m, TILE_N=tile_n,
         USE_SOFT_CAP=spec.logits_soft_cap is not None, DOT_PRECISION=dot_precision, KV_FP8=kv_fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        FP8_F16=fp8_f16, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return part_acc, part_ml

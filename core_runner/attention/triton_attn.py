@@ -42,9 +42,12 @@ from dataclasses import dataclass
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
-from slotrunner.core_runner.attention.shared_prefix import shared_prefix_applies, shared_prefix_state
+from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
 from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+
+if HAS_TRITON:
+    from slotrunner.core_runner.attention.shared_prefix import attention_q
 
 if HAS_TRITON:
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
@@ -185,6 +188,7 @@ if HAS_TRITON:
         HAS_SINKS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr,  # float8 cache: keys and values are widened to q's dtype after loading
+        FP8_F16: tl.constexpr,  # with KV_FP8 and 16-bit q: products in fp16 (fp8_in_fp16)
         SHARED_PREFIX: tl.constexpr = False,  # decode launch: start from the prefix launch's state
         NUM_SPLITS: tl.constexpr = 1,  # decode launch: > 1 splits each row's key tiles (split_kv.py)
     ):
@@ -229,8 +233,7 @@ if HAS_TRITON:
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_M, HEAD_DIM_P2]
-        if not KV_FP8:
-            q = q.to(k_cache_ptr.dtype.element_ty)
+        q = attention_q(q, scale, k_cache_ptr.dtype.element_ty, KV_FP8, FP8_F16)
 
         first_pos = context + q_block * BLOCK_Q
         kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys past the last query are masked
@@ -279,7 +282,9 @@ if HAS_TRITON:
             k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
             if KV_FP8:
                 k_t = k_t.to(q.dtype)
-            s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] fp32
+            s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+            if not FP8_F16:  # (fp16 products: q came scaled)
+                s = s * scale
             if USE_SOFT_CAP:
                 s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
             dist = q_pos[:, None] - k_pos[None, :]
@@ -383,6 +388,7 @@ def paged_attention(
     assert q.dtype in _DTYPES and kv_cache.dtype in _CACHE_DTYPES, f"dtypes q {q.dtype}, cache {kv_cache.dtype}"
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     compute_dtype = q.dtype if kv_fp8 else kv_cache.dtype
+    fp8_f16 = fp8_in_fp16(kv_cache.dtype, q.dtype)
     assert meta.block_tables.stride(-1) == 1, "block table rows must be contiguous"
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -411,7 +417,7 @@ def paged_attention(
     if shared is not None:  # the keys every row shares, once per group of rows: the decode launch continues from there
         part_acc, part_ml = shared_prefix_state(
             spec, q, kv_cache, meta, shared, decode_block_m, tiles.decode_tile_n, tiles.num_warps, tiles.shared_num_stages,
-            dot_precision, kv_fp8,
+            dot_precision, kv_fp8, fp8_f16,
         )  # fmt: skip
     no_bias = position_bias is None
     args = (
@@ -434,6 +440,7 @@ def paged_attention(
         HAS_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision,
         KV_FP8=kv_fp8,
+        FP8_F16=fp8_f16,
         num_warps=tiles.num_warps,
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on

@@ -86,6 +86,8 @@ CASES = [
     Case("fp8 cache, window 5, sinks", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn),
     Case("fp8 cache, saturating K/V", ((0, 5), (6, 1)), cache_dtype=torch.float8_e4m3fn, kv_scale=300.0),
     Case("fp8 cache, fp16 q, dim 40", MIXED, head_dim=40, dtype=torch.float16, cache_dtype=torch.float8_e4m3fn),
+    # bf16 q over fp8 keys: products in fp16, q scaled first (a query of 1e5 would overflow fp16 unscaled).
+    Case("fp8 cache, bf16 q, window 5, sinks", MIXED, window=5, sinks=True, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn),
     Case("decode, 16 splits of one tile, group 2", ((200, 1), (77, 1)), num_heads=2, num_kv_heads=1),
     Case("split, sinks, window 9", ((40, 1), (9, 1), (23, 1)), window=9, sinks=True),
     Case("split, bias 40 distances, soft cap", ((60, 1), (17, 1)), num_distances=40, soft_cap=5.0),
@@ -264,6 +266,7 @@ SHARED_CASES = [
     (Case("group 3, dim 40, soft cap", tuple((33 + r, 1) for r in range(7)), num_heads=6, head_dim=40, soft_cap=5.0, tiles=NO_SPLIT), 32),
     (Case("group 1, prefix up to the shortest row", ((48, 1), (49, 1), (60, 1)), num_heads=2, num_kv_heads=2, tiles=NO_SPLIT), 48),
     (Case("fp8 cache", tuple((35 + 2 * r, 1) for r in range(5)), cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT), 16),
+    (Case("fp8 cache, bf16 q", tuple((35 + 2 * r, 1) for r in range(5)), dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT), 16),
     (Case("nothing shared", ((20, 1), (21, 1)), pad_tokens=1, tiles=NO_SPLIT), 0),
 ]
 
@@ -285,7 +288,8 @@ def check_shared_prefix() -> None:
         ref = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], cache.clone(), ref_meta)
         if not torch.allclose(out.float(), expected.float(), atol=1e-6, rtol=1e-5):
             failures.append(f"[{case.name}] differs from the decode launch alone by {(out - expected).abs().max()}")
-        if not torch.allclose(out[:num_real].float(), ref.float(), atol=1e-4, rtol=1e-4):
+        tol = 1e-4 if case.dtype == torch.float32 else HALF_TOL[case.dtype]
+        if not torch.allclose(out[:num_real].float(), ref.float(), atol=tol, rtol=tol):
             failures.append(f"[{case.name}] differs from the reference by {(out[:num_real] - ref).abs().max()}")
     assert not failures, "\n".join(failures)
 
