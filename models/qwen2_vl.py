@@ -22,6 +22,7 @@ from slotrunner.models.layers.qwen2_vl_vision import Qwen2VLVisionTower
 
 class Qwen2VLImageHandler(ImageHandler):
     data_keys = ("pixel_values", "image_grid_thw")
+    device_pixels = "pixel_values"  # [patches, C * T * P * P]: each patch row holds its channels in turn
 
     @staticmethod
     def placeholder_token_id(hf_config: Any) -> int:

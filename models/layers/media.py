@@ -65,7 +65,6 @@ class MediaHandler(abc.ABC):
     None: no local file is read)."""
 
     modality: ClassVar[str]  # the key of multi_modal_data: "image" | "audio"
-    processor_kwarg: ClassVar[str]  # the HF processor's keyword for it: "images" | "audio"
     data_keys: ClassVar[tuple[str, ...]]  # the tensors of one item, as the processor names them
 
     def __init__(self, hf_config: Any, allowed_local_media_path: str | None = None) -> None:
@@ -112,10 +111,6 @@ class MediaHandler(abc.ABC):
         missing = [k for k in self.data_keys if k not in data]
         if missing:
             raise ValueError(f"{self.modality} {index}: missing {missing} (an item needs {list(self.data_keys)})")
-
-    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
-        """Extra keywords for the full processor's call (e.g. the audio sampling rate)."""
-        return {}
 
     def processor_inputs(self, raw: Sequence[Any], processor: Any) -> list[Any]:
         """What `read` returned for raw items, as the processor takes them."""
@@ -186,18 +181,14 @@ def decode_image(item: Any) -> Any:
 
 class ImageHandler(MediaHandler):
     modality = "image"
-    processor_kwarg = "images"
-    # The data key of channels-first pixels [1, C, H, W] that the tower takes as the processor
-    # leaves them, so that their rescale and normalize may run on the device (PixelFinish); None:
-    # the processor does every step (e.g. pixels it flattens into patches afterwards).
+    # The data key of the pixels the tower takes, their channels one after the other in each row
+    # (PixelFinish), so that their rescale and normalize may run on the device; None: the
+    # processor does every step.
     device_pixels: ClassVar[str | None] = None
 
     def device_finish(self, processor: Any) -> dict[str, PixelFinish]:
         finish = None if self.device_pixels is None or processor is None else PixelFinish.of(self.sub_processor(processor))
         return {} if finish is None else {self.device_pixels: finish}
-
-    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
-        return dict(PixelFinish.SKIP) if self.device_finish(processor) else {}
 
     def read(self, item: Any, index: int) -> Any:
         if isinstance(item, Mapping):
@@ -221,7 +212,19 @@ class ImageHandler(MediaHandler):
         return getattr(processor, "image_processor", None) or processor
 
     def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
-        return self.sub_processor(processor)(images=raw, return_tensors="pt", **self.processor_kwargs(processor))
+        finish = self.device_finish(processor)
+        out = self.sub_processor(processor)(images=raw, return_tensors="pt", **(PixelFinish.SKIP if finish else {}))
+        if finish:  # left unscaled, some processors still return float pixels (Qwen2-VL's patches): whole bytes
+            out = {**out, self.device_pixels: _as_uint8(out[self.device_pixels])}
+        return out
+
+
+def _as_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels that hold whole values 0..255 as uint8 (a quarter of float32's bytes); others as given."""
+    if pixels.dtype == torch.uint8 or not pixels.is_floating_point() or pixels.numel() == 0:
+        return pixels
+    small = pixels.to(torch.uint8)
+    return small if torch.equal(small.to(pixels.dtype), pixels) else pixels
 
 
 def check_audio_length(num_samples: int, sampling_rate: int, extractor: Any, what: str) -> None:
@@ -238,7 +241,6 @@ def check_audio_length(num_samples: int, sampling_rate: int, extractor: Any, wha
 
 class AudioHandler(MediaHandler):
     modality = "audio"
-    processor_kwarg = "audio"
 
     def read(self, item: Any, index: int) -> Any:
         if isinstance(item, Mapping):
@@ -282,9 +284,6 @@ class AudioHandler(MediaHandler):
             check_audio_length(wave.size, expected, self.sub_processor(processor), f"audio {i}")
             waves.append(wave)
         return waves
-
-    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
-        return {"sampling_rate": self.sampling_rate(processor)}
 
     def preprocess(self, raw: list[Any], processor: Any) -> Mapping[str, torch.Tensor]:
         out = self.sub_processor(processor)(

@@ -19,7 +19,9 @@ import torch
 @dataclass(frozen=True)
 class PixelFinish:
     """The part of an image processor's work left for the device: rescale (e.g. 1/255) and
-    per-channel normalize of channels-first pixels [N, C, H, W]. The host hands the tower uint8
+    per-channel normalize of pixels whose every row (dim 0) holds its channels one after the
+    other -- images [N, C, H, W], or flattened patches [N, C * T * P * P] (Qwen2-VL, where
+    normalizing before or after the patches are cut is the same). The host hands the tower uint8
     pixels -- a quarter of the float32 bytes to hash, pickle from an intake worker and copy to the
     device, and no float pass over them on the host. The arithmetic is transformers' own
     (`image_transforms.rescale` in float64, then `normalize` in float32), so the pixels equal
@@ -45,7 +47,8 @@ class PixelFinish:
         x = (pixels.double() * self.rescale).float() if self.rescale is not None else pixels.float()
         if self.mean is None:
             return x
-        return (x - _channels(self.mean, x.device)) / _channels(self.std, x.device)
+        rows = x.reshape(x.shape[0], len(self.mean), -1)  # [N, C, values of a channel]
+        return ((rows - _channels(self.mean, x.device)) / _channels(self.std, x.device)).view(x.shape)
 
 
 def _floats(values: Any) -> tuple[float, ...]:
@@ -54,9 +57,9 @@ def _floats(values: Any) -> tuple[float, ...]:
 
 @functools.lru_cache(maxsize=64)
 def _channels(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """Per-channel constants as [C, 1, 1] float32 on `device`, made once (a copy to the GPU from
+    """Per-channel constants as [C, 1] float32 on `device`, made once (a copy to the GPU from
     a Python list waits for the device)."""
-    return torch.tensor(values, dtype=torch.float32).view(-1, 1, 1).to(device)
+    return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(device)
 
 
 @dataclass(frozen=True)

@@ -394,6 +394,21 @@ def test_read_images_leave_rescale_and_normalize_to_the_device(llava_ctx):
     assert computed.family_inputs.items[0].content_hash != items[0].content_hash
 
 
+def test_qwen2_vl_patches_are_finished_on_the_device(qwen2_vl_ctx):
+    """Guards against: Qwen2-VL's flattened patches [patches, C * T * P * P] normalized with the
+    wrong channel's constants. Its processor returns float pixels when told not to rescale: intake
+    keeps them as uint8 (whole values), and finished they equal the processor's own output."""
+    from slotrunner.models.layers.media_item import stack_to_device
+
+    images = [image(0, 16, 32), image(1, 40, 24)]
+    expected = qwen2_vl_ctx.processor(images=images, return_tensors="pt")["pixel_values"]
+    mark = "<|vision_start|><|image_pad|><|vision_end|>"
+    out = process(qwen2_vl_ctx, {"prompt": f"w10 {mark} w11 {mark}", "multi_modal_data": {"image": images}})
+    items = out.family_inputs.items
+    assert all(it.data["pixel_values"].dtype == torch.uint8 and it.finish for it in items)
+    assert torch.equal(stack_to_device(items, "pixel_values", torch.device("cpu")), expected)
+
+
 def test_pixel_finish_follows_the_processor_settings():
     """A processor that does neither step leaves nothing to the device; one that only rescales
     or only normalizes (a scalar mean) is finished as it would have done."""
