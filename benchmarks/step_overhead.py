@@ -159,7 +159,10 @@ def measure(
     # The no-op forward makes every logit equal, so greedy decoding emits token 0 forever: with
     # prompts of 0s the n-gram speculator's drafts are all accepted, every step carries k.
     spec = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 3} if ngram else None
-    llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=1024,
+    # Room for every step's tokens (with drafts, 1 + ngram a step): a request that hits the
+    # length limit finishes, and the batch would shrink under the measurement.
+    max_model_len = max(1024, 8 + (steps + count_steps + 50) * (1 + ngram))
+    llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=max_model_len,
               max_num_seqs=batch, max_num_batched_tokens=max(2048, 8 * batch), enforce_eager=True, speculative_config=spec)
     engine, runner = llm.engine, llm.engine.runner
     if ngram:  # every step carries drafts: the gate's probes of going without are left out
