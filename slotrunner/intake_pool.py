@@ -19,6 +19,7 @@ is raised in the caller with its message.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
@@ -71,6 +72,20 @@ def _tokenizers_quiet_in_children():
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
+@contextlib.contextmanager
+def _parent_objects_frozen():
+    """The engine's objects moved to the collector's permanent generation while workers may be
+    forked (`gc.freeze`, made for this): a worker's collector never examines them, so it never
+    frees a CUDA tensor it inherited. One H200 run lost a worker that way -- aborted inside a
+    collection that ran as the child started (`multiprocessing.util._run_after_forkers`), before
+    it read anything. Thawed after, in the engine."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class Reading:
     """One prompt being read by a worker: `done()` without waiting, `result()` waits."""
 
@@ -95,8 +110,8 @@ class IntakePool:
         )
 
     def submit(self, prompt: Any) -> Reading:
-        """Queue `prompt` for a worker (the first call forks them all)."""
-        with warnings.catch_warnings(), _tokenizers_quiet_in_children():
+        """Queue `prompt` for a worker (the first calls fork them)."""
+        with warnings.catch_warnings(), _tokenizers_quiet_in_children(), _parent_objects_frozen():
             # Python 3.12 warns on fork() in a process with threads (the engine's process has
             # torch's); the workers run only the intake, as DataLoader workers do.
             warnings.simplefilter("ignore", DeprecationWarning)

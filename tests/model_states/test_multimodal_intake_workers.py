@@ -165,3 +165,33 @@ def _process_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class _FreezeCount:
+    """A family whose intake reports how many objects its worker's collector leaves alone."""
+
+    @classmethod
+    def process_prompt(cls, prompt, ctx):
+        import gc
+
+        return gc.get_freeze_count()
+
+
+def test_workers_fork_with_the_engines_objects_frozen():
+    """Guards against: a worker's garbage collector freeing objects it inherited from the engine
+    at fork -- a CUDA tensor freed in a forked child aborted one on an H200 as it started. The
+    engine's objects are frozen (gc.freeze) while workers fork, and thawed again in the engine."""
+    import gc
+
+    from slotrunner.intake_pool import IntakePool, use_processes
+
+    if not use_processes("cuda"):
+        pytest.skip("no fork on this platform")
+    assert gc.get_freeze_count() == 0
+    pool = IntakePool(_FreezeCount, None, 2)
+    try:
+        counts = [pool.submit(i).result() for i in range(3)]
+    finally:
+        pool.close()
+    assert all(c > 1000 for c in counts), counts
+    assert gc.get_freeze_count() == 0, "the engine's objects stay frozen after the fork"
