@@ -48,8 +48,6 @@ from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_trit
 
 if HAS_TRITON:
     from slotrunner.core_runner.attention.shared_prefix import attention_q
-
-if HAS_TRITON:
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
