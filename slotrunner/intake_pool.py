@@ -73,17 +73,21 @@ def _tokenizers_quiet_in_children():
 
 
 @contextlib.contextmanager
-def _parent_objects_frozen():
+def _parent_objects_frozen(may_fork: bool):
     """The engine's objects moved to the collector's permanent generation while workers may be
     forked (`gc.freeze`, made for this): a worker's collector never examines them, so it never
     frees a CUDA tensor it inherited. One H200 run lost a worker that way -- aborted inside a
     collection that ran as the child started (`multiprocessing.util._run_after_forkers`), before
-    it read anything. Thawed after, in the engine."""
-    gc.freeze()
+    it read anything. Thawed after, in the engine -- unless the program had frozen objects itself
+    (gc.unfreeze would thaw those too): then they stay as it left them."""
+    freeze = may_fork and gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 class Reading:
@@ -111,7 +115,8 @@ class IntakePool:
 
     def submit(self, prompt: Any) -> Reading:
         """Queue `prompt` for a worker (the first calls fork them)."""
-        with warnings.catch_warnings(), _tokenizers_quiet_in_children(), _parent_objects_frozen():
+        may_fork = len(self.worker_pids) < self.workers  # once all are forked, submitting forks nothing
+        with warnings.catch_warnings(), _tokenizers_quiet_in_children(), _parent_objects_frozen(may_fork):
             # Python 3.12 warns on fork() in a process with threads (the engine's process has
             # torch's); the workers run only the intake, as DataLoader workers do.
             warnings.simplefilter("ignore", DeprecationWarning)
