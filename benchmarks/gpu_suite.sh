@@ -20,7 +20,7 @@
 #
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
-# processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone), spec (spec-long: n-gram at
+# processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine), spec (spec-long: n-gram at
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
@@ -41,6 +41,7 @@ GPU_TESTS=(
   tests/conformance/test_multimodal.py::test_gpu_graphs_equal_eager
   tests/conformance/test_multimodal.py::test_gpu_decode_step_does_not_sync
   tests/model_states/test_multimodal_model_state.py::test_gpu_tower_inputs_do_not_wait_for_queued_kernels
+  tests/model_states/test_tower_graphs.py
   tests/core_runner/runner/test_cuda_graphs.py
   tests/core_runner/runner/test_features_gpu.py
   tests/core_runner/runner/test_input_kernels.py
@@ -109,6 +110,7 @@ for s in "${steps[@]}"; do
       run_step profile-llava-lm 120 python3 benchmarks/profile_decode.py --shape llava-lm --batch 128 --input-len 627 --host-profile "$out/llava-lm" ;;
     prefix) run_step prefix 200 python3 benchmarks/prefix_caching.py --device cuda ;;
     multimodal-profile) run_step multimodal-profile 240 python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --profile ;;
+    multimodal-tower) run_step multimodal-tower 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --eager-tower-too --repeats 3 ;;
     multimodal-processes) run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes --repeats 3 ;;
     multimodal-intake)
       run_step multimodal-processes 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake processes --repeats 3
@@ -122,7 +124,7 @@ for s in "${steps[@]}"; do
         run_step "overhead-ngram-cached-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60
         run_step "overhead-ngram-dispatch-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60 --triton-dispatch
       done ;;
-    spec-draft-other) run_step spec-draft-other 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other ;;
+    spec-draft-other) run_step spec-draft-other 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other --repeats 3 ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
     spec-draft-small)

@@ -15,7 +15,9 @@ ignored). Four runs of the same prompts' lengths, printed side by side:
 Each slotrunner row also prints the run's engine steps, those that replayed a CUDA graph, and the
 mean wall time of a step. `--pre-read` adds a row: the multimodal engine again, its prompts read
 (media decoded and preprocessed) before the clock starts and added at once -- the run without its
-intake overlapping the steps; `--intake-workers N` sets the workers that read media prompts, `--intake threads|processes` how.
+intake overlapping the steps; `--eager-tower-too` adds the multimodal engine with its vision
+tower launched eagerly instead of replayed as CUDA graphs (model_states/tower_graphs.py), runs
+alternating; `--intake-workers N` sets the workers that read media prompts, `--intake threads|processes` how.
 
 Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
 text-only run within 10% of the LM as a decoder.
@@ -111,8 +113,9 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
     read = list(llm._read_prompts(prompts, name_prompts=True))  # what reading the prompts (media) costs, on an idle engine
     args.intake_s = time.perf_counter() - t0
     sync()
-    runs, pre_read = [], []
-    for r in range(args.repeats):
+    runs, pre_read, eager_tower = [], [], []
+
+    def timed(runs: list[tuple], name: str) -> None:
         with step_stats(llm) as stats:
             if args.profile:
                 runs.append((name, *profiled(lambda: llm.generate(prompts, params, use_tqdm=False)), stats))
@@ -121,6 +124,16 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 sync()
                 runs.append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
+
+    for r in range(args.repeats):
+        timed(runs, name)
+        state = llm.engine.runner.model_state
+        if args.eager_tower_too and getattr(state, "tower_graphs", None) is not None and "multi_modal_data" in prompts[0]:
+            graphs, state.tower_graphs = state.tower_graphs, None  # the same engine, its tower launched eagerly
+            try:
+                timed(eager_tower, name + ", eager tower")
+            finally:
+                state.tower_graphs = graphs
         if args.pre_read and "multi_modal_data" in prompts[0]:
             engine = llm.engine
             with step_stats(llm) as stats:
@@ -132,7 +145,7 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
                     tokens += sum(len(o.outputs[0].token_ids) for o in engine.step(final_only=True) if o.finished)
                 sync()
                 pre_read.append((name + ", read before", time.perf_counter() - t0, tokens, stats))
-    rows = [median_run(runs)] + ([median_run(pre_read)] if pre_read else [])
+    rows = [median_run(runs)] + [median_run(more) for more in (eager_tower, pre_read) if more]
     return rows
 
 
@@ -266,6 +279,8 @@ def main() -> None:
     p.add_argument("--intake-workers", type=int, default=None, help="workers reading media prompts (the family's default)")
     p.add_argument("--intake", choices=("threads", "processes"), default=None,
                    help="how media prompts are read (default: processes on CUDA, threads elsewhere; slotrunner/intake_pool.py)")
+    p.add_argument("--eager-tower-too", action="store_true",
+                   help="also time the multimodal engine with its vision tower launched eagerly, not replayed as CUDA graphs (alternating)")
     p.add_argument("--profile", action="store_true", help="profile the slotrunner runs (host and GPU); their wall times then include the profilers")
     args = p.parse_args()
     args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"

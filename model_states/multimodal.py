@@ -21,7 +21,8 @@ model embeds the ids itself; the only family input is `mrope_positions`, which l
 address `prepare_dummy_inputs` gave the capture. Decode steps therefore replay the graphs the
 default decoder uses, with speculative drafts too (rows of 1 + k tokens: the M-RoPE positions
 of text after the prompt are `position + delta`, written for every token of the step); prefill
-and mixed steps (where media is merged) run eagerly.
+and mixed steps (where media is merged) run eagerly, but a tower whose items share one input
+shape (LLaVA's CLIP) replays its own graphs there (tower_graphs.py).
 
 What the state calls on its model is `MultimodalModel` below (models/multimodal_lm.py is the
 in-tree base that provides it).
@@ -40,7 +41,9 @@ from torch import nn
 
 from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType
 from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
+from slotrunner.model_states import tower_graphs
 from slotrunner.model_states.multimodal_intake import MultimodalInputs, process_multimodal_prompt
+from slotrunner.model_states.tower_graphs import TowerGraphs, encode_in_chunks
 from slotrunner.models.layers.media import MediaHandler
 from slotrunner.models.layers.media_item import MediaItem
 
@@ -159,6 +162,9 @@ class MultimodalModelState(ModelState):
         self.has_pending_np = np.zeros(n, dtype=bool)  # [slots] placeholders still to prefill
         self.num_encoded = 0  # tower runs' items since start (tests read it)
         self.uses_mrope = bool(model.uses_mrope)
+        self.tower_graphs: TowerGraphs | None = None  # replays the tower in prefill steps (CUDA)
+        if device.type == "cuda" and not config.enforce_eager and tower_graphs.ENABLED and hasattr(model, "stack_media"):
+            self.tower_graphs = TowerGraphs(model.encode_stacked)
         if self.uses_mrope:
             self.mrope_prompt: list[torch.Tensor | None] = [None] * n  # [3, prompt_len] per slot, on device
             self.mrope_prompt_len_np = np.zeros(n, dtype=np.int64)  # [slots] 0: no stored positions
@@ -250,7 +256,13 @@ class MultimodalModelState(ModelState):
         todo = {it.content_hash: it for it in items if self.cache.get(it.content_hash) is None}
         if not todo:
             return
-        embeds = self.model.encode_media(list(todo.values()))
+        stack = getattr(self.model, "stack_media", None)  # a tower of one input shape (tower_graphs.py)
+        if stack is None:
+            embeds = self.model.encode_media(list(todo.values()))
+        elif self.tower_graphs is not None:
+            embeds = self.tower_graphs(stack(list(todo.values()))).unbind(0)
+        else:
+            embeds = encode_in_chunks(self.model.encode_stacked, stack(list(todo.values()))).unbind(0)
         for (key, item), emb in zip(todo.items(), embeds):
             assert emb.shape[0] == item.num_tokens, f"{item.modality} encoded to {emb.shape[0]} rows, not {item.num_tokens}"
             self.cache.put(key, emb)

@@ -88,11 +88,18 @@ class LlavaForConditionalGeneration(MultimodalLM):
         self.language_model = build_language_model(hf_config)
 
     def encode_media(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
-        pixels = stack_to_device(items, "pixel_values", self.vision_tower.embeddings.class_embedding.device)
+        return list(self.encode_stacked(self.stack_media(items)).unbind(0))
+
+    # Every image has the config's size, so the state may replay the tower as a CUDA graph
+    # (model_states/tower_graphs.py).
+    def stack_media(self, items: Sequence[MediaItem]) -> torch.Tensor:  # [num_images, 3, H, W]
+        return stack_to_device(items, "pixel_values", self.vision_tower.embeddings.class_embedding.device)
+
+    def encode_stacked(self, pixels: torch.Tensor) -> torch.Tensor:  # -> [num_images, patches, text hidden]
         features = self.vision_tower(pixels)  # [num_images, 1 + patches, dim]
         if self.drop_cls:
             features = features[:, 1:]
-        return list(self.multi_modal_projector(features).unbind(0))
+        return self.multi_modal_projector(features)
 
     def tower_merged_weights(self) -> dict[str, tuple[str, str]]:
         return QKV_SHARDS
