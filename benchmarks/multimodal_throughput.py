@@ -281,6 +281,7 @@ def main() -> None:
                    help="how media prompts are read (default: processes on CUDA, threads elsewhere; slotrunner/intake_pool.py)")
     p.add_argument("--eager-tower-too", action="store_true",
                    help="also time the multimodal engine with its vision tower launched eagerly, not replayed as CUDA graphs (alternating)")
+    p.add_argument("--multimodal-only", action="store_true", help="only the multimodal engine's runs (e.g. under a sampling profiler)")
     p.add_argument("--profile", action="store_true", help="profile the slotrunner runs (host and GPU); their wall times then include the profilers")
     args = p.parse_args()
     args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -302,8 +303,9 @@ def main() -> None:
             MultimodalModelState.intake_workers = args.intake_workers
         rows += run_slotrunner("slotrunner, multimodal", str(directory / "llava"), media, args)
         intake = args.intake_s  # reading the image prompts (decode, preprocess), overlapped with the multimodal run's steps
-        rows += run_slotrunner("slotrunner, LLaVA text-only", str(directory / "llava"), text, args)
-        rows += run_slotrunner("slotrunner, LM as a decoder", str(directory / "lm"), text, args)
+        if not args.multimodal_only:
+            rows += run_slotrunner("slotrunner, LLaVA text-only", str(directory / "llava"), text, args)
+            rows += run_slotrunner("slotrunner, LM as a decoder", str(directory / "lm"), text, args)
         if not args.skip_hf:
             rows.append(("transformers generate", *run_hf(model, directory, media, args), None))
     base = rows[0][2] / rows[0][1]
