@@ -19,7 +19,9 @@ is raised in the caller with its message.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import gc
+import io
 import multiprocessing
 import os
 import pickle
@@ -54,7 +56,33 @@ def _start_worker(state_cls: type, ctx: IntakeContext) -> None:
 def _read(prompt: Any) -> bytes:
     assert _WORKER is not None, "intake worker used before its initializer ran"
     state_cls, ctx = _WORKER
-    return pickle.dumps(state_cls.process_prompt(prompt, ctx), protocol=pickle.HIGHEST_PROTOCOL)
+    return dumps(state_cls.process_prompt(prompt, ctx))
+
+
+def _reduce_tensor(t: Any) -> tuple:
+    """A CPU tensor pickled as the numpy array over its data, rebuilt by `torch.from_numpy`.
+    torch's own pickling goes through `torch.save` / `torch.load` per tensor: 0.8 ms to load
+    one 336 px uint8 image in the engine's thread (2 cores), against 0.1 ms this way."""
+    import torch
+
+    if t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg():
+        try:
+            return torch.from_numpy, (t.numpy(),)
+        except TypeError:  # a dtype numpy lacks (bfloat16, ...)
+            pass
+    return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def dumps(obj: Any) -> bytes:
+    """`pickle.dumps`, with plain tensors (`torch.Tensor` itself) as numpy arrays: what a worker
+    sends back; `pickle.loads` reads it."""
+    import torch
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    pickler.dump(obj)
+    return buf.getvalue()
 
 
 @contextlib.contextmanager

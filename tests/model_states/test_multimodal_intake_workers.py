@@ -195,3 +195,29 @@ def test_workers_fork_with_the_engines_objects_frozen():
         pool.close()
     assert all(c > 1000 for c in counts), counts
     assert gc.get_freeze_count() == 0, "the engine's objects stay frozen after the fork"
+
+
+def test_worker_results_carry_tensors_as_numpy_arrays():
+    """Guards against: a worker's result loaded in the engine's thread through torch's own
+    pickling (`torch.load` per tensor, ~8x slower for an image), or changed on the way: tensors
+    of every kind come back equal, with their dtype and shape, and writable; those numpy cannot
+    hold (bfloat16, requiring grad) take torch's own path."""
+    import pickle
+
+    import torch
+
+    from slotrunner.intake_pool import dumps
+
+    pixels = torch.randint(0, 256, (1, 3, 8, 9), dtype=torch.uint8)
+    result = {
+        "pixels": pixels, "view": pixels[:, 1:, ::2], "features": torch.randn(2, 5), "ids": torch.arange(4),
+        "bf16": torch.randn(3, dtype=torch.bfloat16), "grad": torch.ones(2, requires_grad=True),
+    }  # fmt: skip
+    plain = {k: v for k, v in result.items() if k not in ("bf16", "grad")}
+    assert b"_rebuild_tensor" not in dumps(plain), "plain tensors went through torch's pickling"
+    back = pickle.loads(dumps(result))
+    for name, t in result.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name].detach(), t.detach()), name
+    assert back["grad"].requires_grad
+    back["view"][0, 0, 0] = 7  # a writable tensor of its own, not a view of the pickled bytes
+    assert not torch.equal(back["view"], result["view"])
