@@ -187,7 +187,9 @@ def test_workers_fork_with_the_engines_objects_frozen():
 
     if not use_processes("cuda"):
         pytest.skip("no fork on this platform")
-    assert gc.get_freeze_count() == 0
+    # Start from nothing frozen, or the pool leaves freezing to the program: on one H100 the
+    # process of this test held 375 frozen objects before it ran (xdist worker beside GPU tests).
+    gc.unfreeze()
     pool = IntakePool(_FreezeCount, None, 2)
     try:
         counts = [pool.submit(i).result() for i in range(3)]
