@@ -21,7 +21,7 @@
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine), spec (spec-long: n-gram at
-# 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
+# 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
@@ -125,6 +125,7 @@ for s in "${steps[@]}"; do
         run_step "overhead-ngram-dispatch-$i" 60 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16,256 --ngram 4 --steps 60 --triton-dispatch
       done ;;
     spec-draft-other) run_step spec-draft-other 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other --repeats 3 ;;
+    spec-draft-steady) run_step spec-draft-steady 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other --repeats 3 --keep-gate ;;
     spec-long) run_step spec-ngram-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 ;;
     spec-draft-long) run_step spec-draft-other-512 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 512 --draft-model other ;;
     spec-draft-small)

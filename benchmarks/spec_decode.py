@@ -14,6 +14,7 @@ are identical (they must be: verification is exact).
     python benchmarks/spec_decode.py --qwen3-shape        # GPU: Qwen3-0.6B shape, random weights
     python benchmarks/spec_decode.py --draft-model PATH   # a draft model instead of prompt lookup
     python benchmarks/spec_decode.py --qwen3-shape --prime-tokens 256   # GPU: nearly every draft accepted
+    python benchmarks/spec_decode.py --qwen3-shape --draft-model other --keep-gate   # GPU: steady cost of a useless draft
 
 `--qwen3-shape` builds a random-weight model of Qwen3-0.6B's shape (as benchmarks/throughput.py
 does); random weights do not copy their prompt, so there it measures the cost of verification
@@ -84,19 +85,23 @@ def primed(llm, prompts: list[dict], num_tokens: int) -> list[dict]:
     return [{"prompt_token_ids": list(i) + list(o.outputs[0].token_ids)} for i, o in zip(ids, outs)]
 
 
-def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True):
+def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True, keep_gate: bool = False):
     """Serve `prompts` once untimed (unless not `warm`: an engine that served them already), then
     time them. The untimed run compiles every kernel the timed one meets (Triton compiles on
     first use: verification rows of 1 + k tokens, the speculator's kernels), which a short
-    warm-up never reaches; the draft gate then starts anew."""
+    warm-up never reaches; the draft gate then starts anew -- unless `keep_gate`: then a fresh
+    gate learns on the untimed run and the timed ones go on with what it learned, as an engine
+    serving a stream of such requests would (the gate's probes only, not its first measurements)."""
     from slotrunner import SamplingParams
     from slotrunner.core_runner.engine.draft_gate import DraftGate
     from slotrunner.core_runner.triton_utils import compiles_counted
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if method is not None and keep_gate and warm:
+        llm.engine.scheduler.draft_gate = DraftGate(method)
     if warm:
         llm.generate(prompts, params, use_tqdm=False)
-    if method is not None:
+    if method is not None and not keep_gate:
         llm.engine.scheduler.draft_gate = DraftGate(method)
     with compiles_counted() as compiled:
         start = time.perf_counter()
@@ -132,6 +137,10 @@ def main() -> None:
         "--prime-tokens", type=int, default=0,
         help="append to each prompt the target's own greedy continuation of this many tokens: the output then "
              "continues text in the prompt (with --qwen3-shape: the case where nearly every draft is accepted)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-gate", action="store_true",
+        help="the timed runs go on with the draft gate the untimed run trained (steady serving), not a fresh one (each run pays for its first measurements)",
     )  # fmt: skip
     parser.add_argument(
         "--repeats", type=int, default=1,
@@ -182,14 +191,15 @@ def main() -> None:
         if args.prime_tokens:
             prompts = primed(base, prompts, args.prime_tokens)
         # Each timed run starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
-        # measures the cost of steps with and without drafts at this batch size.
+        # measures the cost of steps with and without drafts at this batch size (--keep-gate:
+        # one gate per batch size, trained on the untimed run).
         ref, t_base = run(base, prompts, args.max_tokens)
-        got, t_spec = run(fast, prompts, args.max_tokens, spec["method"])
+        got, t_spec = run(fast, prompts, args.max_tokens, spec["method"], keep_gate=args.keep_gate)
         if args.repeats > 1:  # the two arms alternate, so a change in the host's speed hits both alike
             walls = {"base": [t_base], "spec": [t_spec]}
             for _ in range(args.repeats - 1):
                 walls["base"].append(run(base, prompts, args.max_tokens, warm=False)[1])
-                walls["spec"].append(run(fast, prompts, args.max_tokens, spec["method"], warm=False)[1])
+                walls["spec"].append(run(fast, prompts, args.max_tokens, spec["method"], warm=False, keep_gate=args.keep_gate)[1])
             t_base, t_spec = statistics.median(walls["base"]), statistics.median(walls["spec"])
             ratios = sorted(b_ / s_ for b_, s_ in zip(walls["base"], walls["spec"]))
             print(f"      {args.repeats} runs of each: medians below; speedup of each pair {ratios[0]:.2f}x-{ratios[-1]:.2f}x")
