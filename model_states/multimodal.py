@@ -41,7 +41,6 @@ from torch import nn
 
 from slotrunner.core_runner.engine.intake import IntakeContext, ProcessedPrompt, PromptType
 from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
-from slotrunner.model_states import tower_graphs
 from slotrunner.model_states.multimodal_intake import MultimodalInputs, process_multimodal_prompt
 from slotrunner.model_states.tower_graphs import TowerGraphs, encode_in_chunks
 from slotrunner.models.layers.media import MediaHandler
@@ -163,7 +162,7 @@ class MultimodalModelState(ModelState):
         self.num_encoded = 0  # tower runs' items since start (tests read it)
         self.uses_mrope = bool(model.uses_mrope)
         self.tower_graphs: TowerGraphs | None = None  # replays the tower in prefill steps (CUDA)
-        if device.type == "cuda" and not config.enforce_eager and tower_graphs.ENABLED and hasattr(model, "stack_media"):
+        if device.type == "cuda" and not config.enforce_eager and hasattr(model, "stack_media"):
             self.tower_graphs = TowerGraphs(model.encode_stacked)
         if self.uses_mrope:
             self.mrope_prompt: list[torch.Tensor | None] = [None] * n  # [3, prompt_len] per slot, on device

@@ -14,7 +14,8 @@ they do not share one shape; `encode_stacked(x)` -> [num_items, tokens, hidden],
 Items are encoded in chunks of at most `MAX_ITEMS`, graphed or eager alike, so the two paths
 run the same shapes and give the same bits. One graph per (chunk size, input shape, dtype),
 captured the first time it is met (a capture synchronizes once); all share one memory pool,
-since they replay one at a time on the step's stream.
+since they replay one at a time on the step's stream. `enforce_eager=True` turns them off with
+the engine's other graphs; `multimodal_throughput.py --eager-tower-too` compares the two.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Callable
 import torch
 
 MAX_ITEMS = 8  # items per tower run: graphs for 1..8 items at most, per input shape
-ENABLED = True  # benchmarks turn it off to compare (multimodal_throughput.py --eager-tower)
 
 
 def encode_in_chunks(encode: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
