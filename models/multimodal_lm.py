@@ -8,6 +8,8 @@ as the `MultimodalModel` protocol in model_states/multimodal.py and checked at r
 - `uses_mrope`: forward takes `mrope_positions` [3, num_tokens], and `mrope_prompt_positions`
   computes them for a prompt;
 - `embed_input_ids`, `encode_media`: the two halves that are merged into the input embeddings;
+- optionally `stack_media` / `encode_stacked`, for a tower whose items share one input shape
+  (LLaVA): the state then replays it as CUDA graphs (model_states/tower_graphs.py);
 - `forward(input_ids, positions, inputs_embeds=None)`, `compute_logits`, `load_weights`.
 """
 
