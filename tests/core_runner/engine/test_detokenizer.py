@@ -33,6 +33,16 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
 
 
+@pytest.fixture(scope="module")
+def streamed_tokenizer(tokenizer):
+    """The same BPE handed over as a `tokenizers.Tokenizer`: the detokenizer then steps the
+    library's DecodeStream (the path of tokenizers loaded from files) instead of decoding windows."""
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = tokenizer._tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=getattr(wrapped, "_tokenizer", wrapped), eos_token=EOS)
+
+
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -144,3 +154,30 @@ def test_without_tokenizer_text_stays_empty() -> None:
     """Guards against token-id-only models crashing in the detokenizer or matching stop strings."""
     detok = IncrementalDetokenizer(None, [1, 2, 3], True, ["x"], False)
     assert detok.step([4, 5]) is None and detok.output_text == "" and detok.token_ids == [1, 2, 3, 4, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.text(ALPHABET, min_size=0, max_size=12),
+    text=st.text(ALPHABET, min_size=1, max_size=40),
+    cut=st.integers(0, 3),
+    chunk=st.sampled_from([5, 7, 13, 1000]),
+    skip=st.booleans(),
+)
+def test_many_tokens_at_once_read_as_one_by_one(
+    streamed_tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool
+) -> None:
+    """Guards against the one-call path for many tokens (a request's whole output decoded when it
+    ends; accepted drafts) giving other text than stepping each token: above all an output that
+    ends inside a multi-byte character, whose complete characters before it must still show.
+    `cut` drops the last tokens of the text, often inside a character."""
+    tokenizer = streamed_tokenizer
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    ids = encode(tokenizer, text)
+    ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - cut, 1)]
+    one_by_one, _ = stream(make(tokenizer, prompt, skip=skip), ids, chunk=1)
+    at_once = make(tokenizer, prompt, skip=skip)
+    assert at_once._stream is not None, "not the DecodeStream path"
+    stream(at_once, ids, chunk)
+    assert at_once.output_text == "".join(one_by_one)
+    assert at_once.token_ids[-len(ids) :] == ids
