@@ -23,24 +23,19 @@ CORPUS = [
 ALPHABET = "abcdefghij .,#éöü—日本語🙂🦊𝄞\n"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+@pytest.fixture(scope="module", params=["windows", "decode-stream"])
+def tokenizer(request):
+    """The BPE as a wrapper object (the detokenizer decodes windows of ids in Python) or as a
+    `tokenizers.Tokenizer` (it steps the library's DecodeStream: tokenizers loaded from files)."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS * 10, vocab_size=300, min_frequency=1, special_tokens=[EOS], show_progress=False)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
-
-
-@pytest.fixture(scope="module")
-def streamed_tokenizer(tokenizer):
-    """The same BPE handed over as a `tokenizers.Tokenizer`: the detokenizer then steps the
-    library's DecodeStream (the path of tokenizers loaded from files) instead of decoding windows."""
-    from transformers import PreTrainedTokenizerFast
-
-    wrapped = tokenizer._tokenizer
-    return PreTrainedTokenizerFast(tokenizer_object=getattr(wrapped, "_tokenizer", wrapped), eos_token=EOS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe if request.param == "windows" else bpe._tokenizer, eos_token=EOS)
+    streams = IncrementalDetokenizer(tok, [], True, [], False)._stream is not None
+    assert streams == (request.param == "decode-stream"), "the fixture does not reach the path it names"
+    return tok
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -165,19 +160,17 @@ def test_without_tokenizer_text_stays_empty() -> None:
     skip=st.booleans(),
 )
 def test_many_tokens_at_once_read_as_one_by_one(
-    streamed_tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool
+    tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool
 ) -> None:
     """Guards against the one-call path for many tokens (a request's whole output decoded when it
     ends; accepted drafts) giving other text than stepping each token: above all an output that
     ends inside a multi-byte character, whose complete characters before it must still show.
     `cut` drops the last tokens of the text, often inside a character."""
-    tokenizer = streamed_tokenizer
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     ids = encode(tokenizer, text)
     ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - cut, 1)]
     one_by_one, _ = stream(make(tokenizer, prompt, skip=skip), ids, chunk=1)
     at_once = make(tokenizer, prompt, skip=skip)
-    assert at_once._stream is not None, "not the DecodeStream path"
     stream(at_once, ids, chunk)
     assert at_once.output_text == "".join(one_by_one)
     assert at_once.token_ids[-len(ids) :] == ids
