@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 MAX_ITEMS = 8  # items per tower run: graphs for 1..8 items at most, per input shape
+MAX_GRAPHS = 32  # past this many (input shapes x chunk sizes), new ones run eagerly: each holds its buffers
 
 
 def encode_in_chunks(encode: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,8 @@ class TowerGraphs:
         key = (tuple(x.shape), x.dtype)
         entry = self._graphs.get(key)
         if entry is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                return self.encode(x)
             entry = self._graphs[key] = self._capture(x)
         graph, static_in, static_out = entry
         static_in.copy_(x)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slotrunner.model_states import tower_graphs
 from slotrunner.model_states.tower_graphs import MAX_ITEMS, TowerGraphs, encode_in_chunks
 from slotrunner.models.layers.media_item import MediaItem
 from slotrunner.registry import tiny_config
@@ -66,6 +67,12 @@ def test_gpu_graphed_tower_equals_eager():
             got = graphs(x)
             assert torch.equal(got, want), f"{n} items: the graphed tower differs from the eager one"
         assert graphs.num_graphs == 3, "one graph per chunk size: 1, 3 and MAX_ITEMS"
+        tower_graphs.MAX_GRAPHS, limit = 3, tower_graphs.MAX_GRAPHS
+        try:  # at the bound, a new size runs eagerly (same bits) and captures nothing
+            x = model.stack_media(items(2, size, seed=2))
+            assert torch.equal(graphs(x), encode_in_chunks(model.encode_stacked, x)) and graphs.num_graphs == 3
+        finally:
+            tower_graphs.MAX_GRAPHS = limit
         # The output is the caller's: a later replay of the same graph leaves it alone.
         first = graphs(model.stack_media(items(3, size, seed=10)))
         kept = first.clone()
