@@ -161,8 +161,11 @@ class MultimodalModelState(ModelState):
         self.has_pending_np = np.zeros(n, dtype=bool)  # [slots] placeholders still to prefill
         self.num_encoded = 0  # tower runs' items since start (tests read it)
         self.uses_mrope = bool(model.uses_mrope)
-        self.tower_graphs: TowerGraphs | None = None  # replays the tower in prefill steps (CUDA)
-        if device.type == "cuda" and not config.enforce_eager and hasattr(model, "stack_media"):
+        # A tower of one input shape (tower_graphs.py) runs over the items stacked, in chunks,
+        # replayed from CUDA graphs where graphs are on; any other through `encode_media`.
+        self._stacked = hasattr(model, "stack_media")
+        self.tower_graphs: TowerGraphs | None = None
+        if self._stacked and device.type == "cuda" and not config.enforce_eager:
             self.tower_graphs = TowerGraphs(model.encode_stacked)
         if self.uses_mrope:
             self.mrope_prompt: list[torch.Tensor | None] = [None] * n  # [3, prompt_len] per slot, on device
@@ -255,13 +258,12 @@ class MultimodalModelState(ModelState):
         todo = {it.content_hash: it for it in items if self.cache.get(it.content_hash) is None}
         if not todo:
             return
-        stack = getattr(self.model, "stack_media", None)  # a tower of one input shape (tower_graphs.py)
-        if stack is None:
-            embeds = self.model.encode_media(list(todo.values()))
-        elif self.tower_graphs is not None:
-            embeds = self.tower_graphs(stack(list(todo.values()))).unbind(0)
+        if self._stacked:
+            stacked = self.model.stack_media(list(todo.values()))
+            graphs = self.tower_graphs  # read each call: benchmarks swap it to time the eager tower
+            embeds = (graphs(stacked) if graphs is not None else encode_in_chunks(self.model.encode_stacked, stacked)).unbind(0)
         else:
-            embeds = encode_in_chunks(self.model.encode_stacked, stack(list(todo.values()))).unbind(0)
+            embeds = self.model.encode_media(list(todo.values()))
         for (key, item), emb in zip(todo.items(), embeds):
             assert emb.shape[0] == item.num_tokens, f"{item.modality} encoded to {emb.shape[0]} rows, not {item.num_tokens}"
             self.cache.put(key, emb)
