@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import functools
 import gc
 import io
 import multiprocessing
@@ -73,14 +74,19 @@ def _reduce_tensor(t: Any) -> tuple:
     return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
 
+@functools.cache
+def _dispatch_table() -> dict:
+    import torch
+
+    return {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+
+
 def dumps(obj: Any) -> bytes:
     """`pickle.dumps`, with plain tensors (`torch.Tensor` itself) as numpy arrays: what a worker
     sends back; `pickle.loads` reads it."""
-    import torch
-
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    pickler.dispatch_table = _dispatch_table()
     pickler.dump(obj)
     return buf.getvalue()
 
