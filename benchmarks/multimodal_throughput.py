@@ -17,7 +17,9 @@ mean wall time of a step. `--pre-read` adds a row: the multimodal engine again, 
 (media decoded and preprocessed) before the clock starts and added at once -- the run without its
 intake overlapping the steps; `--eager-tower-too` adds the multimodal engine with its vision
 tower launched eagerly instead of replayed as CUDA graphs (model_states/tower_graphs.py), runs
-alternating; `--intake-workers N` sets the workers that read media prompts, `--intake threads|processes` how.
+alternating; `--intake-workers N` sets the workers that read media prompts, `--intake threads|processes` how;
+`--alternate 4,8` times one LLaVA engine only, alternating pools of 4 and 8 intake processes and
+the text prompts in every repeat.
 
 Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
 text-only run within 10% of the LM as a decoder.
@@ -149,6 +151,50 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
     return rows
 
 
+def run_alternating(path: str, media: list[dict], text: list[dict], args: argparse.Namespace) -> list[tuple]:
+    """Rows of `--alternate`: one LLaVA engine, each repeat timing the image prompts read by a
+    pool of each worker count in turn (every pool forked and warmed before the clock), then the
+    text prompts of the same lengths."""
+    from slotrunner import LLM, SamplingParams
+    from slotrunner.intake_pool import IntakePool
+
+    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=False)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    warm_up(llm, media, params if args.full_warm_up else None)
+    warm_up(llm, text, params if args.full_warm_up else None)
+    state_cls = type(llm.engine.runner.model_state)
+    counts = [int(w) for w in args.alternate.split(",")]
+    pools = {w: IntakePool(state_cls, llm.engine.intake, w) for w in counts}
+    for w, pool in pools.items():  # fork and warm every worker, untimed
+        llm._intake_pool = pool
+        t0 = time.perf_counter()
+        list(llm._read_prompts(media, name_prompts=True))
+        args.intake_s = time.perf_counter() - t0
+    sync()
+    runs: dict[str, list] = {f"slotrunner, multimodal, {w} intake workers": [] for w in counts}
+    runs["slotrunner, LLaVA text-only (same engine)"] = []
+
+    def timed(name: str, prompts: list[dict]) -> None:
+        with step_stats(llm) as stats:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sync()
+            runs[name].append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
+
+    try:
+        for _ in range(args.repeats):
+            for w in counts:
+                llm._intake_pool = pools[w]
+                timed(f"slotrunner, multimodal, {w} intake workers", media)
+            timed("slotrunner, LLaVA text-only (same engine)", text)
+    finally:
+        llm._intake_pool = None
+        for pool in pools.values():
+            pool.close()
+    return [median_run(r) for r in runs.values()]
+
+
 def median_run(runs: list[tuple]) -> tuple:
     """The run of median wall time among repeats (the host's speed varies from run to run), its
     name suffixed with the spread of the walls when there are several."""
@@ -277,6 +323,10 @@ def main() -> None:
     p.add_argument("--pre-read", action="store_true",
                    help="also time the multimodal engine on its prompts read beforehand (no intake during the run)")
     p.add_argument("--intake-workers", type=int, default=None, help="workers reading media prompts (the family's default)")
+    p.add_argument("--alternate", default=None, metavar="W1,W2,...",
+                   help="one LLaVA engine only, its runs alternating in each repeat: the image prompts read by a pool of "
+                        "each of these numbers of worker processes, then the text prompts -- comparisons that the host's "
+                        "drift between processes does not blur")
     p.add_argument("--intake", choices=("threads", "processes"), default=None,
                    help="how media prompts are read (default: processes on CUDA, threads elsewhere; slotrunner/intake_pool.py)")
     p.add_argument("--eager-tower-too", action="store_true",
@@ -301,7 +351,11 @@ def main() -> None:
             from slotrunner.model_states.multimodal import MultimodalModelState
 
             MultimodalModelState.intake_workers = args.intake_workers
-        rows += run_slotrunner("slotrunner, multimodal", str(directory / "llava"), media, args)
+        if args.alternate:
+            rows += run_alternating(str(directory / "llava"), media, text, args)
+            args.multimodal_only = True
+        else:
+            rows += run_slotrunner("slotrunner, multimodal", str(directory / "llava"), media, args)
         intake = args.intake_s  # reading the image prompts (decode, preprocess), overlapped with the multimodal run's steps
         if not args.multimodal_only:
             rows += run_slotrunner("slotrunner, LLaVA text-only", str(directory / "llava"), text, args)
