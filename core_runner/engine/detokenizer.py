@@ -102,7 +102,13 @@ class IncrementalDetokenizer:
         while the list ends inside a character; the tokens after it (`_LIST_TAIL`, one by one)
         complete it, as a UTF-8 character spans at most 4 bytes."""
         backend, stream = self._stream
-        if self._list_steps and 0 <= min(token_ids) and max(token_ids) < self._vocab_size:
+        if self._list_steps:
+            if not (0 <= min(token_ids) and max(token_ids) < self._vocab_size):
+                # Ids past the tokenizer's vocabulary (a model's padded rows) have no text and
+                # leave the stream as it was when stepped alone: the list goes without them.
+                token_ids = [t for t in token_ids if 0 <= t < self._vocab_size]
+                if not token_ids:
+                    return ""
             try:
                 return stream.step(backend, token_ids) or ""
             except TypeError:  # an older tokenizers: ids one at a time

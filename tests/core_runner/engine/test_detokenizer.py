@@ -158,19 +158,41 @@ def test_without_tokenizer_text_stays_empty() -> None:
     cut=st.integers(0, 3),
     chunk=st.sampled_from([5, 7, 13, 1000]),
     skip=st.booleans(),
+    padded=st.lists(st.integers(0, 60), max_size=3),
 )
 def test_many_tokens_at_once_read_as_one_by_one(
-    tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool
+    tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool, padded: list[int]
 ) -> None:
     """Guards against the one-call path for many tokens (a request's whole output decoded when it
     ends; accepted drafts) giving other text than stepping each token: above all an output that
     ends inside a multi-byte character, whose complete characters before it must still show.
-    `cut` drops the last tokens of the text, often inside a character."""
+    `cut` drops the last tokens of the text, often inside a character; `padded` puts ids past the
+    tokenizer's vocabulary (a model's padded rows, which random weights sample) at those places."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     ids = encode(tokenizer, text)
     ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - cut, 1)]
+    for where in padded:
+        ids.insert(where % (len(ids) + 1), len(tokenizer) + 7)
     one_by_one, _ = stream(make(tokenizer, prompt, skip=skip), ids, chunk=1)
     at_once = make(tokenizer, prompt, skip=skip)
     stream(at_once, ids, chunk)
     assert at_once.output_text == "".join(one_by_one)
     assert at_once.token_ids[-len(ids) :] == ids
+
+
+def test_padded_ids_keep_the_one_call_path(tokenizer, monkeypatch) -> None:
+    """An output holding ids past the tokenizer's vocabulary still goes to the DecodeStream in one
+    call: before, one such id sent the whole list through one call per token."""
+    at_once = make(tokenizer, "hello")
+    if at_once._stream is None:
+        pytest.skip("the python-windows path has no DecodeStream")
+    ids = encode(tokenizer, "the quick brown fox jumps over the lazy dog") * 3
+    ids.insert(5, len(tokenizer) + 7)
+    calls = []
+    real = IncrementalDetokenizer._stream_step
+    monkeypatch.setattr(IncrementalDetokenizer, "_stream_step", lambda self, t: calls.append(t) or real(self, t))
+    at_once.step(ids)
+    assert len(calls) == 4  # the tail only
+    monkeypatch.undo()
+    one_by_one, _ = stream(make(tokenizer, "hello"), ids, chunk=1)
+    assert at_once.output_text == "".join(one_by_one)
