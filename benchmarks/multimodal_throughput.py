@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -192,7 +193,13 @@ def run_alternating(path: str, media: list[dict], text: list[dict], args: argpar
         llm._intake_pool = None
         for pool in pools.values():
             pool.close()
-    return [median_run(r) for r in runs.values()]
+    text_runs = runs.pop("slotrunner, LLaVA text-only (same engine)")
+    for w in counts:  # each repeat's ratio: drift between repeats moves both runs of a repeat alike
+        mm_runs = runs[f"slotrunner, multimodal, {w} intake workers"]
+        ratios = [text[1] / mm[1] for text, mm in zip(text_runs, mm_runs)]
+        print(f"text-only / multimodal with {w} intake workers, repeat by repeat: "
+              f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+    return [median_run(r) for r in runs.values()] + [median_run(text_runs)]
 
 
 def median_run(runs: list[tuple]) -> tuple:
