@@ -8,10 +8,11 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --batch 256 --min-len 100 --max-len 1400
     python benchmarks/attention_kernel.py --batch 256 --min-len 2100 --max-len 2400 --shared-prefix 2048
     python benchmarks/attention_kernel.py --fp8
+    python benchmarks/attention_kernel.py --fp8-sweep
 
 With `--fp8` the default tiles only, over the bf16 cache and the same keys and values rounded
 to a float8 e4m3 cache (kv_cache_dtype="fp8"): time, bytes read per second, and how far the
-outputs are apart.
+outputs are apart. `--fp8-sweep` sweeps the tiles over the float8 cache (keys per tile up to 256).
 
 With `--shared-prefix N` every row's first N keys are one set of blocks (as prefix caching leaves
 requests over one cached prompt): the decode launch alone against the shared-prefix launch plus
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of the decode tile, 128)")
     p.add_argument("--fp8", action="store_true", help="the default tiles over the bf16 cache and its float8 e4m3 copy")
+    p.add_argument("--fp8-sweep", action="store_true", help="the sweep of tiles, warps and stages over the float8 e4m3 cache")
     args = p.parse_args()
     B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
     lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)
@@ -85,7 +87,15 @@ def main() -> None:
             print(f"shared-prefix launch, {stages} stages, + decode launch: {t * 1e3:.3f} ms ({base / t:.2f}x), "
                   f"outputs {'bitwise equal' if same else 'DIFFER'}", flush=True)
         return
-    for tile, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    sweep = itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
+    if args.fp8_sweep:
+        from slotrunner.core_runner.attention.backend import to_cache_dtype
+
+        cache = to_cache_dtype(cache, torch.float8_e4m3fn)
+        kv_bytes //= 2
+        sweep = itertools.product((64, 128, 256), (4, 8), (1, 2, 3, 4))
+        print("float8 e4m3 cache")
+    for tile, warps, stages in sweep:
         backend = TritonBackend(TileConfig(decode_tile_n=tile, num_warps=warps, decode_num_stages=stages))
         for _ in range(3):
             backend.forward(spec, q, k, v, cache, meta)

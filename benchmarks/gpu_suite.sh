@@ -20,7 +20,7 @@
 #
 # Steps: tests, throughput, fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
-# processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine; multimodal-spy: a py-spy profile of the engine's thread, by phase; multimodal-spy-gil: the same counting only samples that hold the GIL; multimodal-workers: the multimodal engine alone with 4 and 8 intake processes; multimodal-alternate: one LLaVA engine alternating 2, 4 and 8 intake processes and the text prompts), spec (spec-long: n-gram at
+# processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine; multimodal-spy: a py-spy profile of the engine's thread, by phase; multimodal-spy-gil: the same counting only samples that hold the GIL; multimodal-workers: the multimodal engine alone with 4 and 8 intake processes; multimodal-alternate: one LLaVA engine alternating 2, 4 and 8 intake processes and the text prompts; multimodal-alternate-8: 8 against the text prompts only, 7 repeats), attention-fp8-sweep (the decode launch's tiles over a float8 cache), spec (spec-long: n-gram at
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
@@ -120,6 +120,9 @@ for s in "${steps[@]}"; do
       run_step multimodal-spy-gil 180 py-spy record --nonblocking --gil --threads -r 200 -f raw -o "$out/mm_spy_gil.txt" -- \
         python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --multimodal-only --pre-read --full-warm-up
       run_step multimodal-spy-gil-phases 30 python3 benchmarks/spy_phases.py "$out/mm_spy_gil.txt" ;;
+    attention-fp8-sweep) run_step attention-fp8-sweep 150 python3 benchmarks/attention_kernel.py --fp8-sweep ;;
+    multimodal-alternate-8)  # one LLaVA engine: the default 8 intake processes against the text prompts, 7 repeats
+      run_step multimodal-alternate-8 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --alternate 8 --repeats 7 ;;
     multimodal-alternate)  # one LLaVA engine: image prompts read by 2, 4 and 8 intake processes, and text prompts, alternating
       run_step multimodal-alternate 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --alternate 2,4,8 --repeats 5 ;;
     multimodal-workers)  # the multimodal engine alone with 4 and 8 intake processes
