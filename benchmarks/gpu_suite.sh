@@ -121,7 +121,7 @@ for s in "${steps[@]}"; do
         python3 benchmarks/multimodal_throughput.py --device cuda --skip-hf --multimodal-only --pre-read --full-warm-up
       run_step multimodal-spy-gil-phases 30 python3 benchmarks/spy_phases.py "$out/mm_spy_gil.txt" ;;
     attention-fp8-sweep) run_step attention-fp8-sweep 150 python3 benchmarks/attention_kernel.py --fp8-sweep ;;
-    multimodal-alternate-8)  # one LLaVA engine: the default 8 intake processes against the text prompts, 7 repeats
+    multimodal-alternate-8)  # one LLaVA engine: the default 8 intake processes against the text prompts (and the LM as a decoder), 7 repeats
       run_step multimodal-alternate-8 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --alternate 8 --repeats 7 ;;
     multimodal-alternate)  # one LLaVA engine: image prompts read by 2, 4 and 8 intake processes, and text prompts, alternating
       run_step multimodal-alternate 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --alternate 2,4,8 --repeats 5 ;;

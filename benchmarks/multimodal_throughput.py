@@ -18,8 +18,8 @@ mean wall time of a step. `--pre-read` adds a row: the multimodal engine again, 
 intake overlapping the steps; `--eager-tower-too` adds the multimodal engine with its vision
 tower launched eagerly instead of replayed as CUDA graphs (model_states/tower_graphs.py), runs
 alternating; `--intake-workers N` sets the workers that read media prompts, `--intake threads|processes` how;
-`--alternate 4,8` times one LLaVA engine only, alternating pools of 4 and 8 intake processes and
-the text prompts in every repeat.
+`--alternate 4,8` times one LLaVA engine, alternating pools of 4 and 8 intake processes and the
+text prompts in every repeat, and the LM as a decoder in a second engine of the same process.
 
 Goals (docs: benchmarks/RESULTS.md): the multimodal run >= 0.85x the text-only run; the LLaVA
 text-only run within 10% of the LM as a decoder.
@@ -152,18 +152,22 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
     return rows
 
 
-def run_alternating(path: str, media: list[dict], text: list[dict], args: argparse.Namespace) -> list[tuple]:
+def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict], args: argparse.Namespace) -> list[tuple]:
     """Rows of `--alternate`: one LLaVA engine, each repeat timing the image prompts read by a
     pool of each worker count in turn (every pool forked and warmed before the clock), then the
-    text prompts of the same lengths."""
+    text prompts of the same lengths; then, in a second engine of the same process, the LM alone
+    as a decoder on those text prompts."""
     from slotrunner import LLM, SamplingParams
     from slotrunner.intake_pool import IntakePool
 
-    llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
-              enable_prefix_caching=False)  # fmt: skip
+    llm, lm = (
+        LLM(p, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+        for p in (path, lm_path)
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm_up(llm, media, params if args.full_warm_up else None)
     warm_up(llm, text, params if args.full_warm_up else None)
+    warm_up(lm, text, params if args.full_warm_up else None)
     state_cls = type(llm.engine.runner.model_state)
     counts = [int(w) for w in args.alternate.split(",")]
     pools = {w: IntakePool(state_cls, llm.engine.intake, w) for w in counts}
@@ -175,11 +179,12 @@ def run_alternating(path: str, media: list[dict], text: list[dict], args: argpar
     sync()
     runs: dict[str, list] = {f"slotrunner, multimodal, {w} intake workers": [] for w in counts}
     runs["slotrunner, LLaVA text-only (same engine)"] = []
+    runs["slotrunner, LM as a decoder (same process)"] = []
 
-    def timed(name: str, prompts: list[dict]) -> None:
-        with step_stats(llm) as stats:
+    def timed(name: str, prompts: list[dict], engine=llm) -> None:
+        with step_stats(engine) as stats:
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = engine.generate(prompts, params, use_tqdm=False)
             sync()
             runs[name].append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
 
@@ -189,17 +194,22 @@ def run_alternating(path: str, media: list[dict], text: list[dict], args: argpar
                 llm._intake_pool = pools[w]
                 timed(f"slotrunner, multimodal, {w} intake workers", media)
             timed("slotrunner, LLaVA text-only (same engine)", text)
+            timed("slotrunner, LM as a decoder (same process)", text, lm)
     finally:
         llm._intake_pool = None
         for pool in pools.values():
             pool.close()
+    lm_runs = runs.pop("slotrunner, LM as a decoder (same process)")
     text_runs = runs.pop("slotrunner, LLaVA text-only (same engine)")
+    ratios = [lm_run[1] / text[1] for text, lm_run in zip(text_runs, lm_runs)]
+    print(f"LM as a decoder / LLaVA text-only, repeat by repeat: {' '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {statistics.median(ratios):.2f})")
     for w in counts:  # each repeat's ratio: drift between repeats moves both runs of a repeat alike
         mm_runs = runs[f"slotrunner, multimodal, {w} intake workers"]
         ratios = [text[1] / mm[1] for text, mm in zip(text_runs, mm_runs)]
         print(f"text-only / multimodal with {w} intake workers, repeat by repeat: "
               f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
-    return [median_run(r) for r in runs.values()] + [median_run(text_runs)]
+    return [median_run(r) for r in runs.values()] + [median_run(text_runs), median_run(lm_runs)]
 
 
 def median_run(runs: list[tuple]) -> tuple:
@@ -331,9 +341,9 @@ def main() -> None:
                    help="also time the multimodal engine on its prompts read beforehand (no intake during the run)")
     p.add_argument("--intake-workers", type=int, default=None, help="workers reading media prompts (the family's default)")
     p.add_argument("--alternate", default=None, metavar="W1,W2,...",
-                   help="one LLaVA engine only, its runs alternating in each repeat: the image prompts read by a pool of "
-                        "each of these numbers of worker processes, then the text prompts -- comparisons that the host's "
-                        "drift between processes does not blur")
+                   help="one LLaVA engine, its runs alternating in each repeat: the image prompts read by a pool of "
+                        "each of these numbers of worker processes, then the text prompts, then the LM as a decoder (a second "
+                        "engine in the process) -- comparisons that the host's drift between processes does not blur")
     p.add_argument("--intake", choices=("threads", "processes"), default=None,
                    help="how media prompts are read (default: processes on CUDA, threads elsewhere; slotrunner/intake_pool.py)")
     p.add_argument("--eager-tower-too", action="store_true",
@@ -359,7 +369,7 @@ def main() -> None:
 
             MultimodalModelState.intake_workers = args.intake_workers
         if args.alternate:
-            rows += run_alternating(str(directory / "llava"), media, text, args)
+            rows += run_alternating(str(directory / "llava"), str(directory / "lm"), media, text, args)
             args.multimodal_only = True
         else:
             rows += run_slotrunner("slotrunner, multimodal", str(directory / "llava"), media, args)
