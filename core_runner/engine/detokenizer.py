@@ -50,6 +50,7 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             self._list_steps = True
             self._vocab_size = self._stream[0].get_vocab_size(with_added_tokens=True)
+            self._silent_ids = _special_ids(self._stream[0]) if skip_special_tokens else frozenset()
             for token_id in prompt_token_ids[self.prefix_offset :]:  # the prompt's last tokens as context
                 self._stream_step(token_id)
 
@@ -68,8 +69,9 @@ class IncrementalDetokenizer:
             # accepted drafts): one call for all but the last few, which go one by one so that
             # the text ends where stepping each would have ended it.
             self.token_ids.extend(new_token_ids)
-            text = self._stream_list(new_token_ids[:-_LIST_TAIL])
-            self.output_text += text + "".join(self._stream_step(t) for t in new_token_ids[-_LIST_TAIL:])
+            tail = self._tail_start(new_token_ids)
+            text = self._stream_list(new_token_ids[:tail]) if tail else ""
+            self.output_text += text + "".join(self._stream_step(t) for t in new_token_ids[tail:])
         else:
             for token_id in new_token_ids:
                 self.token_ids.append(token_id)
@@ -96,11 +98,24 @@ class IncrementalDetokenizer:
         except Exception:  # an id the tokenizer does not know (a padded vocabulary row): no text, as decode gives
             return ""
 
+    def _tail_start(self, token_ids: list[int]) -> int:
+        """Where the ids stepped one by one start: before the last `_LIST_TAIL` that carry text.
+        Ids with none (past the vocabulary; special ones being skipped) do not count, or a list
+        that ends inside a character could be followed by too few bytes to complete it."""
+        count = 0
+        for i in range(len(token_ids) - 1, -1, -1):
+            t = token_ids[i]
+            if 0 <= t < self._vocab_size and t not in self._silent_ids:
+                count += 1
+                if count == _LIST_TAIL:
+                    return i
+        return 0
+
     def _stream_list(self, token_ids: list[int]) -> str:
         """The text of `token_ids` stepped into the stream in one call (tokenizers >= 0.22 take a
         list): ~1 us a token against ~3 stepped one by one. It holds back the whole list's text
-        while the list ends inside a character; the tokens after it (`_LIST_TAIL`, one by one)
-        complete it, as a UTF-8 character spans at most 4 bytes."""
+        while the list ends inside a character; the tokens after it (`_LIST_TAIL` that carry
+        text, one by one) complete it, as a UTF-8 character spans at most 4 bytes."""
         backend, stream = self._stream
         if self._list_steps:
             if not (0 <= min(token_ids) and max(token_ids) < self._vocab_size):
@@ -137,6 +152,14 @@ class IncrementalDetokenizer:
         index, stop_str = best
         self.output_text = self.output_text[: index + len(stop_str) if self.include_stop_str_in_output else index]
         return stop_str
+
+
+def _special_ids(backend: Any) -> frozenset[int]:
+    """Ids of a `tokenizers.Tokenizer`'s special tokens (no text when skipped)."""
+    try:
+        return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    except AttributeError:  # a tokenizers without the table: every added token may be special
+        return frozenset(range(backend.get_vocab_size(with_added_tokens=False), backend.get_vocab_size(with_added_tokens=True)))
 
 
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> tuple[Any, Any] | None:

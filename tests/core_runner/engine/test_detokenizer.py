@@ -158,26 +158,42 @@ def test_without_tokenizer_text_stays_empty() -> None:
     cut=st.integers(0, 3),
     chunk=st.sampled_from([5, 7, 13, 1000]),
     skip=st.booleans(),
-    padded=st.lists(st.integers(0, 60), max_size=3),
+    silent=st.lists(st.tuples(st.integers(0, 60), st.booleans()), max_size=3),
 )
 def test_many_tokens_at_once_read_as_one_by_one(
-    tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool, padded: list[int]
+    tokenizer, prompt: str, text: str, cut: int, chunk: int, skip: bool, silent: list[tuple[int, bool]]
 ) -> None:
     """Guards against the one-call path for many tokens (a request's whole output decoded when it
     ends; accepted drafts) giving other text than stepping each token: above all an output that
     ends inside a multi-byte character, whose complete characters before it must still show.
-    `cut` drops the last tokens of the text, often inside a character; `padded` puts ids past the
-    tokenizer's vocabulary (a model's padded rows, which random weights sample) at those places."""
+    `cut` drops the last tokens of the text, often inside a character; `silent` puts ids with no
+    text at those places: past the tokenizer's vocabulary (a model's padded rows, which random
+    weights sample), or EOS again. Two of them among the last four ids once lost the text of an
+    output ending inside a character: the ids stepped one by one must be four that carry text."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     ids = encode(tokenizer, text)
     ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - cut, 1)]
-    for where in padded:
-        ids.insert(where % (len(ids) + 1), len(tokenizer) + 7)
+    for where, padded in silent:
+        ids.insert(where % (len(ids) + 1), len(tokenizer) + 7 if padded else eos_id)
     one_by_one, _ = stream(make(tokenizer, prompt, skip=skip), ids, chunk=1)
     at_once = make(tokenizer, prompt, skip=skip)
     stream(at_once, ids, chunk)
     assert at_once.output_text == "".join(one_by_one)
     assert at_once.token_ids[-len(ids) :] == ids
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_output_ending_inside_a_character_after_silent_ids(tokenizer, skip: bool) -> None:
+    """The example hypothesis found: an output cut inside a character, two padded ids among its
+    last ids. Its text before the character must show, as stepping each id shows it."""
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    ids = encode(tokenizer, "a日aa")
+    ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - 3, 1)]
+    ids[2:2] = [len(tokenizer) + 7] * 2
+    one_by_one, _ = stream(make(tokenizer, "", skip=skip), ids, chunk=1)
+    at_once = make(tokenizer, "", skip=skip)
+    stream(at_once, ids, 7)
+    assert at_once.output_text == "".join(one_by_one)
 
 
 def test_padded_ids_keep_the_one_call_path(tokenizer, monkeypatch) -> None:
