@@ -9,7 +9,8 @@ from typing import Any
 # together with a few earlier ones, and subtracting their text, keeps the spacing right.
 _INITIAL_PREFIX_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"  # what an incomplete multi-byte UTF-8 sequence decodes to
-_LIST_TAIL = 4  # the last tokens of a step stepped one by one after the rest in one call (`_stream_list`)
+_LIST_TAIL = 4  # a step of more tokens than this goes to the stream in one call (`_stream_list`, `_list_end`)
+_LIST_SEARCH = 8  # points `_list_end` tries, from the end back, before stepping every token
 
 
 class IncrementalDetokenizer:
@@ -50,7 +51,6 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             self._list_steps = True
             self._vocab_size = self._stream[0].get_vocab_size(with_added_tokens=True)
-            self._silent_ids = _special_ids(self._stream[0]) if skip_special_tokens else frozenset()
             for token_id in prompt_token_ids[self.prefix_offset :]:  # the prompt's last tokens as context
                 self._stream_step(token_id)
 
@@ -66,12 +66,13 @@ class IncrementalDetokenizer:
         num_chars_before = len(self.output_text)
         if self._stream is not None and len(new_token_ids) > _LIST_TAIL:
             # Many tokens at once (offline generation decodes a request's output when it ends;
-            # accepted drafts): one call for all but the last few, which go one by one so that
-            # the text ends where stepping each would have ended it.
+            # accepted drafts): one call up to the last point where stepping each would have
+            # shown all the text so far (`_list_end`), the rest one by one, so that the text
+            # ends where stepping each would have ended it.
             self.token_ids.extend(new_token_ids)
-            tail = self._tail_start(new_token_ids)
-            text = self._stream_list(new_token_ids[:tail]) if tail else ""
-            self.output_text += text + "".join(self._stream_step(t) for t in new_token_ids[tail:])
+            end = self._list_end(new_token_ids)
+            text = self._stream_list(new_token_ids[:end]) if end else ""
+            self.output_text += text + "".join(self._stream_step(t) for t in new_token_ids[end:])
         else:
             for token_id in new_token_ids:
                 self.token_ids.append(token_id)
@@ -98,24 +99,33 @@ class IncrementalDetokenizer:
         except Exception:  # an id the tokenizer does not know (a padded vocabulary row): no text, as decode gives
             return ""
 
-    def _tail_start(self, token_ids: list[int]) -> int:
-        """Where the ids stepped one by one start: before the last `_LIST_TAIL` that carry text.
-        Ids with none (past the vocabulary; special ones being skipped) do not count, or a list
-        that ends inside a character could be followed by too few bytes to complete it."""
-        count = 0
-        for i in range(len(token_ids) - 1, -1, -1):
-            t = token_ids[i]
-            if 0 <= t < self._vocab_size and t not in self._silent_ids:
-                count += 1
-                if count == _LIST_TAIL:
-                    return i
+    def _list_end(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` go to the stream in one call: all of them up to a point where
+        stepping them one by one would have shown all their text -- the text of the last four
+        ids there (at least four bytes) ends in a whole character, not in U+FFFD -- found from
+        the end back. The stream holds back a list's whole text while it ends in U+FFFD, which
+        an output that ends inside a character, or holds bytes that are no character (EOS
+        between two of a character's bytes), would never release."""
+        backend = self._stream[0]
+        end = len(token_ids)
+        for _ in range(_LIST_SEARCH):
+            window, i = [], end
+            while i > 0 and len(window) < 4:
+                i -= 1
+                if 0 <= token_ids[i] < self._vocab_size:
+                    window.append(token_ids[i])
+            if not window:
+                return 0
+            text = backend.decode(window[::-1], skip_special_tokens=self.skip_special_tokens)
+            if text and not text.endswith(_REPLACEMENT_CHAR):
+                return end
+            end -= 1
         return 0
 
     def _stream_list(self, token_ids: list[int]) -> str:
         """The text of `token_ids` stepped into the stream in one call (tokenizers >= 0.22 take a
         list): ~1 us a token against ~3 stepped one by one. It holds back the whole list's text
-        while the list ends inside a character; the tokens after it (`_LIST_TAIL` that carry
-        text, one by one) complete it, as a UTF-8 character spans at most 4 bytes."""
+        while the list ends inside a character: `_list_end` cuts lists where none does."""
         backend, stream = self._stream
         if self._list_steps:
             if not (0 <= min(token_ids) and max(token_ids) < self._vocab_size):
@@ -152,14 +162,6 @@ class IncrementalDetokenizer:
         index, stop_str = best
         self.output_text = self.output_text[: index + len(stop_str) if self.include_stop_str_in_output else index]
         return stop_str
-
-
-def _special_ids(backend: Any) -> frozenset[int]:
-    """Ids of a `tokenizers.Tokenizer`'s special tokens (no text when skipped)."""
-    try:
-        return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
-    except AttributeError:  # a tokenizers without the table: every added token may be special
-        return frozenset(range(backend.get_vocab_size(with_added_tokens=False), backend.get_vocab_size(with_added_tokens=True)))
 
 
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> tuple[Any, Any] | None:

@@ -168,8 +168,8 @@ def test_many_tokens_at_once_read_as_one_by_one(
     ends inside a multi-byte character, whose complete characters before it must still show.
     `cut` drops the last tokens of the text, often inside a character; `silent` puts ids with no
     text at those places: past the tokenizer's vocabulary (a model's padded rows, which random
-    weights sample), or EOS again. Two of them among the last four ids once lost the text of an
-    output ending inside a character: the ids stepped one by one must be four that carry text."""
+    weights sample), or EOS again (between two bytes of a character, it leaves bytes that are no
+    character). Outputs that end inside a character after such ids once lost their whole text."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     ids = encode(tokenizer, text)
     ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - cut, 1)]
@@ -183,16 +183,22 @@ def test_many_tokens_at_once_read_as_one_by_one(
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_output_ending_inside_a_character_after_silent_ids(tokenizer, skip: bool) -> None:
-    """The example hypothesis found: an output cut inside a character, two padded ids among its
-    last ids. Its text before the character must show, as stepping each id shows it."""
+@pytest.mark.parametrize(
+    ("text", "cut", "padded_at", "chunk"),
+    [("a日aa", 3, (2, 2), 7), ("aü𝄞𝄞", 1, (), 13)],
+    ids=["padded ids, cut inside a character", "EOS between a character's bytes, cut inside the next"],
+)
+def test_output_ending_inside_a_character(tokenizer, skip: bool, text: str, cut: int, padded_at: tuple, chunk: int) -> None:
+    """The examples hypothesis found (`test_many_tokens_at_once_read_as_one_by_one`'s layout):
+    outputs cut inside a character whose text before it must show, as stepping each id shows it."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    ids = encode(tokenizer, "a日aa")
-    ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - 3, 1)]
-    ids[2:2] = [len(tokenizer) + 7] * 2
+    ids = encode(tokenizer, text)
+    ids = (ids[: len(ids) // 2] + [eos_id] + ids[len(ids) // 2 :])[: max(len(ids) + 1 - cut, 1)]
+    for where in padded_at:
+        ids.insert(where, len(tokenizer) + 7)
     one_by_one, _ = stream(make(tokenizer, "", skip=skip), ids, chunk=1)
     at_once = make(tokenizer, "", skip=skip)
-    stream(at_once, ids, 7)
+    stream(at_once, ids, chunk)
     assert at_once.output_text == "".join(one_by_one)
 
 
@@ -208,7 +214,7 @@ def test_padded_ids_keep_the_one_call_path(tokenizer, monkeypatch) -> None:
     real = IncrementalDetokenizer._stream_step
     monkeypatch.setattr(IncrementalDetokenizer, "_stream_step", lambda self, t: calls.append(t) or real(self, t))
     at_once.step(ids)
-    assert len(calls) == 4  # the tail only
+    assert calls == []  # the output ends in a whole character: all of it in one call
     monkeypatch.undo()
     one_by_one, _ = stream(make(tokenizer, "hello"), ids, chunk=1)
     assert at_once.output_text == "".join(one_by_one)
