@@ -9,8 +9,9 @@ from typing import Any
 # together with a few earlier ones, and subtracting their text, keeps the spacing right.
 _INITIAL_PREFIX_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"  # what an incomplete multi-byte UTF-8 sequence decodes to
-_LIST_TAIL = 4  # a step of more tokens than this goes to the stream in one call (`_stream_list`, `_list_end`)
+_LIST_ABOVE = 4  # a step of more tokens than this goes to the stream in one call (`_stream_list`, `_list_end`)
 _LIST_SEARCH = 8  # points `_list_end` tries, from the end back, before stepping every token
+_MAX_CHAR_BYTES = 4  # a UTF-8 character's bytes at most; a token carries at least one
 
 
 class IncrementalDetokenizer:
@@ -64,15 +65,20 @@ class IncrementalDetokenizer:
             self.token_ids.extend(new_token_ids)
             return None
         num_chars_before = len(self.output_text)
-        if self._stream is not None and len(new_token_ids) > _LIST_TAIL:
+        if self._stream is not None and len(new_token_ids) > _LIST_ABOVE:
             # Many tokens at once (offline generation decodes a request's output when it ends;
             # accepted drafts): one call up to the last point where stepping each would have
             # shown all the text so far (`_list_end`), the rest one by one, so that the text
             # ends where stepping each would have ended it.
             self.token_ids.extend(new_token_ids)
-            end = self._list_end(new_token_ids)
-            text = self._stream_list(new_token_ids[:end]) if end else ""
-            self.output_text += text + "".join(self._stream_step(t) for t in new_token_ids[end:])
+            known = new_token_ids
+            if not (0 <= min(known) and max(known) < self._vocab_size):
+                # Ids past the tokenizer's vocabulary (a model's padded rows) have no text and
+                # leave the stream as it was when stepped alone: the stream goes without them.
+                known = [t for t in known if 0 <= t < self._vocab_size]
+            end = self._list_end(known)
+            text = self._stream_list(known[:end]) if end else ""
+            self.output_text += text + "".join(self._stream_step(t) for t in known[end:])
         else:
             for token_id in new_token_ids:
                 self.token_ids.append(token_id)
@@ -100,26 +106,17 @@ class IncrementalDetokenizer:
             return ""
 
     def _list_end(self, token_ids: list[int]) -> int:
-        """How many of `token_ids` go to the stream in one call: all of them up to a point where
-        stepping them one by one would have shown all their text -- the text of the last four
-        ids there (at least four bytes) ends in a whole character, not in U+FFFD -- found from
-        the end back. The stream holds back a list's whole text while it ends in U+FFFD, which
-        an output that ends inside a character, or holds bytes that are no character (EOS
-        between two of a character's bytes), would never release."""
+        """How many of `token_ids` (ids of the vocabulary) go to the stream in one call: all of
+        them up to a point where stepping them one by one would have shown all their text -- the
+        text of the last ids there (at least `_MAX_CHAR_BYTES` bytes) ends in a whole character,
+        not in U+FFFD -- found from the end back. The stream holds back a list's whole text while
+        it ends in U+FFFD, which an output that ends inside a character, or holds bytes that are
+        no character (EOS between two of a character's bytes), would never release."""
         backend = self._stream[0]
-        end = len(token_ids)
-        for _ in range(_LIST_SEARCH):
-            window, i = [], end
-            while i > 0 and len(window) < 4:
-                i -= 1
-                if 0 <= token_ids[i] < self._vocab_size:
-                    window.append(token_ids[i])
-            if not window:
-                return 0
-            text = backend.decode(window[::-1], skip_special_tokens=self.skip_special_tokens)
+        for end in range(len(token_ids), max(len(token_ids) - _LIST_SEARCH, 0), -1):
+            text = backend.decode(token_ids[max(end - _MAX_CHAR_BYTES, 0) : end], skip_special_tokens=self.skip_special_tokens)
             if text and not text.endswith(_REPLACEMENT_CHAR):
                 return end
-            end -= 1
         return 0
 
     def _stream_list(self, token_ids: list[int]) -> str:
@@ -128,12 +125,6 @@ class IncrementalDetokenizer:
         while the list ends inside a character: `_list_end` cuts lists where none does."""
         backend, stream = self._stream
         if self._list_steps:
-            if not (0 <= min(token_ids) and max(token_ids) < self._vocab_size):
-                # Ids past the tokenizer's vocabulary (a model's padded rows) have no text and
-                # leave the stream as it was when stepped alone: the list goes without them.
-                token_ids = [t for t in token_ids if 0 <= t < self._vocab_size]
-                if not token_ids:
-                    return ""
             try:
                 return stream.step(backend, token_ids) or ""
             except TypeError:  # an older tokenizers: ids one at a time
