@@ -7,8 +7,8 @@ host time under the profiler against ~0.15 s of their kernels), and the GPU wait
 replays those launches in one.
 
 A model offers this through two optional methods beside `encode_media` (models/llava.py):
-`stack_media(items)` -> the items' inputs stacked on the device, [num_items, ...], or None where
-they do not share one shape; `encode_stacked(x)` -> [num_items, tokens, hidden], with
+`stack_media(items)` -> the items' inputs stacked on the device, [num_items, ...] (a model offers
+it only where every item has one input shape); `encode_stacked(x)` -> [num_items, tokens, hidden], with
 `encode_media(items) == list(encode_stacked(stack_media(items)))`.
 
 Items are encoded in chunks of at most `MAX_ITEMS`, graphed or eager alike, so the two paths
