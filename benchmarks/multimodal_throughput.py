@@ -102,15 +102,29 @@ def prompts_for(args: argparse.Namespace, config) -> tuple[list[dict], list[dict
     return media, text
 
 
-def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Namespace) -> list[tuple]:
-    """Rows (name, wall s, tokens, step stats) of one engine: the timed run, and with `--pre-read`
-    and media prompts a second one whose prompts were read (media decoded and preprocessed)
-    beforehand and are added at once: what the run costs without its intake overlapping it."""
+def make_engine(path: str, args: argparse.Namespace):
+    """A slotrunner engine of the benchmark's settings, and the run's sampling parameters."""
     from slotrunner import LLM, SamplingParams
 
     llm = LLM(path, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=False)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    return llm, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+
+def timed_run(llm, prompts: list[dict], params, name: str) -> tuple:
+    """(name, wall s, tokens, step stats) of serving `prompts` once."""
+    with step_stats(llm) as stats:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        return name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats
+
+
+def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Namespace) -> list[tuple]:
+    """Rows (name, wall s, tokens, step stats) of one engine: the timed run, and with `--pre-read`
+    and media prompts a second one whose prompts were read (media decoded and preprocessed)
+    beforehand and are added at once: what the run costs without its intake overlapping it."""
+    llm, params = make_engine(path, args)
     warm_up(llm, prompts, params if args.full_warm_up else None)
     t0 = time.perf_counter()
     read = list(llm._read_prompts(prompts, name_prompts=True))  # what reading the prompts (media) costs, on an idle engine
@@ -119,14 +133,11 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
     runs, pre_read, eager_tower = [], [], []
 
     def timed(runs: list[tuple], name: str) -> None:
-        with step_stats(llm) as stats:
-            if args.profile:
+        if args.profile:
+            with step_stats(llm) as stats:
                 runs.append((name, *profiled(lambda: llm.generate(prompts, params, use_tqdm=False)), stats))
-            else:
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                sync()
-                runs.append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
+        else:
+            runs.append(timed_run(llm, prompts, params, name))
 
     for r in range(args.repeats):
         timed(runs, name)
@@ -157,14 +168,9 @@ def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict]
     pool of each worker count in turn (every pool forked and warmed before the clock), then the
     text prompts of the same lengths; then, in a second engine of the same process, the LM alone
     as a decoder on those text prompts."""
-    from slotrunner import LLM, SamplingParams
     from slotrunner.intake_pool import IntakePool
 
-    llm, lm = (
-        LLM(p, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
-        for p in (path, lm_path)
-    )
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    (llm, params), (lm, _) = make_engine(path, args), make_engine(lm_path, args)
     warm_up(llm, media, params if args.full_warm_up else None)
     warm_up(llm, text, params if args.full_warm_up else None)
     warm_up(lm, text, params if args.full_warm_up else None)
@@ -181,12 +187,8 @@ def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict]
     runs["slotrunner, LLaVA text-only (same engine)"] = []
     runs["slotrunner, LM as a decoder (same process)"] = []
 
-    def timed(name: str, prompts: list[dict], engine=llm) -> None:
-        with step_stats(engine) as stats:
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, params, use_tqdm=False)
-            sync()
-            runs[name].append((name, time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), stats))
+    def timed(name: str, prompts: list[dict], served=llm) -> None:
+        runs[name].append(timed_run(served, prompts, params, name))
 
     try:
         for _ in range(args.repeats):
@@ -201,14 +203,15 @@ def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict]
             pool.close()
     lm_runs = runs.pop("slotrunner, LM as a decoder (same process)")
     text_runs = runs.pop("slotrunner, LLaVA text-only (same engine)")
-    ratios = [lm_run[1] / text[1] for text, lm_run in zip(text_runs, lm_runs)]
-    print(f"LM as a decoder / LLaVA text-only, repeat by repeat: {' '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {statistics.median(ratios):.2f})")
-    for w in counts:  # each repeat's ratio: drift between repeats moves both runs of a repeat alike
-        mm_runs = runs[f"slotrunner, multimodal, {w} intake workers"]
-        ratios = [text[1] / mm[1] for text, mm in zip(text_runs, mm_runs)]
-        print(f"text-only / multimodal with {w} intake workers, repeat by repeat: "
-              f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+
+    def ratios(label: str, over: list[tuple], under: list[tuple]) -> None:
+        """Each repeat's wall ratio: drift between repeats moves both runs of a repeat alike."""
+        r = [a[1] / b[1] for a, b in zip(over, under)]
+        print(f"{label}, repeat by repeat: {' '.join(f'{x:.2f}' for x in r)} (median {statistics.median(r):.2f})")
+
+    ratios("LM as a decoder / LLaVA text-only", lm_runs, text_runs)
+    for w in counts:
+        ratios(f"text-only / multimodal with {w} intake workers", text_runs, runs[f"slotrunner, multimodal, {w} intake workers"])
     return [median_run(r) for r in runs.values()] + [median_run(text_runs), median_run(lm_runs)]
 
 
