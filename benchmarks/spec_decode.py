@@ -13,16 +13,20 @@ are identical (they must be: verification is exact).
     python benchmarks/spec_decode.py --batch-sizes 1 --num-speculative-tokens 8 --repeats 3   # CPU, long drafts
     python benchmarks/spec_decode.py --qwen3-shape        # GPU: Qwen3-0.6B shape, random weights
     python benchmarks/spec_decode.py --draft-model PATH   # a draft model instead of prompt lookup
-    python benchmarks/spec_decode.py --qwen3-shape --prime-tokens 256   # GPU: nearly every draft accepted
+    python benchmarks/spec_decode.py --qwen3-shape --steady-prompts 8   # GPU: nearly every draft accepted
     python benchmarks/spec_decode.py --qwen3-shape --draft-model other --keep-gate   # GPU: steady cost of a useless draft
 
 `--qwen3-shape` builds a random-weight model of Qwen3-0.6B's shape (as benchmarks/throughput.py
 does); random weights do not copy their prompt, so there it measures the cost of verification
 (acceptance near 0) unless `--model` names a real checkpoint. Its greedy output does fall into a
-cycle after a while, which prompt lookup then predicts (about 60% of drafts accepted over 128
-tokens). `--prime-tokens N` appends to each prompt the target's own greedy continuation of N
-tokens (made untimed, before both arms run): the timed output continues text the prompt holds,
-as a copy task does for a real model, and nearly every draft is accepted.
+cycle after a while: runs of one repeated token, which prompt lookup predicts, and switches
+between runs, which it cannot (about 60% of drafts accepted over 128 tokens). `--prime-tokens N`
+appends to each prompt the target's own greedy continuation of N tokens (made untimed, before
+both arms run): the timed output continues text the prompt holds, as a copy task does for a
+real model (65.6% accepted in the runs recorded: the continuation switches runs as often).
+`--steady-prompts P` serves P x batch candidate prompts greedy (untimed) and times the batch
+whose outputs switch token least: the case where nearly every draft is accepted, which shows
+what a verifying step costs against the tokens it yields.
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -85,6 +89,25 @@ def primed(llm, prompts: list[dict], num_tokens: int) -> list[dict]:
     return [{"prompt_token_ids": list(i) + list(o.outputs[0].token_ids)} for i, o in zip(ids, outs)]
 
 
+def steady(llm, batch_size: int, pool: int, max_tokens: int) -> tuple[list[dict], list[int]]:
+    """Of `pool` x `batch_size` candidate prompts (synthetic ids: a model without a tokenizer),
+    the `batch_size` whose greedy outputs of `max_tokens` tokens switch token least, and their
+    switch counts. Chosen by what the model outputs, so that prompt lookup's drafts are nearly all
+    right: the timed figure is then what verification costs per token it yields."""
+    from slotrunner import SamplingParams
+
+    if llm.engine.tokenizer is not None:
+        raise SystemExit("--steady-prompts picks among synthetic prompts: a model without a tokenizer (--qwen3-shape)")
+    candidates = build_prompts(llm, pool * batch_size)
+    outs = llm.generate(candidates, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    switches = []
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        switches.append(sum(a != b for a, b in zip(ids, ids[1:])))
+    best = sorted(range(len(candidates)), key=lambda i: (switches[i], i))[:batch_size]
+    return [candidates[i] for i in best], [switches[i] for i in best]
+
+
 def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True, keep_gate: bool = False):
     """Serve `prompts` once untimed (unless not `warm`: an engine that served them already), then
     time them. The untimed run compiles every kernel the timed one meets (Triton compiles on
@@ -139,6 +162,11 @@ def main() -> None:
              "continues text in the prompt (with --qwen3-shape: the case where nearly every draft is accepted)",
     )  # fmt: skip
     parser.add_argument(
+        "--steady-prompts", type=int, default=0, metavar="P",
+        help="time, of P x batch synthetic prompts served untimed, those whose greedy outputs switch token least "
+             "(--qwen3-shape: the case where nearly every draft is accepted)",
+    )  # fmt: skip
+    parser.add_argument(
         "--keep-gate", action="store_true",
         help="the timed runs go on with the draft gate the untimed run trained (steady serving), not a fresh one (each run pays for its first measurements)",
     )  # fmt: skip
@@ -183,11 +211,16 @@ def main() -> None:
     print(f"model={model or 'SmolLM2-135M-Instruct'} device={base.config.device} dtype={base.config.dtype} "
           f"k={args.num_speculative_tokens} " + (f"draft={args.draft_model}{'' if args.draft_layers is None else f' ({args.draft_layers} layers)'} " if args.draft_model else
           f"n={args.prompt_lookup_min}..{args.prompt_lookup_max} ") + f"max_tokens={args.max_tokens}"
-          + (f" prompts primed with {args.prime_tokens} tokens of the target's own output" if args.prime_tokens else ""))
+          + (f" prompts primed with {args.prime_tokens} tokens of the target's own output" if args.prime_tokens else "")
+          + (f" steady prompts (the fewest switches of {args.steady_prompts} x batch)" if args.steady_prompts else ""))
     print(f"{'batch':>5} {'base ms/tok':>11} {'spec ms/tok':>11} {'base tok/s':>10} {'spec tok/s':>10} {'speedup':>7} "
           f"{'accept':>6} {'tok/step':>8} identical")
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = build_prompts(base, b)
+        if args.steady_prompts:
+            prompts, switches = steady(base, b, args.steady_prompts, args.max_tokens)
+            print(f"      {b} of {args.steady_prompts * b} prompts, whose outputs switch token {sum(switches)} times in all "
+                  f"({switches[:8]}{' ...' if b > 8 else ''})")
         if args.prime_tokens:
             prompts = primed(base, prompts, args.prime_tokens)
         # Each timed run starts with a fresh draft gate (core_runner/engine/draft_gate.py): it
