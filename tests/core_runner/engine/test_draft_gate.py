@@ -70,6 +70,19 @@ def test_a_draft_model_warms_up_briefly():
     assert len(probes) <= 2 and all(b - a >= PROBE_LEN[True] * 4 / PROBE_BUDGET for a, b in zip(probes, probes[1:])), probes
 
 
+def test_a_draft_model_whose_first_step_paused_gets_its_drafts_back():
+    """Its warm-up is one measured step: a pause in that step (a collection, a compile) turns a
+    useful draft model off, and a probe must bring it back. An arm measured 40x as costly is
+    probed after MAX_PROBE_EVERY decisions (the probe budget); two warm-up steps did no better,
+    since the first, unbounded figure kept 70% of the average after the second."""
+    gate, state = DraftGate("draft_model"), {"proposed": True}
+    gate.observe(True, 40 * 0.5 * 10, 10)  # the warm-up step, paused: 40x its real cost
+    state["proposed"] = gate.want_drafts()
+    later = run(gate, cost_on=0.5, cost_off=1.0, steps=MIN_STEPS + MAX_PROBE_EVERY + 16, state=state)
+    assert not all(later), "the paused step should have turned drafts off first"
+    assert all(later[-8:]), later
+
+
 def test_drafts_kept_when_cheaper_or_nearly_as_cheap():
     for cost_on in (0.5, 1.0 + MARGIN / 2):
         gate = DraftGate()
