@@ -91,3 +91,32 @@ def test_verify_reference_counts_by_hand():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_verify_kernel_matches_reference_on_gpu():
     _check_verify_kernel("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verify_kernel_compiles_once_whatever_the_steps_draft_count():
+    """A step's largest draft count varies (rows near max_tokens get fewer): the kernel's tile
+    follows the engine's draft width, so no step compiles a variant mid-run."""
+    from slotrunner.core_runner.runner.sampled_token_kernels import VerifyOutputs, verify_and_update
+    from slotrunner.core_runner.triton_utils import compiles_counted
+
+    k, dev = 4, torch.device("cuda")
+    out = VerifyOutputs(3, k, dev)
+    draft_tokens = torch.randint(0, 9, (SLOTS, k), device=dev)
+    token_ids, last = torch.zeros(SLOTS, MAX_MODEL_LEN, dtype=torch.int64, device=dev), torch.zeros(SLOTS, dtype=torch.int64, device=dev)
+
+    def step(max_draft: int) -> None:
+        num_draft = torch.full((3,), max_draft, dtype=torch.int32, device=dev)
+        cu = torch.arange(4, dtype=torch.int32, device=dev) * (1 + max_draft)
+        ones = torch.ones(3, dtype=torch.int32, device=dev)
+        verify_and_update(
+            torch.randint(0, 9, (3 * (1 + max_draft),), device=dev), draft_tokens, torch.arange(3, dtype=torch.int32, device=dev),
+            num_draft, cu, ones, ones * 10, torch.ones(3, dtype=torch.bool, device=dev), token_ids, last, max_draft, None, out,
+        )  # fmt: skip
+
+    step(k)
+    with compiles_counted() as compiled:
+        for max_draft in range(1, k):
+            step(max_draft)
+        torch.cuda.synchronize()
+    assert not compiled, compiled
