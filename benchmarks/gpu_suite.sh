@@ -24,7 +24,7 @@
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
 # draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek, latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
-# of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
+# of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), launch-ab (that host time with cached Triton launches against
 # Triton's dispatch, three alternating pairs), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
@@ -135,6 +135,7 @@ for s in "${steps[@]}"; do
       run_step multimodal-threads 240 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up --skip-hf --pre-read --intake threads --repeats 3 ;;
     skinny) run_step skinny 240 python3 benchmarks/skinny_gemm.py --device cuda --sweep ;;
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
+    spec-phases-steady) run_step spec-phases-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --steady-prompts 8 --phases ;;
     spec-steady) run_step spec-ngram-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --steady-prompts 8 --repeats 3 ;;
     spec-ngram) run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3 ;;
     spec-phases) run_step spec-phases 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1,16 --phases ;;
