@@ -19,9 +19,9 @@ drafts, or use drafts without proposing, and would mislead both averages.
 
 Drafts run unconditionally for the first `WARMUP[method]` measured steps with drafts (prompt
 lookup finds matches only once the text repeats; a draft model's worth shows at once), or for
-`WARMUP[method]` decisions if no step carried drafts by then (text where prompt lookup finds
-nothing: proposing keeps each step synchronous under async scheduling, for nothing); then a
-few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN[arm]`
+`WARMUP_DECISIONS` decisions if no step with drafts was measured by then (text where prompt
+lookup finds nothing: proposing keeps each step synchronous under async scheduling, for
+nothing); then a few steps go without, to measure; then the arm not chosen is probed for `PROBE_LEN[arm]`
 decisions, first after `PROBE_EVERY` decisions, then after twice as many each time the probe confirms the
 choice (up to `MAX_PROBE_EVERY`), and never more often than keeps the probes' extra cost under
 `PROBE_BUDGET` of the time (an arm that costs r times the chosen one is probed at most every
@@ -36,10 +36,15 @@ from __future__ import annotations
 
 # Measured steps with drafts before the gate may withhold them. A draft model's step with drafts
 # costs its k forwards whatever is accepted (7.9 ms against a 1.1 ms step without: a draft of
-# Qwen3-0.6B's shape, other weights than its target's, one H100): one measures it, and each more cost a fresh engine
-# ~5% of a 128-token request when the draft is useless. A misleading first figure (a pause) is
-# replaced by the probe PROBE_EVERY decisions later.
+# Qwen3-0.6B's shape, other weights than its target's, one H100): one measures it, and each more
+# cost a fresh engine ~5% of a 128-token request when the draft is useless.
 WARMUP = {"ngram": 32, "draft_model": 1}
+# Decisions after which the warm-up ends if no step with drafts was measured by then: prompt
+# lookup that finds nothing (proposing keeps each step synchronous under async scheduling, for
+# nothing). Prefill steps ask too -- they propose, carry nothing and are not measured -- so this
+# is not WARMUP: a long prompt's chunks would use up a draft model's single warm-up decision
+# before its first decode step.
+WARMUP_DECISIONS = 32
 MIN_STEPS = 3  # steps measured without drafts before that figure counts
 PROBE_EVERY = 8  # decisions before the first probe of the arm not chosen
 MAX_PROBE_EVERY = 256  # the longest interval between probes
@@ -79,7 +84,7 @@ class DraftGate:
     def want_drafts(self) -> bool:
         """Whether the step after the one being scheduled should carry drafts."""
         self._decisions += 1
-        if self._steps[True] < self.warmup and (self._steps[True] or self._decisions <= self.warmup):
+        if self._steps[True] < self.warmup and (self._steps[True] or self._decisions <= WARMUP_DECISIONS):
             return True
         if self._steps[False] < MIN_STEPS:
             return False

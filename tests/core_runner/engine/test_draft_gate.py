@@ -11,7 +11,8 @@ turning drafts off (the margin favours them).
 from __future__ import annotations
 
 from slotrunner.core_runner.engine.draft_gate import (
-    DECAY, MARGIN, MAX_PROBE_EVERY, MIN_STEPS, OUTLIER, PROBE_BUDGET, PROBE_EVERY, PROBE_LEN, WARMUP, DraftGate,
+    DECAY, MARGIN, MAX_PROBE_EVERY, MIN_STEPS, OUTLIER, PROBE_BUDGET, PROBE_EVERY, PROBE_LEN, WARMUP, WARMUP_DECISIONS,
+    DraftGate,
 )  # fmt: skip
 
 
@@ -68,6 +69,22 @@ def test_a_draft_model_warms_up_briefly():
     probes = [i for i in range(first_off + 1, len(d)) if d[i] and not d[i - 1]]
     # Each probe of an arm 5x as costly costs 2 x 4 steps' time: at most every 160 decisions.
     assert len(probes) <= 2 and all(b - a >= PROBE_LEN[True] * 4 / PROBE_BUDGET for a, b in zip(probes, probes[1:])), probes
+
+
+def test_the_warm_up_survives_prefill_steps():
+    """The first decisions are asked while scheduling prefill steps, which propose, carry no
+    drafts and are not measured (a long prompt takes several chunks). Guards against a warm-up
+    counted in decisions that those use up: a draft model's single warm-up step then never
+    came, and drafts went off unmeasured -- a useful draft model's too, for up to MAX_PROBE_EVERY
+    decisions (seen on one H100: a fresh gate measured no step with drafts)."""
+    for method in WARMUP:
+        gate = DraftGate(method)
+        for _ in range(5):  # five prefill chunks
+            assert gate.want_drafts()
+        run(gate, cost_on=5.0, cost_off=1.0, steps=WARMUP[method] + 20)
+        assert gate._steps[True] == WARMUP[method], (method, gate.totals)
+    gate = DraftGate("draft_model")  # nothing measured in WARMUP_DECISIONS decisions: the warm-up is over
+    assert all(gate.want_drafts() for _ in range(WARMUP_DECISIONS)) and not gate.want_drafts()
 
 
 def test_a_draft_model_whose_first_step_paused_gets_its_drafts_back():
