@@ -74,3 +74,24 @@ def test_draft_gate_skips_a_step_whose_successor_proposes() -> None:
     settle(second, TOKEN_BASE + 2)  # launched after 'proposing' was: not counted
     settle(proposing, TOKEN_BASE + 3)
     assert observed == [False]
+
+
+def test_a_draft_models_warm_up_is_measured_after_a_chunked_prefill() -> None:
+    """Guards against: the gate's warm-up ended by the decisions of the prompt's prefill chunks
+    (each asks the gate; none carries drafts or is measured), so that drafts went off before any
+    step with them was measured -- a useful draft model with them. With the real gate and a
+    prompt in three chunks, a step with drafts is measured before the gate decides."""
+    from slotrunner.core_runner.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="draft")
+    sched = Scheduler(make_config(speculative_config=spec, max_model_len=128))
+    sched.add_request(make_request("r", 70, max_tokens=40, ignore_eos=True))
+    token = TOKEN_BASE
+    for _ in range(12):
+        out = sched.schedule()
+        drafts = out.num_draft_tokens.get("r", 0)
+        request = sched._requests["r"]
+        sampled = [] if request.num_computed_tokens < request.num_tokens else list(range(token, token + 1 + drafts))
+        token += len(sampled)
+        sched.update(out, ModelRunnerOutput(["r"], [sampled], num_draft_tokens=[2 if out.propose_drafts else 0]))
+    assert sched.draft_gate.totals[True][1] >= 1, sched.draft_gate.totals  # steps with drafts measured
