@@ -94,6 +94,7 @@ for s in "${steps[@]}"; do
     multimodal) run_step multimodal 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up ;;
     spec)
       run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3
+      run_step spec-ngram-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --steady-prompts 8 --repeats 3
       run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same
       run_step spec-draft-other 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other ;;
     qwen3next) run_step qwen3next 160 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 4 ;;
