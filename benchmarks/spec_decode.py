@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument(
         "--prime-tokens", type=int, default=0,
         help="append to each prompt the target's own greedy continuation of this many tokens: the output then "
-             "continues text in the prompt (with --qwen3-shape: the case where nearly every draft is accepted)",
+             "continues text in the prompt (with --qwen3-shape it switches runs as often as without: see --steady-prompts)",
     )  # fmt: skip
     parser.add_argument(
         "--steady-prompts", type=int, default=0, metavar="P",
