@@ -163,6 +163,10 @@ def run_slotrunner(name: str, path: str, prompts: list[dict], args: argparse.Nam
     return rows
 
 
+TEXT_RUN = "slotrunner, LLaVA text-only (same engine)"  # run_alternating's rows
+LM_RUN = "slotrunner, LM as a decoder (same process)"
+
+
 def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict], args: argparse.Namespace) -> list[tuple]:
     """Rows of `--alternate`: one LLaVA engine, each repeat timing the image prompts read by a
     pool of each worker count in turn (every pool forked and warmed before the clock), then the
@@ -184,8 +188,8 @@ def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict]
         args.intake_s = time.perf_counter() - t0
     sync()
     runs: dict[str, list] = {f"slotrunner, multimodal, {w} intake workers": [] for w in counts}
-    runs["slotrunner, LLaVA text-only (same engine)"] = []
-    runs["slotrunner, LM as a decoder (same process)"] = []
+    runs[TEXT_RUN] = []
+    runs[LM_RUN] = []
 
     def timed(name: str, prompts: list[dict], served=llm) -> None:
         runs[name].append(timed_run(served, prompts, params, name))
@@ -195,14 +199,14 @@ def run_alternating(path: str, lm_path: str, media: list[dict], text: list[dict]
             for w in counts:
                 llm._intake_pool = pools[w]
                 timed(f"slotrunner, multimodal, {w} intake workers", media)
-            timed("slotrunner, LLaVA text-only (same engine)", text)
-            timed("slotrunner, LM as a decoder (same process)", text, lm)
+            timed(TEXT_RUN, text)
+            timed(LM_RUN, text, lm)
     finally:
         llm._intake_pool = None
         for pool in pools.values():
             pool.close()
-    lm_runs = runs.pop("slotrunner, LM as a decoder (same process)")
-    text_runs = runs.pop("slotrunner, LLaVA text-only (same engine)")
+    lm_runs = runs.pop(LM_RUN)
+    text_runs = runs.pop(TEXT_RUN)
 
     def ratios(label: str, over: list[tuple], under: list[tuple]) -> None:
         """Each repeat's wall ratio: drift between repeats moves both runs of a repeat alike."""

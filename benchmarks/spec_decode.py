@@ -82,11 +82,16 @@ def build_prompts(llm, batch_size: int) -> list[dict]:
 
 def primed(llm, prompts: list[dict], num_tokens: int) -> list[dict]:
     """Each prompt followed by the model's own greedy continuation of `num_tokens` tokens."""
+    outs = greedy(llm, prompts, num_tokens)
+    return [{"prompt_token_ids": list(p["prompt_token_ids"]) + list(o)} for p, o in zip(prompts, outs)]
+
+
+def greedy(llm, prompts: list[dict], num_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy output of `num_tokens` tokens (EOS ignored), served untimed."""
     from slotrunner import SamplingParams
 
-    ids = [p["prompt_token_ids"] for p in prompts]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True), use_tqdm=False)
-    return [{"prompt_token_ids": list(i) + list(o.outputs[0].token_ids)} for i, o in zip(ids, outs)]
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def steady(llm, batch_size: int, pool: int, max_tokens: int) -> tuple[list[dict], list[int]]:
@@ -94,16 +99,10 @@ def steady(llm, batch_size: int, pool: int, max_tokens: int) -> tuple[list[dict]
     the `batch_size` whose greedy outputs of `max_tokens` tokens switch token least, and their
     switch counts. Chosen by what the model outputs, so that prompt lookup's drafts are nearly all
     right: the timed figure is then what verification costs per token it yields."""
-    from slotrunner import SamplingParams
-
     if llm.engine.tokenizer is not None:
         raise SystemExit("--steady-prompts picks among synthetic prompts: a model without a tokenizer (--qwen3-shape)")
     candidates = build_prompts(llm, pool * batch_size)
-    outs = llm.generate(candidates, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    switches = []
-    for o in outs:
-        ids = o.outputs[0].token_ids
-        switches.append(sum(a != b for a, b in zip(ids, ids[1:])))
+    switches = [sum(a != b for a, b in zip(ids, ids[1:])) for ids in greedy(llm, candidates, max_tokens)]
     best = sorted(range(len(candidates)), key=lambda i: (switches[i], i))[:batch_size]
     return [candidates[i] for i in best], [switches[i] for i in best]
 

@@ -35,9 +35,9 @@ step computes.
 from __future__ import annotations
 
 # Measured steps with drafts before the gate may withhold them. A draft model's step with drafts
-# costs its k forwards whatever is accepted (7.9 ms against a 1.1 ms step without: a draft of
-# Qwen3-0.6B's shape, other weights than its target's, one H100): one measures it, and each more
-# cost a fresh engine ~5% of a 128-token request when the draft is useless.
+# costs its k forwards whatever is accepted (7.9 ms against a 1.1 ms step without: a 0.6B draft
+# as large as its target, other weights, one H100): one measures it, and each more cost a fresh
+# engine ~5% of a 128-token request when the draft is useless.
 WARMUP = {"ngram": 32, "draft_model": 1}
 # Decisions after which the warm-up ends if no step with drafts was measured by then: prompt
 # lookup that finds nothing (proposing keeps each step synchronous under async scheduling, for
