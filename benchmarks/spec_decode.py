@@ -107,6 +107,26 @@ def steady(llm, batch_size: int, pool: int, max_tokens: int) -> tuple[list[dict]
     return [candidates[i] for i in best], [switches[i] for i in best]
 
 
+class AlwaysDrafts:
+    """A draft gate that schedules drafts on every step (`--always-draft`): what a step with
+    drafts costs, whatever they are worth. Measures as DraftGate does, for its totals."""
+
+    def __init__(self, method: str) -> None:
+        from slotrunner.core_runner.engine.draft_gate import DraftGate
+
+        self._gate = DraftGate(method)
+        self.observe = self._gate.observe
+
+    def want_drafts(self) -> bool:
+        return True
+
+    costs = property(lambda self: self._gate.costs)
+    totals = property(lambda self: self._gate.totals)
+
+
+GATE = {"gate": None}  # main() sets the gate class the speculating runs use
+
+
 def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True, keep_gate: bool = False):
     """Serve `prompts` once untimed (unless not `warm`: an engine that served them already), then
     time them. The untimed run compiles every kernel the timed one meets (Triton compiles on
@@ -118,13 +138,15 @@ def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = T
     from slotrunner.core_runner.engine.draft_gate import DraftGate
     from slotrunner.core_runner.triton_utils import compiles_counted
 
+    gate_class = GATE["gate"] or DraftGate
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if method is not None and keep_gate and warm:
-        llm.engine.scheduler.draft_gate = DraftGate(method)
+        llm.engine.scheduler.draft_gate = gate_class(method)
     if warm:
         llm.generate(prompts, params, use_tqdm=False)
     if method is not None and not keep_gate:
-        llm.engine.scheduler.draft_gate = DraftGate(method)
+        llm.engine.scheduler.draft_gate = gate_class(method)
     with compiles_counted() as compiled:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -170,6 +192,11 @@ def main() -> None:
         help="the timed runs go on with the draft gate the untimed run trained (steady serving), not a fresh one (each run pays for its first measurements)",
     )  # fmt: skip
     parser.add_argument(
+        "--always-draft", action="store_true",
+        help="every step carries drafts, the draft gate aside: what a step with drafts costs (with --phases: where "
+             "it goes), however few are accepted",
+    )  # fmt: skip
+    parser.add_argument(
         "--repeats", type=int, default=1,
         help="timed runs of each arm, alternating (the table shows the medians): a host's speed moves between runs",
     )  # fmt: skip
@@ -180,6 +207,8 @@ def main() -> None:
              "kernel time per step under the torch profiler",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.always_draft:
+        GATE["gate"] = AlwaysDrafts
 
     from slotrunner import LLM
 
