@@ -333,7 +333,8 @@ class ModelRunner:
         """The token the sampler picks from `logits` [rows, vocab] for the given slots at the given
         positions, as it would for the target there (ProposeInputs.sample)."""
         num_output_np = positions_np - self.req_state.prompt_len_np[slots_np]
-        positions = torch.from_numpy(positions_np).to(self.device, non_blocking=True)
+        # Copied to the device only where a row samples with noise (greedy picks need none).
+        positions = lambda: torch.from_numpy(positions_np).to(self.device, non_blocking=True)  # noqa: E731
         return self._sample(slots_np, num_output_np, positions, logits).sampled
 
     def _sample(

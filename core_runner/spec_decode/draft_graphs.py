@@ -104,7 +104,7 @@ class DraftDecodeGraphs:
         input_ids: torch.Tensor,  # [tokens] int64, the rows' queries one after another
         positions: torch.Tensor,  # [tokens] int64
         query_start_loc_np: np.ndarray,  # [rows + 1] where each row's query starts in the tokens
-        seq_lens: torch.Tensor,  # [rows] int32, each row's KV length after the forward
+        seq_lens: torch.Tensor,  # [rows] int32 or int64, each row's KV length after the forward
         block_tables: torch.Tensor,  # [rows, max_blocks] int32
         slot_mapping: torch.Tensor,  # [tokens] int64
     ) -> torch.Tensor:  # [tokens, hidden]

@@ -86,12 +86,12 @@ class DraftModelSpeculator(Speculator):
         rows = np.flatnonzero(known > start)
         with torch.inference_mode():
             if rows.size:
-                hidden, last = self._forward(inputs, rows, start[rows], known[rows])
+                hidden, last, _ = self._forward(inputs, rows, start[rows], known[rows])
                 self._known[slots[rows]] = known[rows]
                 picked = count[rows] > 0
                 if picked.any():
                     # [rows proposing] draft 1, from the hidden state at each row's last known token
-                    hidden = hidden.index_select(0, torch.from_numpy(last[picked]).to(device))
+                    hidden = hidden.index_select(0, torch.from_numpy(last[picked]).to(device, non_blocking=True))
                     tokens = self._pick(inputs, rows[picked], known[rows[picked]], hidden)
                     self._propose_rest(inputs, rows[picked], known[rows[picked]], count[rows[picked]], tokens, draft_tokens)
             num_draft[:num_reqs].copy_(torch.from_numpy(count.astype(np.int32)).to(device, non_blocking=True))
@@ -106,16 +106,19 @@ class DraftModelSpeculator(Speculator):
         draft_tokens: torch.Tensor,  # [slots, k] int64, written
     ) -> None:
         """Store draft 1, then feed draft i at position known + i - 1 for drafts 2..count."""
-        slots = torch.from_numpy(inputs.idx_mapping_np[rows]).to(draft_tokens.device)
+        device = draft_tokens.device
+        # Host-to-device copies here and below are non-blocking: a blocking one waits for every
+        # kernel queued before it, and the host then launches nothing while the GPU drains.
+        slots = torch.from_numpy(inputs.idx_mapping_np[rows]).to(device, non_blocking=True)
         draft_tokens[slots, 0] = tokens
         for i in range(1, int(count.max())):
             keep = count > i  # rows that still want draft i + 1
             if not keep.all():
                 rows, known, count = rows[keep], known[keep], count[keep]
-                index = torch.from_numpy(np.flatnonzero(keep)).to(draft_tokens.device)
-                tokens, slots = tokens.index_select(0, index), slots.index_select(0, index)
+                index = torch.from_numpy(np.flatnonzero(keep)).to(device, non_blocking=True)
+                tokens = tokens.index_select(0, index)
             position = known + i - 1
-            hidden = self._forward(inputs, rows, position, position + 1, tokens)[0]
+            hidden, _, slots = self._forward(inputs, rows, position, position + 1, tokens)
             tokens = self._pick(inputs, rows, position + 1, hidden)
             draft_tokens[slots, i] = tokens
 
@@ -130,11 +133,11 @@ class DraftModelSpeculator(Speculator):
         begin: np.ndarray,  # [n] first position each row computes
         end: np.ndarray,  # [n] one past its last (its KV length after this forward)
         input_ids: torch.Tensor | None = None,  # [sum(end - begin)] int64; None: read from the history
-    ) -> tuple[torch.Tensor, np.ndarray]:
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         """Run the draft over positions [begin, end) of each row's slot, writing its KV through
         the target's block table: replayed from the draft's CUDA graphs where the rows fit
-        them, else eagerly. Returns the hidden states [num_tokens, hidden] and the index of
-        each row's last token in them [n]."""
+        them, else eagerly. Returns the hidden states [num_tokens, hidden], the index of each
+        row's last token in them [n], and the rows' slots on the device [n] int64."""
         device = inputs.token_ids.device
         num_q = end - begin
         query_start_loc_np = np.zeros(rows.size + 1, dtype=np.int32)
@@ -143,25 +146,28 @@ class DraftModelSpeculator(Speculator):
         slots_np = inputs.idx_mapping_np[rows]
         token_slot_np = np.repeat(slots_np, num_q)
         positions_np = np.repeat(begin - query_start_loc_np[:-1], num_q) + np.arange(num_tokens)
-        token_slot = torch.from_numpy(token_slot_np).to(device, non_blocking=True)
-        positions = torch.from_numpy(positions_np).to(device, non_blocking=True)
+        # One copy to the device for the four index arrays (a draft step runs k forwards, each
+        # copy costs the host tens of microseconds): token slots, positions, KV lengths, row slots.
+        packed = np.concatenate((token_slot_np, positions_np, end, slots_np)).astype(np.int64, copy=False)
+        token_slot, positions, seq_lens, row_slots = torch.from_numpy(packed).to(device, non_blocking=True).split(
+            (num_tokens, num_tokens, rows.size, rows.size)
+        )
         if input_ids is None:
             input_ids = inputs.token_ids[token_slot, positions]
         table = inputs.block_table
         slot_mapping = self._cache_slots(table, token_slot, positions)
-        block_tables = table.index_select(0, torch.from_numpy(slots_np).to(device, non_blocking=True))
-        seq_lens_np = end.astype(np.int32)
-        seq_lens = torch.from_numpy(seq_lens_np).to(device, non_blocking=True)
+        block_tables = table.index_select(0, row_slots)
         last = query_start_loc_np[1:] - 1
         if self.graphs is not None and self.graphs.fits(rows.size, num_q):
             hidden = self.graphs.run(input_ids, positions, query_start_loc_np, seq_lens, block_tables, slot_mapping)
-            return hidden, last
+            return hidden, last, row_slots
+        seq_lens_np = end.astype(np.int32)
         meta = AttentionMetadata(
             num_reqs=int(rows.size),
             num_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(query_start_loc_np).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc_np).to(device, non_blocking=True),
             query_start_loc_np=query_start_loc_np,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens.int(),
             seq_lens_np=seq_lens_np,
             max_query_len=int(num_q.max()),
             max_seq_len=int(seq_lens_np.max()),
@@ -170,7 +176,7 @@ class DraftModelSpeculator(Speculator):
         )
         with forward_context(ForwardContext(self.attn_backend, meta)):
             hidden = self.model(input_ids, positions, inputs_embeds=None)
-        return hidden, last
+        return hidden, last, row_slots
 
     def _pick(
         self,
