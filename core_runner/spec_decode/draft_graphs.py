@@ -11,8 +11,10 @@ down. Both kinds are captured once per padded batch size, like the target's deco
 prompt (or a chunk of it) at the next of those token counts -- the draft's share of a new
 request, which run eagerly cost about what the target's eager prefill does (tens of ms on one
 H200), a fixed cost that a speculating engine paid on every prompt even when its drafts were
-never accepted. Every input a graph reads lives in buffers of this class, rewritten in
-place before each replay. A row shorter than its graph's query length leaves the rest as
+never accepted -- and of several rows' prompts at once (the prompts a batch of requests arrives
+with: `PROMPT_GRAPH_ROWS` rows of up to one of those counts each, `PROMPT_GRAPH_TOKENS` tokens
+in all). Every input a graph reads lives in buffers of this class, rewritten in place before
+each replay. A row shorter than its graph's query length leaves the rest as
 padding: the kernels read each row's real query length from `query_start_loc` (host-side sizes
 are upper bounds), and padding tokens have slot -1; padding rows have an empty query and
 seq_len 0, so the attention kernels write and read nothing for them.
@@ -29,6 +31,13 @@ from torch import nn
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 
+# Several rows' catch-up over their prompts replays a graph of the next of these row counts (padding
+# rows empty) and the next prefill length per row, where rows x length stays within the token
+# bound: past it a forward's own GPU time outweighs the host's launches, and each key is one
+# more capture at start-up.
+PROMPT_GRAPH_ROWS = (2, 4, 8, 16, 32)
+PROMPT_GRAPH_TOKENS = 2048
+
 
 class DraftDecodeGraphs:
     def __init__(
@@ -41,17 +50,21 @@ class DraftDecodeGraphs:
         max_model_len: int,
         device: torch.device,
         catch_up_len: int = 1,  # > 1: also capture catch-up forwards of up to this many tokens a row
-        prefill_lens: tuple[int, ...] = (),  # also capture one row's catch-up at these token counts
+        prefill_lens: tuple[int, ...] = (),  # also capture rows' catch-up over prompts at these token counts a row
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.sizes = sorted({s for s in capture_sizes if 1 <= s <= max_rows})
         self.query_lens = (1, catch_up_len) if catch_up_len > 1 else (1,)
         self.catch_up_len = catch_up_len
-        # One row alone over more tokens than a decode row's catch-up (a prompt); only where one row is a captured size.
+        # Rows over more tokens than a decode row's catch-up (prompts): one row alone where one row
+        # is a captured size, and PROMPT_GRAPH_ROWS rows within PROMPT_GRAPH_TOKENS.
         self.prefill_lens = sorted(t for t in set(prefill_lens) if t > max(self.query_lens)) if 1 in self.sizes else []
+        several = {(n, t) for n in PROMPT_GRAPH_ROWS if n <= max_rows for t in self.prefill_lens if n * t <= PROMPT_GRAPH_TOKENS}
+        self.prompt_keys = {(1, t) for t in self.prefill_lens} | several
+        self.prompt_rows = sorted({n for n, _ in several})
         self.max_model_len = max_model_len
-        max_tokens = max([max_rows * max(self.query_lens)] + self.prefill_lens)
+        max_tokens = max([max_rows * max(self.query_lens)] + [n * t for n, t in self.prompt_keys])
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -85,7 +98,7 @@ class DraftDecodeGraphs:
         self.query_start_loc.zero_()
         self.slot_mapping.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
-        keys = [(n, q) for n in self.sizes for q in self.query_lens] + [(1, t) for t in self.prefill_lens]
+        keys = [(n, q) for n in self.sizes for q in self.query_lens] + sorted(self.prompt_keys)
         for n, q in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):
             self._forward(n, q)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize()
@@ -108,9 +121,9 @@ class DraftDecodeGraphs:
         block_tables: torch.Tensor,  # [rows, max_blocks] int32
         slot_mapping: torch.Tensor,  # [tokens] int64
     ) -> torch.Tensor:  # [tokens, hidden]
-        """The draft's forward over rows of at most `catch_up_len` tokens, or one row of at most
-        the longest of `prefill_lens`, through the graph of the next captured size and query
-        length."""
+        """The draft's forward over rows of at most `catch_up_len` tokens, or over prompts (one
+        row, or up to PROMPT_GRAPH_ROWS rows, of at most the longest of `prefill_lens` each),
+        through the graph of the next captured size and query length."""
         rows, tokens = query_start_loc_np.shape[0] - 1, input_ids.shape[0]
         q_max = int(np.diff(query_start_loc_np).max())
         graph = self._graph_for(rows, q_max)
@@ -135,7 +148,10 @@ class DraftDecodeGraphs:
 
     def _graph_for(self, rows: int, q_max: int) -> tuple[int, int] | None:
         """(rows, tokens a row) of the graph that rows of up to q_max tokens replay, or None."""
-        n = self.padded_size(rows)
-        lens = self.query_lens if q_max <= max(self.query_lens) or rows > 1 else self.prefill_lens
-        q = next((q for q in lens if q >= q_max), None)
-        return None if n is None or q is None else (n, q)
+        if q_max <= max(self.query_lens):
+            n = self.padded_size(rows)
+            q = next(q for q in self.query_lens if q >= q_max)
+            return None if n is None else (n, q)
+        n = 1 if rows == 1 else next((n for n in self.prompt_rows if n >= rows), None)
+        t = next((t for t in self.prefill_lens if t >= q_max), None)
+        return (n, t) if (n, t) in self.prompt_keys else None

@@ -1,7 +1,7 @@
 """DraftDecodeGraphs: the draft model's forwards through persistent buffers, as a CUDA-graph
 replay runs them (on the CPU, the forward runs over the buffers instead of a replay): the
-one-token forwards of drafts 2..k, the catch-up forwards of up to k + 1 tokens a row, and one
-row's catch-up over its prompt at the next captured token count.
+one-token forwards of drafts 2..k, the catch-up forwards of up to k + 1 tokens a row, one
+row's catch-up over its prompt at the next captured token count, and several rows' over theirs.
 
 Guards against: a draft step replayed with stale inputs (a buffer reallocated, not rewritten),
 a row's position, length, query start, block-table row or cache slot written wrong, padding
@@ -110,13 +110,35 @@ def test_one_prompt_catches_up_through_the_graph_of_its_length(dirs, baseline): 
     assert graphs.by_query_len[1] > 0 and graphs.by_query_len[K + 1] > 0, graphs.by_query_len
 
 
+def test_a_batch_of_prompts_catches_up_through_one_graph(dirs, baseline):  # noqa: F811
+    """The eight prompts (1 to 23 tokens) arrive together: the draft's catch-up over all of them
+    is one forward of eight rows replayed from the (8 rows, 32 tokens a row) graph, checked
+    against an eager forward (BufferReplay); every draft is still accepted."""
+    llm, graphs = _with_buffer_replay(dirs, prefill_lens=(8, 16, 32))
+    assert (8, 32) in graphs.prompt_keys and graphs.prompt_rows == [2, 4, 8], (graphs.prompt_keys, graphs.prompt_rows)
+    replayed, replay = [], graphs._replay
+    graphs._replay = lambda n, q, tokens: replayed.append((n, q)) or replay(n, q, tokens)
+    prompts, params = make_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
+    assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
+    assert replayed[0] == (8, 32), replayed[:3]
+
+
 def test_fits():
     graphs = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"), catch_up_len=6)
     assert graphs.fits(3, np.array([1, 6, 2])) and graphs.fits(1, np.array([1]))
     assert not graphs.fits(5, np.array([1])) and not graphs.fits(2, np.array([7, 1]))
     prompt = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"), 6, (16, 32))
-    assert prompt.fits(1, np.array([32])) and not prompt.fits(1, np.array([33])) and not prompt.fits(2, np.array([7, 1]))
-    assert prompt.input_ids.shape[0] == 32  # one row of 32 tokens is more than 4 rows of 6
+    assert prompt.fits(1, np.array([32])) and not prompt.fits(1, np.array([33])) and prompt.fits(2, np.array([7, 1]))
+    assert prompt.input_ids.shape[0] == 4 * 32  # four rows of 32 tokens: the largest prompt graph
+    # Several rows over prompts: padded to 2 or 4 rows of 16 or 32 tokens each.
+    assert prompt.prompt_keys == {(1, 16), (1, 32), (2, 16), (2, 32), (4, 16), (4, 32)}
+    assert prompt._graph_for(3, 20) == (4, 32) and prompt._graph_for(2, 7) == (2, 16) and prompt._graph_for(1, 9) == (1, 16)
+    assert not prompt.fits(5, np.array([7, 1, 1, 1, 1]))  # more rows than any prompt graph holds
+    big = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 64), 64, 8, 1024, torch.device("cpu"), 6, (256, 512))
+    assert (4, 512) in big.prompt_keys and (8, 512) not in big.prompt_keys and (8, 256) in big.prompt_keys  # PROMPT_GRAPH_TOKENS
+    assert big.fits(8, np.array([256] + [3] * 7)) and not big.fits(8, np.array([257]))
     one = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"))
     assert one.fits(4, np.array([1])) and not one.fits(1, np.array([2]))
 
@@ -139,3 +161,23 @@ def test_gpu_prompt_catch_up_replays_its_graph_and_keeps_every_draft_accepted(di
     assert [o.outputs[0].token_ids for o in outs] == want
     assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
     assert {(1, 16), (1, 64), (1, 128)} <= set(replayed), replayed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_prompts_arriving_together_catch_up_through_one_graph(dirs):  # noqa: F811
+    """On CUDA (fp32, graphs captured for real): prompts of 14, 40 and 100 tokens served together;
+    the draft (the target itself) catches up over the three through the graph of 4 rows of 128
+    tokens, and every draft is accepted, tokens equal to a run without drafts."""
+    common = dict(device="cuda", dtype="float32", max_model_len=256)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 900 + 5 for i in range(n)]} for n in (14, 40, 100)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(dirs / "target"), **common).generate(prompts, params, use_tqdm=False)]
+    llm = with_drafts(LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target", k=K), **common))
+    graphs = llm.engine.runner.speculator.graphs
+    assert graphs is not None and (4, 128) in graphs.prompt_keys, graphs.prompt_keys
+    replayed, replay = [], graphs._replay
+    graphs._replay = lambda n, q, tokens: replayed.append((n, q)) or replay(n, q, tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
+    assert replayed[0] == (4, 128), replayed[:3]
