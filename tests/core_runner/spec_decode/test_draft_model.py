@@ -17,8 +17,10 @@ draft with another vocabulary, family or context length accepted silently.
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
+import torch
 
 from slotrunner import LLM, SamplingParams
 from slotrunner.conformance import build_case
@@ -193,3 +195,32 @@ def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline, period, asy
     for out in outs:
         m = out.metrics
         assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens, (out.request_id, m)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_proposal_waits_on_the_gpu_once(dirs):
+    """On CUDA a proposal reads the accepted counts back once (the forwards' layout needs them);
+    any other host-device wait (an index copied without non_blocking, a value read back) stalls
+    each of the k forwards' launches behind the GPU, and changes no token. Counted under
+    `torch.cuda.set_sync_debug_mode("warn")` around every proposal."""
+    common = dict(device="cuda", dtype="float32", max_model_len=64, block_size=4)
+    prompts, params = make_requests()
+    want = [o.outputs[0].token_ids for o in LLM(str(dirs / "target"), **common).generate(prompts, params, use_tqdm=False)]
+    llm = with_drafts(LLM(str(dirs / "target"), speculative_config=draft_config(dirs / "target", k=4), **common))
+    speculator = llm.engine.runner.speculator
+    propose, waits = speculator.propose, []
+
+    def counted(*args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return propose(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                waits.append(sum("synchroniz" in str(w.message) for w in caught))
+
+    speculator.propose = counted
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert len(waits) > 10 and set(waits) == {1}, waits
