@@ -335,7 +335,7 @@ class ModelRunner:
         num_output_np = positions_np - self.req_state.prompt_len_np[slots_np]
         # Copied to the device only where a row samples with noise (greedy picks need none).
         positions = lambda: torch.from_numpy(positions_np).to(self.device, non_blocking=True)  # noqa: E731
-        return self._sample(slots_np, num_output_np, positions, logits).sampled
+        return self._sample(slots_np, num_output_np, positions, logits, logprobs=False).sampled
 
     def _sample(
         self,
@@ -343,6 +343,7 @@ class ModelRunner:
         num_output_np: np.ndarray,  # [rows] tokens generated before the one being sampled
         positions: torch.Tensor | Callable[[], torch.Tensor],  # [rows] int32/int64, position each sampled token will take
         logits: torch.Tensor,  # [rows, vocab]
+        logprobs: bool = True,  # False: no row's logprobs, whatever it asked (a draft's pick)
     ) -> SamplerOutput:
         """Sample one token per logits row. `positions` may be a function that makes them: it is
         called only when a row samples at random (greedy picks need no noise, so no launch)."""
@@ -350,14 +351,14 @@ class ModelRunner:
         history_lists = None
         if self.sampling_states.needs_history(idx):  # multi-token bad words: a small host copy
             history_lists = [rs.token_ids[s, : rs.num_tokens_np[s]].tolist() for s in idx]
-        params = self.sampling_states.gather(idx, num_output_np, history_lists)
+        params = self.sampling_states.gather(idx, num_output_np, history_lists, logprobs)
         history = None
         if params.penalties is not None:
             rows_np = params.penalties.rows_np
             history = TokenHistory(
                 rs.token_ids,
-                torch.from_numpy(rs.prompt_len_np[idx[rows_np]]).to(self.device),
-                torch.from_numpy(rs.num_tokens_np[idx[rows_np]]).to(self.device),
+                torch.from_numpy(rs.prompt_len_np[idx[rows_np]]).to(self.device, non_blocking=True),
+                torch.from_numpy(rs.num_tokens_np[idx[rows_np]]).to(self.device, non_blocking=True),
             )
         if callable(positions):
             positions = None if params.all_greedy else positions()

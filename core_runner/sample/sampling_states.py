@@ -119,6 +119,7 @@ class SamplingStates:
         idx_mapping_np: np.ndarray,  # [rows] slot of each logits row
         num_output_tokens_np: np.ndarray,  # [rows] tokens generated so far
         token_history: list[list[int]] | None = None,  # per row, only needed when a row has bad words
+        logprobs: bool = True,  # False: no row's logprobs, whatever it asked (a draft's pick)
     ) -> BatchSamplingParams:
         """Per-row parameters; which stages run is decided here, on the host."""
         idx = idx_mapping_np
@@ -159,7 +160,7 @@ class SamplingStates:
                 frequency=self._dev(self.frequency_np[idx[penalized]]),
                 presence=self._dev(self.presence_np[idx[penalized]]),
             ),
-            max_num_logprobs=int(num_logprobs.max()) if len(idx) else -1,
+            max_num_logprobs=int(num_logprobs.max()) if len(idx) and logprobs else -1,
             num_logprobs_np=num_logprobs,
         )
 

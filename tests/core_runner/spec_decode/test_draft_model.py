@@ -103,6 +103,27 @@ def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_a
         assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
 
+def test_a_drafts_picks_score_no_logprobs(dirs, baseline, monkeypatch):
+    """A row that asks for logprobs gets them for the tokens the target emits; the draft's k
+    picks a step are not emitted, so they skip the log-softmax over the vocabulary: every
+    scoring is one of the target's own steps (one per sample_tokens call at most)."""
+    from slotrunner.core_runner.sample import sampler
+
+    scored, real = [], sampler.compute_logprobs_ref
+    monkeypatch.setattr(sampler, "compute_logprobs_ref", lambda *a: scored.append(1) or real(*a))
+    llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "target")))
+    runner = llm.engine.runner
+    sample, steps = runner.sample_tokens, []
+    runner.sample_tokens = lambda: steps.append(1) or sample()
+    prompts, params = make_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
+    assert any(sp.logprobs is not None for sp in params) and all(
+        len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o, sp in zip(outs, params) if sp.logprobs is not None
+    )
+    assert 0 < len(scored) <= len(steps), (len(scored), len(steps))
+
+
 def test_a_different_draft_is_rarely_accepted_and_changes_nothing(dirs, baseline):
     llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "other", k=4)))
     prompts, params = make_requests()
