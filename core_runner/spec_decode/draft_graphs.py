@@ -37,6 +37,9 @@ from slotrunner.core_runner.attention.forward_context import ForwardContext, for
 # more capture at start-up.
 PROMPT_GRAPH_ROWS = (2, 4, 8, 16, 32)
 PROMPT_GRAPH_TOKENS = 2048
+# ... and only where the rows' own tokens fill at least this share of it: decode rows beside one
+# long prompt would each be padded to the prompt's length, computing mostly padding.
+PROMPT_GRAPH_MIN_FILL = 0.25
 
 
 class DraftDecodeGraphs:
@@ -126,7 +129,7 @@ class DraftDecodeGraphs:
         through the graph of the next captured size and query length."""
         rows, tokens = query_start_loc_np.shape[0] - 1, input_ids.shape[0]
         q_max = int(np.diff(query_start_loc_np).max())
-        graph = self._graph_for(rows, q_max)
+        graph = self._graph_for(rows, q_max, tokens)
         assert graph is not None, f"no draft graph for {rows} rows of up to {q_max} tokens"
         n, q = graph
         self.input_ids[:tokens].copy_(input_ids)
@@ -144,14 +147,17 @@ class DraftDecodeGraphs:
 
     def fits(self, rows: int, query_lens: np.ndarray) -> bool:
         """Whether `rows` rows of these query lengths replay a captured graph."""
-        return self._graph_for(rows, int(query_lens.max())) is not None
+        return self._graph_for(rows, int(query_lens.max()), int(query_lens.sum())) is not None
 
-    def _graph_for(self, rows: int, q_max: int) -> tuple[int, int] | None:
-        """(rows, tokens a row) of the graph that rows of up to q_max tokens replay, or None."""
+    def _graph_for(self, rows: int, q_max: int, tokens: int) -> tuple[int, int] | None:
+        """(rows, tokens a row) of the graph that rows of up to q_max tokens, `tokens` in all,
+        replay, or None."""
         if q_max <= max(self.query_lens):
             n = self.padded_size(rows)
             q = next(q for q in self.query_lens if q >= q_max)
             return None if n is None else (n, q)
         n = 1 if rows == 1 else next((n for n in self.prompt_rows if n >= rows), None)
         t = next((t for t in self.prefill_lens if t >= q_max), None)
-        return (n, t) if (n, t) in self.prompt_keys else None
+        if (n, t) not in self.prompt_keys or (n > 1 and tokens < PROMPT_GRAPH_MIN_FILL * n * t):
+            return None
+        return n, t

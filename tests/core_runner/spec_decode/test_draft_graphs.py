@@ -134,11 +134,14 @@ def test_fits():
     assert prompt.input_ids.shape[0] == 4 * 32  # four rows of 32 tokens: the largest prompt graph
     # Several rows over prompts: padded to 2 or 4 rows of 16 or 32 tokens each.
     assert prompt.prompt_keys == {(1, 16), (1, 32), (2, 16), (2, 32), (4, 16), (4, 32)}
-    assert prompt._graph_for(3, 20) == (4, 32) and prompt._graph_for(2, 7) == (2, 16) and prompt._graph_for(1, 9) == (1, 16)
+    assert prompt._graph_for(3, 20, 40) == (4, 32) and prompt._graph_for(2, 7, 8) == (2, 16) and prompt._graph_for(1, 9, 9) == (1, 16)
     assert not prompt.fits(5, np.array([7, 1, 1, 1, 1]))  # more rows than any prompt graph holds
+    # Rows whose tokens fill less than a quarter of the graph (PROMPT_GRAPH_MIN_FILL) run eagerly.
+    assert prompt._graph_for(4, 30, 32) == (4, 32) and prompt._graph_for(4, 30, 31) is None
     big = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 64), 64, 8, 1024, torch.device("cpu"), 6, (256, 512))
     assert (4, 512) in big.prompt_keys and (8, 512) not in big.prompt_keys and (8, 256) in big.prompt_keys  # PROMPT_GRAPH_TOKENS
-    assert big.fits(8, np.array([256] + [3] * 7)) and not big.fits(8, np.array([257]))
+    assert big.fits(8, np.array([256] + [100] * 7)) and not big.fits(8, np.array([257] + [100] * 7))
+    assert not big.fits(8, np.array([256] + [3] * 7))  # decode rows beside one long prompt: mostly padding
     one = DraftDecodeGraphs(torch.nn.Identity(), None, (1, 2, 4), 4, 8, 64, torch.device("cpu"))
     assert one.fits(4, np.array([1])) and not one.fits(1, np.array([2]))
 
