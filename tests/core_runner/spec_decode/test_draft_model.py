@@ -239,7 +239,7 @@ def test_gpu_a_proposal_waits_on_the_gpu_once(dirs):
                 return propose(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-                waits.append(sum("synchroniz" in str(w.message) for w in caught))
+                waits.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
 
     speculator.propose = counted
     outs = llm.generate(prompts, params, use_tqdm=False)
