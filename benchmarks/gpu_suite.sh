@@ -53,6 +53,9 @@ GPU_TESTS=(
   tests/models/test_deepseek.py::test_cuda_graphs_equal_eager
 )
 
+# The n-gram case where nearly every draft is accepted (steps spec and spec-steady).
+SPEC_STEADY=(python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --steady-prompts 8 --repeats 3)
+
 summary=()
 run_step() {  # name, seconds, command...
   local name=$1 limit=$2
@@ -94,7 +97,7 @@ for s in "${steps[@]}"; do
     multimodal) run_step multimodal 300 python3 benchmarks/multimodal_throughput.py --device cuda --full-warm-up ;;
     spec)
       run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3
-      run_step spec-ngram-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --steady-prompts 8 --repeats 3
+      run_step spec-ngram-steady 240 "${SPEC_STEADY[@]}"
       run_step spec-draft-same 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model same
       run_step spec-draft-other 150 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --draft-model other ;;
     qwen3next) run_step qwen3next 160 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 4 ;;
@@ -137,7 +140,7 @@ for s in "${steps[@]}"; do
     skinny) run_step skinny 240 python3 benchmarks/skinny_gemm.py --device cuda --sweep ;;
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
     spec-phases-steady) run_step spec-phases-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --steady-prompts 8 --phases ;;
-    spec-steady) run_step spec-ngram-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --steady-prompts 8 --repeats 3 ;;
+    spec-steady) run_step spec-ngram-steady 240 "${SPEC_STEADY[@]}" ;;
     spec-ngram) run_step spec-ngram 200 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --repeats 3 ;;
     spec-phases) run_step spec-phases 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1,16 --phases ;;
     launch-ab)  # cached Triton launches against Triton's dispatch, alternating processes (the host's speed drifts)

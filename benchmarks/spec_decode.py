@@ -107,24 +107,18 @@ def steady(llm, batch_size: int, pool: int, max_tokens: int) -> tuple[list[dict]
     return [candidates[i] for i in best], [switches[i] for i in best]
 
 
-class AlwaysDrafts:
-    """A draft gate that schedules drafts on every step (`--always-draft`): what a step with
-    drafts costs, whatever they are worth. Measures as DraftGate does, for its totals."""
-
-    def __init__(self, method: str) -> None:
-        from slotrunner.core_runner.engine.draft_gate import DraftGate
-
-        self._gate = DraftGate(method)
-        self.observe = self._gate.observe
-
-    def want_drafts(self) -> bool:
-        return True
-
-    costs = property(lambda self: self._gate.costs)
-    totals = property(lambda self: self._gate.totals)
+ALWAYS_DRAFT = False  # --always-draft (main sets it)
 
 
-GATE = {"gate": None}  # main() sets the gate class the speculating runs use
+def new_gate(method: str):
+    """A fresh draft gate for a speculating run; with --always-draft one that schedules drafts on
+    every step (what a step with drafts costs, whatever they are worth), measuring as usual."""
+    from slotrunner.core_runner.engine.draft_gate import DraftGate
+
+    gate = DraftGate(method)
+    if ALWAYS_DRAFT:
+        gate.want_drafts = lambda: True
+    return gate
 
 
 def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = True, keep_gate: bool = False):
@@ -135,18 +129,15 @@ def run(llm, prompts, max_tokens: int, method: str | None = None, warm: bool = T
     gate learns on the untimed run and the timed ones go on with what it learned, as an engine
     serving a stream of such requests would (the gate's probes only, not its first measurements)."""
     from slotrunner import SamplingParams
-    from slotrunner.core_runner.engine.draft_gate import DraftGate
     from slotrunner.core_runner.triton_utils import compiles_counted
-
-    gate_class = GATE["gate"] or DraftGate
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if method is not None and keep_gate and warm:
-        llm.engine.scheduler.draft_gate = gate_class(method)
+        llm.engine.scheduler.draft_gate = new_gate(method)
     if warm:
         llm.generate(prompts, params, use_tqdm=False)
     if method is not None and not keep_gate:
-        llm.engine.scheduler.draft_gate = gate_class(method)
+        llm.engine.scheduler.draft_gate = new_gate(method)
     with compiles_counted() as compiled:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -207,8 +198,8 @@ def main() -> None:
              "kernel time per step under the torch profiler",
     )  # fmt: skip
     args = parser.parse_args()
-    if args.always_draft:
-        GATE["gate"] = AlwaysDrafts
+    global ALWAYS_DRAFT
+    ALWAYS_DRAFT = args.always_draft
 
     from slotrunner import LLM
 
