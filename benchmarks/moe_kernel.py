@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
-from slotrunner.models.layers.moe import RouterSpec, select_experts
+from slotrunner.models.layers.moe_router import RouterSpec, select_experts
 
 
 # experts, their intermediate size, hidden size, experts per token

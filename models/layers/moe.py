@@ -1,6 +1,6 @@
 """Mixture-of-experts layers any model builds from: the router, the routed experts, the block.
 
-- `RouterSpec` + `select_experts`: which `top_k` experts each token goes to, with what weights.
+- `RouterSpec` + `select_experts` (moe_router.py, with `route()`, their one-launch kernel): which `top_k` experts each token goes to, with what weights.
   Scores are the softmax (Mixtral, Qwen3-MoE, GraniteMoE, GPT-OSS) or the sigmoid (DeepSeek-V3,
   NemotronH) of the router logits; experts are chosen on the scores plus an optional
   correction bias (`e_score_correction_bias`: it steers the choice, never the weights),
@@ -8,7 +8,8 @@
   group scores the sum of its two best; DeepSeek-V2's `group_limited_greedy`: its best); the
   chosen scores are optionally renormalised to sum to 1 (`norm_topk_prob`) and times
   `routed_scaling_factor`.
-- `TopKRouter`: the gate's linear (checkpoint `gate.weight`, GPT-OSS's `bias`) + the selection.
+- `TopKRouter`: the gate's linear (checkpoint `gate.weight`, GPT-OSS's `bias`) + the selection,
+  one `route()` launch on a GPU.
 - `FusedExperts`: the experts' stacked weights -- `w_in` [num_experts, (2 if gated) *
   intermediate, hidden] (gate rows first, then up) and `w_out` [num_experts, hidden,
   intermediate] -- run by `fused_moe` (fused_moe.py: two grouped GEMMs on a GPU, a per-expert
@@ -22,84 +23,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotrunner.core_runner.cpu.packed import PackedWeight
 from slotrunner.core_runner.distributed.parallel_state import TensorParallelGroup, current_tp
 from slotrunner.core_runner.distributed.shard import even_shard
 from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe
+from slotrunner.models.layers.moe_router import RouterSpec, route
 from slotrunner.models.layers.parallel_linear import ShardedWeights
-
-SCORING = ("softmax", "sigmoid")
-GROUP_SCORING = ("top2_sum", "max")  # a group's score: the sum of its two best experts (V3), its best (V2)
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    """How router logits pick experts (the math; the parameters live in `TopKRouter`)."""
-
-    num_experts: int
-    top_k: int
-    scoring: str = "softmax"  # one of SCORING
-    renormalize: bool = True  # the chosen weights divided by their sum (`norm_topk_prob`)
-    n_group: int = 1  # expert groups (DeepSeek-V3's `n_group`); 1: no group limit
-    topk_group: int = 1  # experts are chosen only within this many best groups
-    routed_scaling_factor: float = 1.0
-    group_scoring: str = "top2_sum"  # one of GROUP_SCORING
-
-    def __post_init__(self) -> None:
-        if self.scoring not in SCORING:
-            raise ValueError(f"router scoring {self.scoring!r} is not supported (supported: {SCORING})")
-        if self.group_scoring not in GROUP_SCORING:
-            raise ValueError(f"router group scoring {self.group_scoring!r} is not supported (supported: {GROUP_SCORING})")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
-        if self.n_group > 1:
-            per_group = self.num_experts // self.n_group
-            if self.num_experts % self.n_group or per_group < 2:
-                raise ValueError(
-                    f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at least 2"
-                )
-            if not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * per_group:
-                raise ValueError(
-                    f"topk_group={self.topk_group} of n_group={self.n_group} groups of {per_group} experts "
-                    f"cannot hold num_experts_per_tok={self.top_k}"
-                )
-
-
-def select_experts(
-    router_logits: torch.Tensor,  # [num_tokens, num_experts]
-    spec: RouterSpec,
-    correction_bias: torch.Tensor | None = None,  # [num_experts], added for the choice only
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int64
-    logits = router_logits.float()
-    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    if spec.n_group > 1:
-        num_tokens = choice.shape[0]
-        grouped = choice.view(num_tokens, spec.n_group, -1)  # [num_tokens, n_group, experts per group]
-        if spec.group_scoring == "max":
-            group_scores = grouped.amax(dim=-1)  # [num_tokens, n_group]
-        else:
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        best_groups = group_scores.topk(spec.topk_group, dim=-1)[1]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
-    ids = choice.topk(spec.top_k, dim=-1)[1]
-    weights = scores.gather(1, ids)
-    if spec.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if spec.routed_scaling_factor != 1.0:
-        weights = weights * spec.routed_scaling_factor
-    return weights, ids
 
 
 class TopKRouter(nn.Module):
-    """logits = x @ weight.T (+ bias), then `select_experts`. Parameters are named as the
+    """logits = x @ weight.T (+ bias), then `select_experts` (both in one launch: `route`). Parameters are named as the
     checkpoints name them: `weight` [num_experts, hidden], `bias` [num_experts] (GPT-OSS),
     `e_score_correction_bias` [num_experts] (DeepSeek-V3, NemotronH)."""
 
@@ -121,12 +58,7 @@ class TopKRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [num_tokens, hidden]
-        if self.fp32_logits:
-            bias = None if self.bias is None else self.bias.float()
-            logits = F.linear(x.float(), self.weight.float(), bias)
-        else:
-            logits = F.linear(x, self.weight, self.bias)
-        return select_experts(logits, self.spec, self.e_score_correction_bias)
+        return route(x, self.weight, self.spec, self.bias, self.e_score_correction_bias, self.fp32_logits)
 
 
 class FusedExperts(nn.Module):

@@ -19,7 +19,8 @@ import torch
 
 from slotrunner.models.layers.fused_moe import ExpertActivation, fused_moe, fused_moe_ref
 from slotrunner.models.layers.moe_align import moe_align, moe_align_ref, moe_align_sizes
-from slotrunner.models.layers.moe import RouterSpec, TopKRouter, select_experts, stack_per_expert
+from slotrunner.models.layers.moe import TopKRouter, stack_per_expert
+from slotrunner.models.layers.moe_router import RouterSpec, select_experts
 from slotrunner.registry import tiny_config
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slotrunner.models.layers.moe import RouterSpec, select_experts
+from slotrunner.models.layers.moe_router import RouterSpec, select_experts
 
 transformers = pytest.importorskip("transformers")
 

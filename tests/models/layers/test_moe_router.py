@@ -1,0 +1,102 @@
+"""The one-launch router (`route`) against its specification (`route_ref`: the linear, then
+`select_experts`), interpreted on CPU and compiled on a GPU.
+
+Guards against: a kernel that reads past the hidden size or the expert count when neither is a
+multiple of its tiles, lets a padded expert win the softmax or the top-k, forgets the logit bias
+or applies the correction bias to the weights, keeps the wrong expert groups (best expert against
+sum of the two best), renormalises when it should not (or forgets to), skips the routed scaling
+factor, or loses the tokens of a last, partial block; a router that does not round its logits to
+the model's dtype where the reference's linear does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotrunner.models.layers.moe_router import RouterSpec, route, route_ref
+
+# (tokens, hidden, spec, logit bias, correction bias, fp32 logits)
+CASES = [
+    (19, 40, RouterSpec(6, 2, renormalize=False), False, False, False),  # Mixtral-like; 6 experts pad to 16
+    (1, 32, RouterSpec(32, 4, routed_scaling_factor=1.5), True, False, False),  # GPT-OSS-like: a logit bias
+    (33, 48, RouterSpec(16, 3, "sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5), False, True, True),  # V3
+    (17, 24, RouterSpec(12, 4, renormalize=False, n_group=3, topk_group=2, group_scoring="max",
+                        routed_scaling_factor=1.25), False, False, True),  # V2's group_limited_greedy
+    (5, 16, RouterSpec(300, 10), False, False, False),  # past 256 experts (Qwen3-Next has 512)
+    (40, 64, RouterSpec(64, 6, renormalize=False), False, False, True),  # DeepSeek-V2-Lite's routing, small
+]  # fmt: skip
+
+
+def _inputs(num_tokens, hidden, spec, bias, corr, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_tokens, hidden + 5, generator=gen)
+    x = wide[:, 2 : 2 + hidden].to(dtype).to(device)  # strided rows
+    weight = (torch.randn(spec.num_experts, hidden, generator=gen) * 2 * hidden**-0.5).to(dtype).to(device)
+    logit_bias = (0.5 * torch.randn(spec.num_experts, generator=gen)).to(dtype).to(device) if bias else None
+    correction = (0.3 * torch.randn(spec.num_experts, generator=gen)).to(device) if corr else None
+    return x, weight, logit_bias, correction
+
+
+def _check_router(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
+    from slotrunner.core_runner.triton_utils import use_triton
+
+    assert use_triton(torch.device(device)), "the interpreter switch did not take: the reference would meet itself"
+    for dtype in dtypes:
+        for i, (num_tokens, hidden, spec, bias, corr, fp32_logits) in enumerate(CASES):
+            name = f"{dtype} case {i}: {num_tokens} tokens, {spec}"
+            x, weight, logit_bias, correction = _inputs(num_tokens, hidden, spec, bias, corr, dtype, device, seed=i)
+            got_w, got_ids = route(x, weight, spec, logit_bias, correction, fp32_logits)
+            want_w, want_ids = route_ref(x, weight, spec, logit_bias, correction, fp32_logits)
+            assert got_ids.dtype == want_ids.dtype == torch.int64 and got_w.dtype == torch.float32, name
+            exact = dtype == torch.float32 or fp32_logits
+            keep = torch.ones(num_tokens, dtype=torch.bool, device=device)
+            if not exact:
+                # Logits rounded to float16 after sums in another order may differ by an ulp: a
+                # token whose k-th and (k+1)-th logits are that close may pick either.
+                ref_logits = torch.nn.functional.linear(x, weight, logit_bias).float().sort(-1, descending=True)[0]
+                keep = (ref_logits[:, spec.top_k - 1] - ref_logits[:, spec.top_k]) > 2e-2
+                assert keep.float().mean() > 0.5, f"{name}: too few tokens far from a tie to check"
+            # The reference's top-k order is by value; the kernel's too (repeated argmax).
+            assert torch.equal(got_ids[keep], want_ids[keep]), f"{name}: ids {got_ids[keep]} vs {want_ids[keep]}"
+            # Rounded logits are equal but for a sum landing next to a rounding boundary: rare in
+            # float16 (checked tight, so that unrounded logits fail), less rare in bfloat16.
+            tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 and not exact else dict(atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_w[keep], want_w[keep], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_route_kernel_matches_reference(run_interpreted):
+    run_interpreted(_check_router)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_route_matches_reference():
+    _check_router("cuda", (torch.float32, torch.float16, torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_route_is_one_launch_and_graph_capturable():
+    """One kernel a call, no host sync, and a captured router follows new hidden states on replay."""
+    spec = RouterSpec(64, 6, renormalize=False)
+    x, weight, _, _ = _inputs(64, 256, spec, False, False, torch.bfloat16, "cuda", seed=0)
+    x = x.contiguous()
+    route(x, weight, spec, fp32_logits=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        route(x, weight, spec, fp32_logits=True)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            weights, ids = route(x, weight, spec, fp32_logits=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        want_w, want_ids = route_ref(x, weight, spec, fp32_logits=True)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, atol=1e-5, rtol=1e-5)
