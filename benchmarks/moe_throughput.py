@@ -12,6 +12,7 @@ batches of `--hf-batch` requests, left-padded.
     python benchmarks/moe_throughput.py --peers none            # slotrunner alone
     python benchmarks/moe_throughput.py --num-layers 8          # a shallower model, same layer shape
     python benchmarks/moe_throughput.py --shape deepseek-v2-lite  # MLA + 64 experts top-6, 27 layers
+    python benchmarks/moe_throughput.py --peers none --router reference  # the router as separate torch launches
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -140,7 +141,13 @@ def main() -> None:
     p.add_argument("--peers", default="generate", help="generate, or none")
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--router", choices=("one-launch", "reference"), default="one-launch",
+                   help="reference: the router's linear and select_experts as separate torch launches (moe_router.ONE_LAUNCH off)")
     args = p.parse_args()
+    if args.router == "reference":
+        from slotrunner.models.layers import moe_router
+
+        moe_router.ONE_LAUNCH = False
 
     prompts = workload(args.num_requests, args.input_len, args.seed)
     make_config, depth = SHAPES[args.shape]

@@ -96,6 +96,7 @@ def select_experts(
     return weights, ids
 
 
+ONE_LAUNCH = True  # benchmarks turn it off to time the reference's launches on a GPU (read per call)
 _MAX_EXPERTS = 512  # one program holds a block of tokens' logits for every expert
 _BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
 
@@ -227,7 +228,7 @@ def route(
     num_experts = spec.num_experts
     assert weight.shape == (num_experts, hidden), f"router weight {tuple(weight.shape)} for {num_experts} x {hidden}"
     if (
-        not use_triton(x.device) or num_tokens == 0 or num_experts > _MAX_EXPERTS or x.stride(1) != 1
+        not ONE_LAUNCH or not use_triton(x.device) or num_tokens == 0 or num_experts > _MAX_EXPERTS or x.stride(1) != 1
         or weight.dtype != x.dtype or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)
     ):  # fmt: skip
         return route_ref(x, weight, spec, bias, correction_bias, fp32_logits)
