@@ -10,6 +10,7 @@
    are checked equal first.
 
     python benchmarks/mla_decode.py --rows 4 --seq-len 2048 --threads 1
+    python benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 1,2,4,8,0 --repeats 200
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -83,6 +84,47 @@ def decode(rows: int, seq_len: int, device: torch.device, repeats: int) -> None:
               f"({rows} rows x {seq_len} cached tokens, {heads} heads, {device.type})")  # fmt: skip
 
 
+def kernel_splits(rows: int, seq_len: int, device: torch.device, splits: list[int], repeats: int) -> None:
+    """The decode kernel alone in bf16 at V2-Lite's attention shape, per split count (0: the
+    launch's own choice, `decode_splits`): microseconds a launch and the latent bytes read a second."""
+    from slotrunner.models.layers.mla_decode import decode_splits, mla_decode
+
+    heads, rank, rope, block = 16, 512, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = rows * (-(-seq_len // block))
+    cache = torch.randn(num_blocks, block, rank + rope, generator=gen).to(device, torch.bfloat16)
+    block_tables = torch.randperm(num_blocks, generator=gen).view(rows, -1).int().to(device)
+    seq_lens = torch.full((rows,), seq_len, dtype=torch.int32, device=device)
+    q_lat = torch.randn(rows, heads, rank, generator=gen).to(device, torch.bfloat16)
+    q_pe = torch.randn(rows, heads, rope, generator=gen).to(device, torch.bfloat16)
+    want = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=1)
+    latent_bytes = rows * seq_len * (rank + rope) * 2
+    for n in splits:
+        got = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=n or None)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        def launches() -> None:
+            for _ in range(20):
+                mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=n or None)
+
+        run = launches
+        if device.type == "cuda":  # replayed from a graph: the GPU's time, not the host's launches
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launches()
+            run = graph.replay
+            run()
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(max(1, repeats // 20)):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / (20 * max(1, repeats // 20))
+        label = f"{n}" if n else f"auto ({decode_splits(rows, 1, device)})"
+        print(f"mla_decode kernel, {rows} rows x {seq_len} tokens, splits {label}: {seconds * 1e6:.1f} us, "
+              f"{latent_bytes / seconds / 1e12:.2f} TB/s of latents")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
@@ -90,9 +132,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kernel-splits", help="comma-separated split counts (0: the launch's own choice): time the "
+                        "bf16 decode kernel alone for each, instead of the comparisons above")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel_splits:
+        splits = [int(n) for n in args.kernel_splits.split(",")]
+        return kernel_splits(args.rows, args.seq_len, torch.device(args.device), splits, args.repeats)
     cache_bytes_per_token()
     decode(args.rows, args.seq_len, torch.device(args.device), args.repeats)
 

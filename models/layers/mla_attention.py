@@ -6,8 +6,8 @@ rope part) and `c @ W_UV[h]^T`, with `W_UK`, `W_UV` the two halves of each head'
 `kv_b_proj`. The cache keeps only `c` and `k_pe` per token (`KVCacheSpec` "mla_latent": one row
 of rank + rope channels), about 2 * heads * head_dim / (rank + rope) times less than K and V.
 
-How a batch row attends depends on its query length alone (so a row's output never depends on
-the other rows of its batch):
+How a batch row attends depends on its query length alone (a decode row's sums may run in
+another order in a batch of another row count: `decode_splits`, mla_decode.py):
 - one query token (decode): the absorbed form -- the query is taken into the latent space
   through W_UK, attends over the cached latents (`mla_decode`: Triton where it runs, its torch
   reference elsewhere) and leaves through W_UV. A decode-only step (every CUDA-graph step) reads

@@ -14,21 +14,30 @@ and the caller maps `out_lat` back through W_UV. Each op sits above its torch sp
   stores its latent and rope key at its flat cache slot; slot -1 (a padding token of a
   CUDA-graph batch) writes nothing.
 - `_mla_decode_kernel` -> `mla_decode()` / `mla_decode_ref()`: one query token per row, grid
-  (rows, head blocks); FlashAttention-style online softmax over key tiles gathered through the
-  row's block table, the BLOCK_H heads of a program stacked as the M dimension of both dots so
-  that each latent tile is read once per head block. A row with seq_len 0 (a padding row)
-  outputs zeros. No host reads of device tensors: graph-safe.
+  (rows, head blocks, splits); FlashAttention-style online softmax over key tiles gathered
+  through the row's block table, the BLOCK_H heads of a program stacked as the M dimension of
+  both dots so that each latent tile is read once per head block. With splits > 1
+  (`decode_splits`: while the launch has fewer programs than the GPU runs at once) each split
+  takes a share of the row's tiles and the last to finish merges them, as the decoder's split-KV
+  launch does (core_runner/attention/split_kv.py): a row's sums then run in an order that
+  depends on the batch's row count. A row with seq_len 0 (a padding row) outputs zeros. No host
+  reads of device tensors: graph-safe.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from slotrunner.core_runner.attention.split_kv import MAX_SPLITS, split_kv_counters, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
+    from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
     @triton.jit
     def _write_latent_kernel(
@@ -69,7 +78,10 @@ if HAS_TRITON:
         block_tables_ptr,  # [num_rows, max_num_blocks_per_req] int32
         stride_bt,
         seq_lens_ptr,  # [num_rows] int32
-        scale,
+        scale,  # times log2(e): the softmax runs in exp2
+        part_acc_ptr,  # [num_rows, NUM_HEADS, NUM_SPLITS, RANK] fp32 each split's state (NUM_SPLITS > 1)
+        part_ml_ptr,  # [num_rows, NUM_HEADS, NUM_SPLITS, 2] fp32 running max (log2 units) and sum
+        counters_ptr,  # [>= num_rows * head blocks] int32 split arrival counters (NUM_SPLITS > 1)
         NUM_HEADS: tl.constexpr,
         RANK: tl.constexpr,
         ROPE: tl.constexpr,
@@ -79,6 +91,7 @@ if HAS_TRITON:
         BLOCK_P: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,  # > 1: each row's key tiles split over programs (split_kv.py)
     ):
         row = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -86,6 +99,16 @@ if HAS_TRITON:
         r = tl.arange(0, BLOCK_R)
         p = tl.arange(0, BLOCK_P)
         seq_len = tl.load(seq_lens_ptr + row)
+        kv_start = 0
+        kv_end = seq_len
+        if NUM_SPLITS > 1:  # this program's share of the row's key tiles
+            split = tl.program_id(2)
+            per = split_tiles(seq_len, TILE_N, NUM_SPLITS) * TILE_N
+            used = tl.maximum(tl.cdiv(seq_len, per), 1)  # split 0 runs even for a row with no key
+            if split >= used:
+                return  # past the row's last key: the merge reads only the splits before
+            kv_start = split * per
+            kv_end = tl.minimum(seq_len, kv_start + per)
         q_lat = tl.load(
             q_lat_ptr + row * stride_lr + heads[:, None] * stride_lh + r[None, :],
             mask=h_mask[:, None] & (r[None, :] < RANK), other=0.0,
@@ -97,9 +120,9 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        for start in range(0, seq_len, TILE_N):
+        for start in range(kv_start, kv_end, TILE_N):
             pos = start + tl.arange(0, TILE_N)
-            k_mask = pos < seq_len
+            k_mask = pos < kv_end
             block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=k_mask, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             entry = cache_ptr + slot[:, None] * stride_c
@@ -108,17 +131,24 @@ if HAS_TRITON:
             s = tl.dot(q_lat.to(c.dtype), tl.trans(c), input_precision=DOT_PRECISION)
             s += tl.dot(q_pe.to(k_pe.dtype), tl.trans(k_pe), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
             s = tl.where(k_mask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            prob = tl.exp(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a key
+            alpha = tl.exp2(m_i - m_new)
+            prob = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(prob, 1)
             acc = acc * alpha[:, None] + tl.dot(prob.to(c.dtype), c, input_precision=DOT_PRECISION)
             m_i = m_new
+        out_ptrs = out_ptr + row * (NUM_HEADS * RANK) + heads[:, None] * RANK + r[None, :]
+        if NUM_SPLITS > 1:  # this split's state; the last split of the row to finish merges them
+            part0 = (row * NUM_HEADS + heads) * NUM_SPLITS  # [BLOCK_H]
+            part = part0 + split
+            tl.store(part_ml_ptr + 2 * part, m_i, mask=h_mask)
+            tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=h_mask)
+            tl.store(part_acc_ptr + part[:, None] * RANK + r[None, :], acc, mask=h_mask[:, None] & (r[None, :] < RANK))
+            counter = counters_ptr + row * tl.num_programs(1) + tl.program_id(1)
+            merge_when_last(counter, used, part_acc_ptr, part_ml_ptr, part0, out_ptrs, h_mask, r, RANK, NUM_SPLITS)
+            return
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # seq_len 0: acc and l_i are 0 -> zeros
-        tl.store(
-            out_ptr + row * (NUM_HEADS * RANK) + heads[:, None] * RANK + r[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (r[None, :] < RANK),
-        )  # fmt: skip
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (r[None, :] < RANK))
 
 
 def write_latent_ref(
@@ -152,6 +182,25 @@ def write_latent(
         latent, latent.stride(0), k_pe, k_pe.stride(0), cache, slot_mapping,
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
     )  # fmt: skip
+
+
+@functools.cache
+def _programs_per_wave(device: torch.device) -> int:
+    """Two programs per multiprocessor on a GPU; 1 elsewhere (the interpreter gains nothing)."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
+    """Programs per (row, head block) of a decode launch: the largest power of two up to
+    MAX_SPLITS that keeps the launch within two programs per multiprocessor. One program per row
+    leaves most of a GPU idle below ~100 rows, each walking all its row's latents in turn (64
+    rows of DeepSeek-V2-Lite's shape read their latents at about a quarter of the bandwidth)."""
+    splits, target = 1, _programs_per_wave(torch.device(device))
+    while splits < MAX_SPLITS and 2 * splits * num_rows * head_blocks <= target:
+        splits *= 2
+    return splits
 
 
 def mla_decode_ref(
@@ -188,6 +237,7 @@ def mla_decode(
     scale: float,
     block_h: int = 16,  # heads per program (tl.dot needs >= 16 rows)
     tile_n: int = 32,  # cached tokens per key tile
+    splits: int | None = None,  # programs per (row, head block); None: `decode_splits`
 ) -> torch.Tensor:  # [num_rows, num_heads, rank], q_lat's dtype
     """Absorbed-form paged decode: one query token per row (see the module docstring)."""
     num_rows, num_heads, rank = q_lat.shape
@@ -202,16 +252,22 @@ def mla_decode(
     out = torch.empty(num_rows, num_heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     if num_rows == 0:
         return out
-    grid = (num_rows, triton.cdiv(num_heads, block_h))
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = splits or decode_splits(num_rows, head_blocks, q_lat.device)
+    part_acc = part_ml = counters = out  # placeholders, never touched without splits
+    if splits > 1:
+        part_acc, part_ml = split_kv_state(num_rows, num_heads, splits, rank, q_lat.device)
+        counters = split_kv_counters(num_rows * head_blocks, q_lat.device)
+    grid = (num_rows, head_blocks, splits)
     # The cache's row stride goes in as a run-time integer: Triton then vectorises the latent
     # loads only when it divides by 16 (576 = 512 + 64 does). As a constant, a width such as
     # 40 + 12 led the compiler to 16-byte loads of 8-byte-aligned half-precision rows (misaligned
     # address on one H200).
     _mla_decode_kernel[grid](
         q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), cache, cache.stride(1), out,
-        block_tables, block_tables.stride(0), seq_lens, float(scale),
+        block_tables, block_tables.stride(0), seq_lens, float(scale) * _LOG2E, part_acc, part_ml, counters,
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(rope)), TILE_N=tile_n,
-        DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
     )  # fmt: skip
     return out

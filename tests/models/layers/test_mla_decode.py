@@ -5,7 +5,8 @@ Guards against: a latent or rope key stored at the wrong slot or channel offset,
 (-1) written, key tiles crossing block boundaries read from the wrong block (shuffled block
 tables, block_size 4), the last partial tile or a head block past the heads count unmasked
 (17 heads: two blocks of 16), a rank or rope width that is not a power of two, an empty row
-(seq_len 0) giving NaN instead of zeros, and the absorption itself (W_UK / W_UV per head)
+(seq_len 0) giving NaN instead of zeros, a split launch that loses or double-counts a split's
+keys (rows shorter than the splits, arrival counters left dirty for the next launch), and the absorption itself (W_UK / W_UV per head)
 drifting from the expanded attention transformers computes.
 """
 
@@ -80,11 +81,14 @@ def _check_kernels(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
         for num_heads, rank, rope, seq_lens in CASES:
             name = f"{dtype} heads={num_heads} rank={rank} rope={rope} seq_lens={seq_lens}"
             q_lat, q_pe, cache, block_tables, seq = _inputs(num_heads, rank, rope, seq_lens, dtype, device)
-            got = mla_decode(q_lat, q_pe, cache, block_tables, seq, 0.25, tile_n=16)
             want = mla_decode_ref(q_lat, q_pe, cache, block_tables, seq, 0.25)
-            assert got.shape == want.shape and got.dtype == want.dtype, name
             tol = FP32_TOL if dtype == torch.float32 else HALF_TOL
-            torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{name}: {m}")
+            # Split launches: rows of fewer tiles than splits (idle splits), twice each (the
+            # arrival counters must be back at zero after a launch).
+            for splits in (1, 2, 2, 4, 16, 16):
+                got = mla_decode(q_lat, q_pe, cache, block_tables, seq, 0.25, tile_n=16, splits=splits)
+                assert got.shape == want.shape and got.dtype == want.dtype, name
+                torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{name} splits={splits}: {m}")
             # The write: into a strided latent view (the kv_a projection's output), with padding.
             gen = torch.Generator().manual_seed(num_heads)
             ckv = torch.randn(5, rank + rope, generator=gen).to(dtype).to(device)
