@@ -95,7 +95,7 @@ class SharedExpertMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         topk_weights, topk_ids = self.gate(x)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, topk_weights, topk_ids) + shared
+        return self.experts(x, topk_weights, topk_ids, add=shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -11,7 +11,8 @@ Every token is routed to `top_k` experts; each (token, k) pair is one *routed ro
    (one expert) and a block of output columns, gathers its rows of A, multiplies by that
    expert's weight, and scatters the result to the rows' places. Launched once for w_in
    (gate/up) and once for w_out (down, scaled by the routing weights).
-3. Between them the expert activation (act(gate) * up, or act(x)); after them a sum over top_k.
+3. Between them the expert activation (act(gate) * up, or act(x)); after them `_moe_sum_kernel`:
+   the sum over top_k, plus the shared experts' output where the block has them (one launch).
 
 `fused_moe()` dispatches; `fused_moe_ref()` is the specification -- the plain per-expert loop,
 what runs on CPU (its `unique().tolist()` is a host sync, harmless there).
@@ -72,8 +73,10 @@ def fused_moe_ref(
     act: ExpertActivation,
     b_in: torch.Tensor | None = None,  # [num_experts, N]
     b_out: torch.Tensor | None = None,  # [num_experts, hidden]
+    add: torch.Tensor | None = None,  # [num_tokens, hidden], x's dtype: added after the sum's rounding
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Each expert over the tokens routed to it; the weighted outputs summed in float32."""
+    """Each expert over the tokens routed to it; the weighted outputs summed in float32, rounded
+    to x's dtype, plus `add` (a MoE block's shared experts) where given."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         token_idx, pos = torch.where(topk_ids == expert)
@@ -81,7 +84,7 @@ def fused_moe_ref(
         h = act.apply(h, reference=True)
         h = F.linear(h, w_out[expert], None if b_out is None else b_out[expert])
         out.index_add_(0, token_idx, h.float() * topk_weights[token_idx, pos, None].float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if add is None else out.to(x.dtype) + add
 
 
 if HAS_TRITON:
@@ -144,6 +147,27 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+    @triton.jit
+    def _moe_sum_kernel(
+        y_ptr,  # [num_tokens, TOP_K, hidden] float32 contiguous: each routed row's weighted output
+        add_ptr,  # [num_tokens, hidden] contiguous (read only with HAS_ADD)
+        out_ptr,  # [num_tokens, hidden] contiguous
+        hidden,
+        TOP_K: tl.constexpr,
+        HAS_ADD: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = h < hidden
+        acc = tl.load(y_ptr + t * TOP_K * hidden + h, mask=mask, other=0.0)
+        for k in tl.static_range(1, TOP_K):  # in k order, as torch's sum over the top_k dim
+            acc += tl.load(y_ptr + (t * TOP_K + k) * hidden + h, mask=mask, other=0.0)
+        if HAS_ADD:  # rounded to the output's dtype first, as the reference adds
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(add_ptr + t * hidden + h, mask=mask).to(tl.float32)
+        tl.store(out_ptr + t * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def pick_block_m(num_rows: int, num_experts: int) -> int:
     """Rows per block: about the rows an expert gets, so that little of a block is padding."""
     per_expert = num_rows / num_experts
@@ -187,16 +211,17 @@ def fused_moe(
     b_in: torch.Tensor | None = None,  # [num_experts, N]
     b_out: torch.Tensor | None = None,  # [num_experts, hidden]
     block_m: int | None = None,  # rows per block; None: by the rows per expert
+    add: torch.Tensor | None = None,  # [num_tokens, hidden], x's dtype: added to the sum (shared experts)
 ) -> torch.Tensor:  # [num_tokens, hidden], new
-    """The routed experts' weighted sum per token: two grouped GEMMs where Triton runs, the
-    per-expert reference elsewhere."""
+    """The routed experts' weighted sum per token (+ `add`): two grouped GEMMs and one sum where
+    Triton runs, the per-expert reference elsewhere."""
     num_tokens, hidden = x.shape
     num_experts, n_in, _ = w_in.shape
     assert w_in.shape[2] == hidden and w_out.shape[:2] == (num_experts, hidden), (x.shape, w_in.shape, w_out.shape)
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens, (topk_ids.shape, topk_weights.shape)
     assert w_out.shape[2] == (n_in // 2 if act.gated else n_in), f"w_in {tuple(w_in.shape)} does not feed w_out {tuple(w_out.shape)}"
     if not use_triton(x.device) or num_tokens == 0 or x.dtype not in _BLOCK_K:
-        return fused_moe_ref(x, w_in, w_out, topk_weights, topk_ids, act, b_in, b_out)
+        return fused_moe_ref(x, w_in, w_out, topk_weights, topk_ids, act, b_in, b_out, add)
     top_k = topk_ids.shape[1]
     num_rows = num_tokens * top_k
     align = moe_align(topk_ids, num_experts, block_m or pick_block_m(num_rows, num_experts))
@@ -206,4 +231,11 @@ def fused_moe(
     h = act.apply(h)  # [num_rows, intermediate]
     y = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     grouped_gemm(h, w_out, b_out, y, align, a_row_div=1, topk_weights=topk_weights.float().flatten())
-    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    add = None if add is None else add.contiguous()
+    assert add is None or (add.shape == out.shape and add.dtype == out.dtype), f"add {add.shape} {add.dtype} for {out.shape} {out.dtype}"
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, out if add is None else add, out, hidden, TOP_K=top_k, HAS_ADD=add is not None, BLOCK_H=block_h
+    )  # fmt: skip
+    return out

@@ -82,8 +82,9 @@ class FusedExperts(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
         topk_ids: torch.Tensor,  # [num_tokens, top_k]
+        add: torch.Tensor | None = None,  # [num_tokens, hidden]: added to the sum (shared experts)
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        return fused_moe(x, self.w_in, self.w_out, topk_weights, topk_ids, self.act, self.b_in, self.b_out)
+        return fused_moe(x, self.w_in, self.w_out, topk_weights, topk_ids, self.act, self.b_in, self.b_out, add=add)
 
 
 class ExpertParallelExperts(FusedExperts, ShardedWeights):
@@ -116,12 +117,14 @@ class ExpertParallelExperts(FusedExperts, ShardedWeights):
         x: torch.Tensor,  # [num_tokens, hidden]
         topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
         topk_ids: torch.Tensor,  # [num_tokens, top_k] global expert ids
+        add: torch.Tensor | None = None,  # [num_tokens, hidden], whole: added after the all-reduce
     ) -> torch.Tensor:  # [num_tokens, hidden], summed over every rank's experts
         local_ids = topk_ids - self.own.start
         mine = (local_ids >= 0) & (local_ids < self.own.size)
         weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
         out = fused_moe(x, self.w_in, self.w_out, weights, local_ids.masked_fill(~mine, 0), self.act, self.b_in, self.b_out)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        return out if add is None else out + add
 
 
 def fused_experts(
@@ -157,8 +160,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return self.experts(x, topk_weights, topk_ids, add=shared)  # the add in the experts' last launch
 
 
 def stack_per_expert(

@@ -204,13 +204,15 @@ def _check_kernel(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
             name = f"{dtype} tokens={num_tokens} experts={num_experts} top_k={top_k} {act}"
             args = [t.to(device) if isinstance(t, torch.Tensor) else t
                     for t in _moe_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, act, bias)]  # fmt: skip
-            got = fused_moe(*args[:6], b_in=args[6], b_out=args[7], block_m=block_m)
-            want = fused_moe_ref(*args)
-            assert got.shape == want.shape and got.dtype == want.dtype, name
-            if dtype == torch.float32:
-                torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{name}: {m}")
-            else:  # roundings at the same points, sums in other orders
-                torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+            shared = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(7)).to(dtype).to(device)
+            for add in (None, shared):  # a block's shared experts' output, added in the sum's launch
+                got = fused_moe(*args[:6], b_in=args[6], b_out=args[7], block_m=block_m, add=add)
+                want = fused_moe_ref(*args, add=add)
+                assert got.shape == want.shape and got.dtype == want.dtype, name
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+                else:  # roundings at the same points, sums in other orders
+                    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
     x = torch.zeros(0, 32, device=device)
     empty = fused_moe(x, torch.zeros(4, 32, 32, device=device), torch.zeros(4, 32, 16, device=device),
                       torch.zeros(0, 2, device=device), torch.zeros(0, 2, dtype=torch.long, device=device), SILU)  # fmt: skip
