@@ -139,7 +139,7 @@ class DeepseekAttention(nn.Module):
         q = q.view(q.shape[0], self.num_local_heads, -1)  # [num_tokens, local heads, nope + rope]
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())  # [num_tokens, rank]
+        latent = self.kv_a_layernorm(latent)  # [num_tokens, rank], new: the norm reads the strided view
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
         # kv_b_proj.weight: [local heads * (nope + v), rank], this rank's heads' W_UK / W_UV.
         o = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight)  # [num_tokens, local heads, v]
