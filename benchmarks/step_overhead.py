@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import json
 import pstats
 import statistics
@@ -117,21 +118,22 @@ def kernels_counted_by(counter: OpCounter) -> Iterator[None]:
             if name.endswith("_ref") and callable(fn) and f"_{name[:-4]}_kernel" in vars(mod):
                 patched.append((mod, name, fn))
                 setattr(mod, name, counter.kernel(name[:-4], fn))
-    jit = None
-    try:
-        from triton.runtime.jit import JITFunction as jit
-
-        run = jit.run
-        jit.run = lambda fn, *a, **kw: counter.kernel(fn.__name__, lambda: run(fn, *a, **kw))()
-    except ImportError:
-        pass
+    launchers = []  # compiled kernels, and kernels the Triton interpreter runs (TRITON_INTERPRET=1)
+    for module, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
+        try:
+            launcher = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            continue
+        run = launcher.run
+        launcher.run = lambda fn, *a, _run=run, **kw: counter.kernel(fn.__name__, lambda: _run(fn, *a, **kw))()
+        launchers.append((launcher, run))
     try:
         yield
     finally:
         for mod, name, fn in patched:
             setattr(mod, name, fn)
-        if jit is not None:
-            jit.run = run
+        for launcher, run in launchers:
+            launcher.run = run
 
 
 PARTS = ("schedule", "prepare+forward", "sample+copy", "update")
