@@ -103,8 +103,8 @@ for s in "${steps[@]}"; do
     qwen3next) run_step qwen3next 160 python3 benchmarks/mamba_throughput.py --device cuda --shape qwen3-next --layers 4 ;;
     deepseek) run_step deepseek 160 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --num-layers 4 ;;
     mla-splits)  # the MLA decode kernel by split count: 64 rows as the DeepSeek workload decodes, and one row
-      run_step mla-splits-64 60 python3 benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 1,2,4,8,0 --repeats 200
-      run_step mla-splits-1 60 python3 benchmarks/mla_decode.py --rows 1 --seq-len 2048 --kernel-splits 1,4,16,0 --repeats 200 ;;
+      run_step mla-splits-64 120 python3 benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 1,2,4,8,0 --warps 4,8 --stages 2,3 --repeats 200
+      run_step mla-splits-1 60 python3 benchmarks/mla_decode.py --rows 1 --seq-len 2048 --kernel-splits 1,4,16,0 --warps 4,8 --repeats 200 ;;
     deepseek-full) run_step deepseek-full 200 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none ;;
     deepseek-router-ab)  # the one-launch router against the reference's launches, alternating processes
       for i in 1 2; do

@@ -84,9 +84,12 @@ def decode(rows: int, seq_len: int, device: torch.device, repeats: int) -> None:
               f"({rows} rows x {seq_len} cached tokens, {heads} heads, {device.type})")  # fmt: skip
 
 
-def kernel_splits(rows: int, seq_len: int, device: torch.device, splits: list[int], repeats: int) -> None:
+def kernel_splits(
+    rows: int, seq_len: int, device: torch.device, splits: list[int], repeats: int, warps: list[int], stages: list[int]
+) -> None:
     """The decode kernel alone in bf16 at V2-Lite's attention shape, per split count (0: the
-    launch's own choice, `decode_splits`): microseconds a launch and the latent bytes read a second."""
+    launch's own choice, `decode_splits`), warps and pipeline stages: microseconds a launch and
+    the latent bytes read a second."""
     from slotrunner.models.layers.mla_decode import decode_splits, mla_decode
 
     heads, rank, rope, block = 16, 512, 64, 16
@@ -99,12 +102,13 @@ def kernel_splits(rows: int, seq_len: int, device: torch.device, splits: list[in
     q_pe = torch.randn(rows, heads, rope, generator=gen).to(device, torch.bfloat16)
     want = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=1)
     latent_bytes = rows * seq_len * (rank + rope) * 2
-    for n in splits:
-        got = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=n or None)
+    for n, w, st in [(n, w, st) for n in splits for w in warps for st in stages]:
+        tiles = dict(splits=n or None, num_warps=w, num_stages=st)
+        got = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, **tiles)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         def launches() -> None:
             for _ in range(20):
-                mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=n or None)
+                mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, **tiles)
 
         run = launches
         if device.type == "cuda":  # replayed from a graph: the GPU's time, not the host's launches
@@ -121,7 +125,7 @@ def kernel_splits(rows: int, seq_len: int, device: torch.device, splits: list[in
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / (20 * max(1, repeats // 20))
         label = f"{n}" if n else f"auto ({decode_splits(rows, 1, device)})"
-        print(f"mla_decode kernel, {rows} rows x {seq_len} tokens, splits {label}: {seconds * 1e6:.1f} us, "
+        print(f"mla_decode kernel, {rows} rows x {seq_len} tokens, splits {label}, {w} warps, {st} stages: {seconds * 1e6:.1f} us, "
               f"{latent_bytes / seconds / 1e12:.2f} TB/s of latents")  # fmt: skip
 
 
@@ -134,12 +138,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kernel-splits", help="comma-separated split counts (0: the launch's own choice): time the "
                         "bf16 decode kernel alone for each, instead of the comparisons above")
+    parser.add_argument("--warps", default="4", help="with --kernel-splits: comma-separated warp counts")
+    parser.add_argument("--stages", default="3", help="with --kernel-splits: comma-separated pipeline stages")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kernel_splits:
         splits = [int(n) for n in args.kernel_splits.split(",")]
-        return kernel_splits(args.rows, args.seq_len, torch.device(args.device), splits, args.repeats)
+        warps, stages = [int(n) for n in args.warps.split(",")], [int(n) for n in args.stages.split(",")]
+        return kernel_splits(args.rows, args.seq_len, torch.device(args.device), splits, args.repeats, warps, stages)
     cache_bytes_per_token()
     decode(args.rows, args.seq_len, torch.device(args.device), args.repeats)
 

@@ -238,6 +238,8 @@ def mla_decode(
     block_h: int = 16,  # heads per program (tl.dot needs >= 16 rows)
     tile_n: int = 32,  # cached tokens per key tile
     splits: int | None = None,  # programs per (row, head block); None: `decode_splits`
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:  # [num_rows, num_heads, rank], q_lat's dtype
     """Absorbed-form paged decode: one query token per row (see the module docstring)."""
     num_rows, num_heads, rank = q_lat.shape
@@ -269,5 +271,6 @@ def mla_decode(
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(rope)), TILE_N=tile_n,
         DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
