@@ -186,17 +186,20 @@ def write_latent(
 
 @functools.cache
 def _programs_per_wave(device: torch.device) -> int:
-    """Two programs per multiprocessor on a GPU; 1 elsewhere (the interpreter gains nothing)."""
+    """One program per multiprocessor on a GPU (a program's 16 x 512 float32 accumulator and its
+    staged latent tiles fill one); 1 elsewhere (the interpreter gains nothing)."""
     if device.type != "cuda":
         return 1
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
     """Programs per (row, head block) of a decode launch: the largest power of two up to
-    MAX_SPLITS that keeps the launch within two programs per multiprocessor. One program per row
-    leaves most of a GPU idle below ~100 rows, each walking all its row's latents in turn (64
-    rows of DeepSeek-V2-Lite's shape read their latents at about a quarter of the bandwidth)."""
+    MAX_SPLITS that keeps the launch within one program per multiprocessor. One program per row
+    leaves most of a GPU idle below ~130 rows, each walking all its row's latents in turn (64
+    rows of DeepSeek-V2-Lite's shape read their latents at about a quarter of the bandwidth).
+    Each split adds its float32 state (2 KB a head) written and read back by the merge, so no
+    more splits than fill the GPU once."""
     splits, target = 1, _programs_per_wave(torch.device(device))
     while splits < MAX_SPLITS and 2 * splits * num_rows * head_blocks <= target:
         splits *= 2
