@@ -99,8 +99,12 @@ class MLAAttention(PagedCacheLayer):
         seq_lens: torch.Tensor,  # [rows]
     ) -> torch.Tensor:  # [rows, num_heads, v_head_dim]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w[:, : self.nope])  # absorbed through W_UK
-        o_lat = mla_decode(q_lat, q_pe, self.kv_cache, block_tables, seq_lens, self.scale)
-        return torch.einsum("thc,hvc->thv", o_lat, w[:, self.nope :])  # out through W_UV
+        o_lat = mla_decode(q_lat, q_pe, self.kv_cache, block_tables, seq_lens, self.scale)  # [rows, heads, rank]
+        # Out through W_UV, each head's product written straight into its columns of a [rows,
+        # heads, v] tensor (cuBLAS takes the row stride), so o_proj reads it without a copy.
+        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_head_dim)
+        torch.bmm(o_lat.transpose(0, 1), w[:, self.nope :].transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _prefill(
         self,
