@@ -124,6 +124,7 @@ if HAS_TRITON:
         SIGMOID: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         N_GROUP: tl.constexpr,
+        PER_GROUP: tl.constexpr,  # E // N_GROUP
         TOPK_GROUP: tl.constexpr,
         GROUP_MAX: tl.constexpr,  # a group's score: its best expert; else the sum of its two best
         G_P2: tl.constexpr,
@@ -161,11 +162,10 @@ if HAS_TRITON:
             choice += tl.load(corr_ptr + e, mask=e_mask, other=0.0).to(tl.float32)[None, :]
         choice = tl.where(e_mask[None, :], choice, neg_inf)
         if N_GROUP > 1:
-            per_group: tl.constexpr = E // N_GROUP
             g = tl.arange(0, G_P2)
             group_scores = tl.full((BLOCK_T, G_P2), neg_inf, tl.float32)
             for gi in tl.static_range(N_GROUP):
-                in_g = (e >= gi * per_group) & (e < (gi + 1) * per_group)
+                in_g = (e >= gi * PER_GROUP) & (e < (gi + 1) * PER_GROUP)
                 members = tl.where(in_g[None, :], choice, neg_inf)
                 best = tl.max(members, 1)
                 if not GROUP_MAX:
@@ -180,7 +180,7 @@ if HAS_TRITON:
                 group_scores = tl.where(chosen, neg_inf, group_scores)
             for gi in tl.static_range(N_GROUP):
                 kept = tl.max(tl.where(g[None, :] == gi, keep.to(tl.int32), 0), 1) > 0  # [BLOCK_T]
-                in_g = (e >= gi * per_group) & (e < (gi + 1) * per_group)
+                in_g = (e >= gi * PER_GROUP) & (e < (gi + 1) * PER_GROUP)
                 choice = tl.where(in_g[None, :] & ~kept[:, None], neg_inf, choice)
         kc = tl.arange(0, K_P2)
         top_w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
@@ -242,7 +242,7 @@ def route(
         E=num_experts, E_P2=e_p2, TOP_K=spec.top_k, K_P2=triton.next_power_of_2(spec.top_k),
         HAS_BIAS=bias is not None, HAS_CORR=correction_bias is not None,
         ROUND_LOGITS=not fp32_logits and x.dtype != torch.float32, SIGMOID=spec.scoring == "sigmoid",
-        RENORMALIZE=spec.renormalize, N_GROUP=spec.n_group, TOPK_GROUP=spec.topk_group,
+        RENORMALIZE=spec.renormalize, N_GROUP=spec.n_group, PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group,
         GROUP_MAX=spec.group_scoring == "max", G_P2=triton.next_power_of_2(spec.n_group),
         IEEE=x.dtype == torch.float32, BLOCK_T=_BLOCK_T, BLOCK_K=max(16, min(64, 4096 // e_p2)),
         num_warps=4 if e_p2 <= 128 else 8,
