@@ -150,3 +150,42 @@ def replayed_decode():
             return hidden[: batch.num_tokens]
 
     return ReplayedDecode
+
+
+@pytest.fixture
+def compile_for_hopper():
+    """Compile a Triton kernel for sm_90 on this machine, GPU or not (Triton's frontend, then
+    the ptxas its wheel ships): what the interpreter never checks -- constexpr rules, types
+    the compiler infers, shapes tl.dot accepts. `compile(kernel, signature, constexprs,
+    num_warps=4, num_stages=3)` takes each runtime argument's Triton type (`"*bf16"`, `"i32"`)
+    and each constexpr's value, and returns the cuobjdump resource line (registers, local
+    memory). Skips where Triton or its NVIDIA backend is missing."""
+    import inspect
+    import os
+    import subprocess
+    import tempfile
+
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(bin_dir, "ptxas")):
+        pytest.skip("this Triton ships no ptxas")
+
+    def compile(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+        jit = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn  # CachedLaunch wraps one
+        params = list(inspect.signature(jit.fn).parameters)
+        assert set(params) == set(signature) | set(constexprs), f"arguments {set(params) ^ (set(signature) | set(constexprs))}"
+        sig = {p: "constexpr" if p in constexprs else signature[p] for p in params}
+        src = ASTSource(jit, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            dump = [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name]
+            out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
+        return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+
+    return compile

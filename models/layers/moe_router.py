@@ -200,6 +200,13 @@ if HAS_TRITON:
         tl.store(ids_ptr + t[:, None] * TOP_K + kc[None, :], top_i, mask=out_mask)
 
 
+def route_tiles(num_experts: int) -> tuple[int, int, int]:
+    """(experts padded to a power of two, hidden channels a step, warps) of a `route` launch:
+    a program's logits tile and weight tile stay about the same size whatever the expert count."""
+    e_p2 = max(16, triton.next_power_of_2(num_experts))
+    return e_p2, max(16, min(64, 4096 // e_p2)), 4 if e_p2 <= 128 else 8
+
+
 def route_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [num_experts, hidden]
@@ -235,7 +242,7 @@ def route(
     weight = weight.contiguous()
     weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int64, device=x.device)
-    e_p2 = max(16, triton.next_power_of_2(num_experts))
+    e_p2, block_k, num_warps = route_tiles(num_experts)
     _route_kernel[(triton.cdiv(num_tokens, _BLOCK_T),)](
         x, x.stride(0), weight, weight if bias is None else bias, weight if correction_bias is None else correction_bias,
         weights, ids, num_tokens, hidden, float(spec.routed_scaling_factor),
@@ -244,7 +251,6 @@ def route(
         ROUND_LOGITS=not fp32_logits and x.dtype != torch.float32, SIGMOID=spec.scoring == "sigmoid",
         RENORMALIZE=spec.renormalize, N_GROUP=spec.n_group, PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group,
         GROUP_MAX=spec.group_scoring == "max", G_P2=triton.next_power_of_2(spec.n_group),
-        IEEE=x.dtype == torch.float32, BLOCK_T=_BLOCK_T, BLOCK_K=max(16, min(64, 4096 // e_p2)),
-        num_warps=4 if e_p2 <= 128 else 8,
+        IEEE=x.dtype == torch.float32, BLOCK_T=_BLOCK_T, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return weights, ids

@@ -110,3 +110,20 @@ def test_mla_kernels_match_reference(run_interpreted):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_mla_kernels_match_reference():
     _check_kernels("cuda", (torch.float32, torch.float16, torch.bfloat16))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits):
+    """The compiler, not the interpreter: the decode launch at DeepSeek-V2-Lite's shape, whole and
+    split (the merge included), builds for sm_90 with its default warps and no spill."""
+    from slotrunner.models.layers import mla_decode
+
+    signature = dict(
+        q_lat_ptr="*bf16", stride_lr="i64", stride_lh="i64", q_pe_ptr="*bf16", stride_pr="i64", stride_ph="i64",
+        cache_ptr="*bf16", stride_c="i32", out_ptr="*bf16", block_tables_ptr="*i32", stride_bt="i64", seq_lens_ptr="*i32",
+        scale="fp32", part_acc_ptr="*fp32", part_ml_ptr="*fp32", counters_ptr="*i32",
+    )  # fmt: skip
+    constexprs = dict(NUM_HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_R=512, BLOCK_P=64, TILE_N=32,
+                      DOT_PRECISION="tf32", NUM_SPLITS=splits)  # fmt: skip
+    usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs)
+    assert "LOCAL:0" in usage, usage

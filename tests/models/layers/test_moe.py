@@ -257,3 +257,14 @@ def test_fused_moe_is_sync_free_and_graph_capturable():
         weights, ids = select_experts(x @ router.T, spec)
         want = fused_moe_ref(x, w_in, w_out, weights, ids, SILU)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("has_add", [False, True])
+def test_sum_kernel_compiles_for_hopper(compile_for_hopper, has_add):
+    """The compiler, not the interpreter: the top-k sum (with and without the shared experts'
+    add) builds for sm_90."""
+    from slotrunner.models.layers import fused_moe
+
+    signature = dict(y_ptr="*fp32", add_ptr="*bf16", out_ptr="*bf16", hidden="i32")
+    usage = compile_for_hopper(fused_moe._moe_sum_kernel, signature, dict(TOP_K=6, HAS_ADD=has_add, BLOCK_H=1024))
+    assert "LOCAL:0" in usage, usage
