@@ -6,7 +6,8 @@ run padded with the sentinel `num_rows` to a multiple of `block_m`, and names ea
 expert. Every buffer is sized for the worst case over all routings (`moe_align_sizes`), never
 from routing read back to the host: no sync, and a CUDA graph replays it for any routing.
 
-`_moe_count_kernel` (per chunk of rows: how many go to each expert) -> `_moe_offsets_kernel`
+`_moe_count_kernel` (per chunk of rows: how many go to each expert; it also sets its share of
+the sorted positions to the padding sentinel) -> `_moe_offsets_kernel`
 (one program: prefix sums over chunks and experts, each block's expert) -> `_moe_scatter_kernel`
 (each row to its place) -> `moe_align()` (dispatch) -> `moe_align_ref()` (the torch
 specification: a stable sort; what runs on CPU). The kernels give exactly the reference's output.
@@ -77,13 +78,23 @@ if HAS_TRITON:
     def _moe_count_kernel(
         ids_ptr,  # [num_rows] routed rows' experts
         chunk_counts_ptr,  # [num_chunks, E_P2] int32, written
+        sorted_rows_ptr,  # [max_padded] int32: this program's share set to the padding sentinel
         num_rows,
+        max_padded,
+        fill_per_chunk,  # sorted positions each program fills
         BLOCK_R: tl.constexpr,
         E_P2: tl.constexpr,
+        BLOCK_F: tl.constexpr,
     ):
         chunk = tl.program_id(0)
         _, _, _, onehot, _ = _chunk_ranks(ids_ptr, chunk, num_rows, BLOCK_R, E_P2)
         tl.store(chunk_counts_ptr + chunk * E_P2 + tl.arange(0, E_P2), tl.sum(onehot, axis=0))
+        # Every position starts as padding (the scatter, two launches later, writes the real
+        # rows over it): the fill rides along here instead of taking a launch of its own.
+        f = tl.arange(0, BLOCK_F)
+        end = tl.minimum((chunk + 1) * fill_per_chunk, max_padded)
+        for p0 in range(chunk * fill_per_chunk, end, BLOCK_F):
+            tl.store(sorted_rows_ptr + p0 + f, tl.full([BLOCK_F], num_rows, tl.int32), mask=p0 + f < end)
 
     @triton.jit
     def _moe_offsets_kernel(
@@ -158,10 +169,13 @@ def moe_align(
     num_chunks = triton.cdiv(num_rows, block_r)
     chunk_counts = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=device)
     expert_start = torch.empty(e_p2, dtype=torch.int32, device=device)
-    sorted_rows = torch.full((max_padded,), num_rows, dtype=torch.int32, device=device)
+    sorted_rows = torch.empty(max_padded, dtype=torch.int32, device=device)  # filled by the count kernel
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    _moe_count_kernel[(num_chunks,)](flat, chunk_counts, num_rows, BLOCK_R=block_r, E_P2=e_p2)
+    fill_per_chunk = triton.cdiv(max_padded, num_chunks)
+    _moe_count_kernel[(num_chunks,)](
+        flat, chunk_counts, sorted_rows, num_rows, max_padded, fill_per_chunk, BLOCK_R=block_r, E_P2=e_p2, BLOCK_F=1024
+    )  # fmt: skip
     _moe_offsets_kernel[(1,)](
         chunk_counts, expert_start, block_expert, num_padded, num_chunks, max_blocks,
         BLOCK_M=block_m, E_P2=e_p2, TILE=max(16, 4096 // e_p2),

@@ -268,3 +268,13 @@ def test_sum_kernel_compiles_for_hopper(compile_for_hopper, has_add):
     signature = dict(y_ptr="*fp32", add_ptr="*bf16", out_ptr="*bf16", hidden="i32")
     usage = compile_for_hopper(fused_moe._moe_sum_kernel, signature, dict(TOP_K=6, HAS_ADD=has_add, BLOCK_H=1024))
     assert "LOCAL:0" in usage, usage
+
+
+def test_count_kernel_compiles_for_hopper(compile_for_hopper):
+    """The compiler, not the interpreter: the alignment's count launch with its sentinel fill."""
+    from slotrunner.models.layers import moe_align
+
+    signature = dict(ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_rows_ptr="*i32", num_rows="i32", max_padded="i32",
+                     fill_per_chunk="i32")  # fmt: skip
+    usage = compile_for_hopper(moe_align._moe_count_kernel, signature, dict(BLOCK_R=128, E_P2=64, BLOCK_F=1024))
+    assert "LOCAL:0" in usage, usage
