@@ -31,12 +31,15 @@ MAX_SPLITS = 16  # programs per (row, KV head) at most
 MAX_ROWS = 4
 
 
-def split_kv_splits(num_reqs: int, num_kv_heads: int, target_programs: int) -> int:
+def split_kv_splits(num_reqs: int, num_kv_heads: int, target_programs: int, max_rows: int | None = MAX_ROWS) -> int:
     """Splits per (row, KV head) for a decode launch of `num_reqs` rows: 1 (no split) above
-    MAX_ROWS rows, else the largest power of two <= MAX_SPLITS that keeps the launch within
-    `target_programs` programs."""
+    `max_rows` rows (None: no such limit; MLA's decode, which has no shared-prefix launch), else
+    the largest power of two <= MAX_SPLITS that keeps the launch within `target_programs`
+    programs."""
     splits = 1
-    while num_reqs <= MAX_ROWS and splits < MAX_SPLITS and 2 * splits * num_reqs * num_kv_heads <= target_programs:
+    if max_rows is not None and num_reqs > max_rows:
+        return splits
+    while splits < MAX_SPLITS and 2 * splits * num_reqs * num_kv_heads <= target_programs:
         splits *= 2
     return splits
 

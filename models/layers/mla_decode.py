@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from slotrunner.core_runner.attention.split_kv import MAX_SPLITS, split_kv_counters, split_kv_state
+from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -194,16 +194,14 @@ def _programs_per_wave(device: torch.device) -> int:
 
 
 def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
-    """Programs per (row, head block) of a decode launch: the largest power of two up to
-    MAX_SPLITS that keeps the launch within one program per multiprocessor. One program per row
-    leaves most of a GPU idle below ~130 rows, each walking all its row's latents in turn (64
-    rows of DeepSeek-V2-Lite's shape read their latents at about a quarter of the bandwidth).
+    """Programs per (row, head block) of a decode launch: the decoder's split rule
+    (`split_kv_splits`, with no row limit) for a launch of one program per multiprocessor. One
+    program per row leaves most of a GPU idle below ~130 rows, each walking all its row's latents
+    in turn (64 rows of DeepSeek-V2-Lite's shape read their latents at about a quarter of the
+    bandwidth).
     Each split adds its float32 state (2 KB a head) written and read back by the merge, so no
     more splits than fill the GPU once."""
-    splits, target = 1, _programs_per_wave(torch.device(device))
-    while splits < MAX_SPLITS and 2 * splits * num_rows * head_blocks <= target:
-        splits *= 2
-    return splits
+    return split_kv_splits(num_rows, head_blocks, _programs_per_wave(torch.device(device)), max_rows=None)
 
 
 def mla_decode_ref(
