@@ -1,6 +1,7 @@
 """Mixture-of-experts layers any model builds from: the router, the routed experts, the block.
 
-- `RouterSpec` + `select_experts` (moe_router.py, with `route()`, their one-launch kernel): which `top_k` experts each token goes to, with what weights.
+- `RouterSpec` + `select_experts` (moe_router.py, beside `route()`, their one-launch kernel):
+  which `top_k` experts each token goes to, with what weights.
   Scores are the softmax (Mixtral, Qwen3-MoE, GraniteMoE, GPT-OSS) or the sigmoid (DeepSeek-V3,
   NemotronH) of the router logits; experts are chosen on the scores plus an optional
   correction bias (`e_score_correction_bias`: it steers the choice, never the weights),
