@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from slotrunner.core_runner.graph_capture import collector_paused
+
 MAX_ITEMS = 8  # items per tower run: graphs for 1..8 items at most, per input shape
 MAX_GRAPHS = 32  # past this many (input shapes x chunk sizes), new ones run eagerly: each holds its buffers
 
@@ -70,7 +72,7 @@ class TowerGraphs:
             self.encode(static_in)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with collector_paused(), torch.cuda.graph(graph, pool=self._pool):  # graph_capture.py
             static_out = self.encode(static_in)
         self._pool = graph.pool()
         return graph, static_in, static_out

@@ -4,7 +4,7 @@ module level or inside a function) must point down the documented direction.
     slotrunner (face) -> registry -> models -> model_states -> models.layers
         -> core_runner: engine -> runner -> {attention, sample, cpu, distributed}; loader -> cpu
     (models and models.layers may import core_runner.distributed: the sharded layers)
-    leaves (importable from anywhere): sampling_params, outputs, config, triton_utils, intake
+    leaves (importable from anywhere): sampling_params, outputs, config, triton_utils, graph_capture, intake
 
 Guards against: a layer importing a model (models.layers.multimodal_lm importing models.llama),
 cycles between the contract and the families (models.layers and model_states importing each
@@ -32,6 +32,7 @@ LEAVES = {
     "slotrunner.outputs",
     "slotrunner.core_runner.config",
     "slotrunner.core_runner.triton_utils",
+    "slotrunner.core_runner.graph_capture",
     "slotrunner.core_runner.engine.intake",
 }
 

@@ -35,6 +35,7 @@ from torch import nn
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, FamilyAttnMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.config import PREFILL_GRAPH_LENS
+from slotrunner.core_runner.graph_capture import collector_paused
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
 from slotrunner.core_runner.runner.model_state import ModelInputs, ModelState
@@ -115,8 +116,9 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool. The buffers are set to
-        empty rows first (seq_len 0, slot -1), so warm-up and capture touch no cache entry."""
+        """Capture every size, largest first, into one memory pool, the garbage collector paused
+        (graph_capture.py). The buffers are set to empty rows first (seq_len 0, slot -1), so
+        warm-up and capture touch no cache entry."""
         b = self.buffers
         b.query_start_loc.zero_()
         b.seq_lens.zero_()
@@ -128,17 +130,18 @@ class CudaGraphs:
         keys = [(n, self.draft_query_len, False) for n in self.draft_sizes] + [(n, 1, False) for n in self.sizes]
         keys += [(n, 1, True) for n in self.shared_prefix_sizes]
         keys += [(1, q, False) for q in self.prefill_lens]
-        for key in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first
-            n, q, shared = key
-            meta = self._metadata(n, q, shared)
-            self._forward(meta, *self._dummy_inputs(n, q))  # warm-up: compiles the kernels outside the capture
-            inputs = self._dummy_inputs(n, q)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(meta, *inputs)
-            # The graph reads these tensors at replay: they must outlive it.
-            self._graphs[key], self._outputs[key], self._inputs[key] = graph, out, inputs
+        with collector_paused():
+            for key in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first
+                n, q, shared = key
+                meta = self._metadata(n, q, shared)
+                self._forward(meta, *self._dummy_inputs(n, q))  # warm-up: compiles the kernels outside the capture
+                inputs = self._dummy_inputs(n, q)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(meta, *inputs)
+                # The graph reads these tensors at replay: they must outlive it.
+                self._graphs[key], self._outputs[key], self._inputs[key] = graph, out, inputs
         torch.cuda.synchronize()
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]

@@ -30,6 +30,7 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.graph_capture import collector_paused
 
 # Several rows' catch-up over their prompts replays a graph of the next of these row counts (padding
 # rows empty) and the next prefill length per row, where rows x length stays within the token
@@ -102,13 +103,14 @@ class DraftDecodeGraphs:
         self.slot_mapping.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
         keys = [(n, q) for n in self.sizes for q in self.query_lens] + sorted(self.prompt_keys)
-        for n, q in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):
-            self._forward(n, q)  # warm-up: compiles the kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[n, q] = self._forward(n, q)
-            self._graphs[n, q] = graph
+        with collector_paused():  # graph_capture.py
+            for n, q in sorted(keys, key=lambda k: k[0] * k[1], reverse=True):
+                self._forward(n, q)  # warm-up: compiles the kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[n, q] = self._forward(n, q)
+                self._graphs[n, q] = graph
         torch.cuda.synchronize()
 
     def _replay(self, n: int, q: int, tokens: int) -> torch.Tensor:  # [n * q, hidden]; tokens: the real ones

@@ -244,4 +244,7 @@ def test_gpu_a_proposal_waits_on_the_gpu_once(dirs):
     speculator.propose = counted
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert len(waits) > 10 and set(waits) == {1}, waits
+    # Each proposal serves every row; a row whose drafts are all accepted (the draft is the
+    # target) takes k + 1 = 5 tokens a step, so the longest request needs at least this many.
+    fewest = -(-max(p.max_tokens for p in params) // 5) - 1
+    assert len(waits) >= fewest and set(waits) == {1}, (fewest, waits)

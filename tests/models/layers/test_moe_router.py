@@ -45,18 +45,25 @@ def _check_router(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
     for dtype in dtypes:
         for i, (num_tokens, hidden, spec, bias, corr, fp32_logits) in enumerate(CASES):
             name = f"{dtype} case {i}: {num_tokens} tokens, {spec}"
-            x, weight, logit_bias, correction = _inputs(num_tokens, hidden, spec, bias, corr, dtype, device, seed=i)
+            exact = dtype == torch.float32 or fp32_logits
+            # Rounded logits summed in another order may differ by an ulp: a token whose k-th and
+            # (k+1)-th logits are that close may pick either, so ids are checked on the tokens
+            # far from such a tie. Inputs are drawn again (another seed) until most tokens are:
+            # a case of one token in bfloat16 may land on a tie (seen on one H200).
+            for attempt in range(20):
+                x, weight, logit_bias, correction = _inputs(num_tokens, hidden, spec, bias, corr, dtype, device, seed=i + 1000 * attempt)
+                keep = torch.ones(num_tokens, dtype=torch.bool, device=device)
+                if exact:
+                    break
+                ref_logits = torch.nn.functional.linear(x, weight, logit_bias).float().sort(-1, descending=True)[0]
+                keep = (ref_logits[:, spec.top_k - 1] - ref_logits[:, spec.top_k]) > 2e-2
+                if keep.float().mean() > 0.5:
+                    break
+            else:
+                raise AssertionError(f"{name}: no seed of 20 gives most tokens far from a tie")
             got_w, got_ids = route(x, weight, spec, logit_bias, correction, fp32_logits)
             want_w, want_ids = route_ref(x, weight, spec, logit_bias, correction, fp32_logits)
             assert got_ids.dtype == want_ids.dtype == torch.int64 and got_w.dtype == torch.float32, name
-            exact = dtype == torch.float32 or fp32_logits
-            keep = torch.ones(num_tokens, dtype=torch.bool, device=device)
-            if not exact:
-                # Logits rounded to float16 after sums in another order may differ by an ulp: a
-                # token whose k-th and (k+1)-th logits are that close may pick either.
-                ref_logits = torch.nn.functional.linear(x, weight, logit_bias).float().sort(-1, descending=True)[0]
-                keep = (ref_logits[:, spec.top_k - 1] - ref_logits[:, spec.top_k]) > 2e-2
-                assert keep.float().mean() > 0.5, f"{name}: too few tokens far from a tie to check"
             # The reference's top-k order is by value; the kernel's too (repeated argmax).
             assert torch.equal(got_ids[keep], want_ids[keep]), f"{name}: ids {got_ids[keep]} vs {want_ids[keep]}"
             # Rounded logits are equal but for a sum landing next to a rounding boundary: rare in
