@@ -33,12 +33,54 @@ ARCHS += ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 # Recurrent hybrids: the compiled Mamba2 scan / state update and gated delta-net kernels.
 ARCHS += ("BambaForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 # Routed experts: both sides score the experts from bf16 hidden states that differ by rounding,
-# so where two experts' scores nearly tie a position may route to other experts (seen once on
-# one H200: DeepSeek-V3, one position of 27, 33 of its 1000 logits off by up to 0.21). One such
-# position per prompt is allowed; every other position is held to the tolerance, and the greedy
-# check below is unchanged.
+# so where two experts' scores nearly tie a position may route to other experts (seen on one
+# H200: DeepSeek-V3, one position of 27, 33 of its 1000 logits off by up to 0.21; DeepSeek-V2,
+# two positions of 48). A position out of tolerance passes where the reference's own routing
+# there changes when its router logits move by bf16 rounding (`_near_ties`); one position per
+# prompt that is not such a tie is allowed besides (a flipped position's keys reach later
+# ones). Every other position is held to the tolerance, and the greedy check is unchanged.
 ROUTED = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
           "DeepseekV2ForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM"}  # fmt: skip
+TIE_SCALE = 0.02  # router logits moved by this times their RMS at a position: bf16 hidden states' rounding, a few layers deep
+
+
+def _near_ties(hf, llm: LLM, ids: list[int], trials: int = 16) -> set[int]:
+    """Positions of `ids` where, in some MoE layer, the reference's expert choice changes when
+    its router logits move by TIE_SCALE times their RMS (random moves, fixed seed). The layers'
+    routing rules are slotrunner's routers' specs (`select_experts`), paired in layer order with
+    the reference's router modules (a weight of [num_experts, hidden])."""
+    from slotrunner.models.layers.moe import TopKRouter
+    from slotrunner.models.layers.moe_router import select_experts
+
+    ours = [m for m in llm.engine.runner.model.modules() if isinstance(m, TopKRouter)]
+    hidden = hf.config.hidden_size
+    gates = [
+        m for name, m in hf.named_modules()
+        if name.rsplit(".", 1)[-1] in ("gate", "router") and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2 and m.weight.shape[1] == hidden and ours and m.weight.shape[0] == ours[0].spec.num_experts
+    ]  # fmt: skip
+    assert len(gates) == len(ours) > 0, f"{len(gates)} reference routers for {len(ours)} of ours"
+    inputs: list[torch.Tensor] = []
+    hooks = [g.register_forward_hook(lambda mod, args, out: inputs.append(args[0].detach())) for g in gates]
+    try:
+        _hf_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    ties: set[int] = set()
+    for gate, router, x in zip(gates, ours, inputs):
+        gen = torch.Generator(device=x.device).manual_seed(len(ties))
+        bias = getattr(gate, "bias", None)
+        logits = torch.nn.functional.linear(x.reshape(-1, hidden).float(), gate.weight.float(), None if bias is None else bias.float())
+        corr = getattr(gate, "e_score_correction_bias", None)
+        corr = None if corr is None else corr.float()
+        want = select_experts(logits, router.spec, corr)[1].sort(-1)[0]
+        scale = TIE_SCALE * logits.pow(2).mean(-1, keepdim=True).sqrt()
+        for _ in range(trials):
+            moved = logits + scale * torch.randn(logits.shape, generator=gen, device=logits.device)
+            got = select_experts(moved, router.spec, corr)[1].sort(-1)[0]
+            ties.update((got != want).any(-1).nonzero().flatten().tolist())
+    return ties
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -66,9 +108,12 @@ def test_bf16_matches_transformers_bf16(arch, tmp_path):
         run = run_recorded(llm, prompt, 12)
         ref = _hf_logits(hf, prompt + run.output_token_ids[:-1])
         ours = run.logits.cpu()
-        if arch in ROUTED:  # a routing near-tie may flip one position's experts (see ROUTED)
+        if arch in ROUTED:  # a routing near-tie may flip a position's experts (see ROUTED)
             off = [i for i in range(len(ref)) if not compare_logits("", ours[i : i + 1], ref[i : i + 1], BF16_ATOL, BF16_RTOL).passed]
-            assert len(off) <= 1, f"{arch} n={n}: positions {off} out of tolerance"
+            if off:
+                ties = _near_ties(hf, llm, prompt + run.output_token_ids[:-1])
+                untied = [i for i in off if i not in ties]
+                assert len(untied) <= 1, f"{arch} n={n}: positions {off} out of tolerance, {untied} not at a routing near-tie"
             keep = [i for i in range(len(ref)) if i not in off]
             ours, ref_checked = ours[keep], ref[keep]
         else:
