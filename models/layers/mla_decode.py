@@ -185,23 +185,22 @@ def write_latent(
 
 
 @functools.cache
-def _programs_per_wave(device: torch.device) -> int:
-    """One program per multiprocessor on a GPU (a program's 16 x 512 float32 accumulator and its
-    staged latent tiles fill one); 1 elsewhere (the interpreter gains nothing)."""
+def _target_programs(device: torch.device) -> int:
+    """Two programs per multiprocessor on a GPU; 1 elsewhere (the interpreter gains nothing)."""
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
     """Programs per (row, head block) of a decode launch: the decoder's split rule
-    (`split_kv_splits`, with no row limit) for a launch of one program per multiprocessor. One
-    program per row leaves most of a GPU idle below ~130 rows, each walking all its row's latents
-    in turn (64 rows of DeepSeek-V2-Lite's shape read their latents at about a quarter of the
-    bandwidth).
-    Each split adds its float32 state (2 KB a head) written and read back by the merge, so no
-    more splits than fill the GPU once."""
-    return split_kv_splits(num_rows, head_blocks, _programs_per_wave(torch.device(device)), max_rows=None)
+    (`split_kv_splits`, with no row limit) for a launch of up to two programs per
+    multiprocessor. One program per row leaves most of a GPU idle below ~130 rows, each walking
+    all its row's latents in turn. Each split adds its float32 state (2 KB a head), written and
+    read back by the merge; on one H200 (132 multiprocessors), 64 rows of DeepSeek-V2-Lite's
+    shape at 640 tokens took 50.7 / 33.6 / 31.1 / 40.7 us at 1 / 2 / 4 / 8 splits
+    (`benchmarks/mla_decode.py`): two programs per multiprocessor (4 splits) beat one (2)."""
+    return split_kv_splits(num_rows, head_blocks, _target_programs(torch.device(device)), max_rows=None)
 
 
 def mla_decode_ref(
