@@ -159,7 +159,8 @@ def compile_for_hopper():
     the compiler infers, shapes tl.dot accepts. `compile(kernel, signature, constexprs,
     num_warps=4, num_stages=3)` takes each runtime argument's Triton type (`"*bf16"`, `"i32"`)
     and each constexpr's value, and returns the cuobjdump resource line (registers, local
-    memory). Skips where Triton or its NVIDIA backend is missing."""
+    memory) and `DYNAMIC_SHARED:<bytes>` (the shared memory a launch asks for; an H100 / H200
+    gives a program at most 232,448). Skips where Triton or its NVIDIA backend is missing."""
     import inspect
     import os
     import subprocess
@@ -186,6 +187,7 @@ def compile_for_hopper():
             f.flush()
             dump = [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name]
             out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
-        return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+        usage = " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+        return f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared}"  # Triton's shared memory, allocated at launch
 
     return compile
