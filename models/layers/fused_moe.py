@@ -11,7 +11,10 @@ Every token is routed to `top_k` experts; each (token, k) pair is one *routed ro
    (one expert) and a block of output columns, gathers its rows of A, multiplies by that
    expert's weight, and scatters the result to the rows' places. Launched once for w_in
    (gate/up) and once for w_out (down, scaled by the routing weights).
-3. Between them the expert activation (act(gate) * up, or act(x)); after them `_moe_sum_kernel`:
+3. The expert activation: for gated experts whose activation the kernels know (`kernel_act`:
+   SiLU, GELU) in the first launch's epilogue -- each program multiplies the gate and the up
+   columns of its block and writes act(gate) * up, rounded where the reference rounds -- else a
+   launch between the two (GPT-OSS's clamped SwiGLU, plain act(x)). After them `_moe_sum_kernel`:
    the sum over top_k, plus the shared experts' output where the block has them (one launch).
 
 `fused_moe()` dispatches; `fused_moe_ref()` is the specification -- the plain per-expert loop,
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
-from slotrunner.models.layers.activation import gated_act, gated_act_ref
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
+from slotrunner.models.layers.activation import gated_act, gated_act_ref, kernel_act
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.layers.moe_align import MoeAlignment, moe_align
 
@@ -88,6 +91,7 @@ def fused_moe_ref(
 
 
 if HAS_TRITON:
+    from slotrunner.models.layers.activation import gated_value
 
     @triton.jit
     def _fused_moe_kernel(
@@ -108,6 +112,9 @@ if HAS_TRITON:
         stride_wk,
         stride_be,
         A_ROW_DIV: tl.constexpr,  # top_k for the first GEMM (A = tokens), 1 for the second
+        ACT: tl.constexpr,  # -1: C = A @ W^T; else gated_value's activation code: W's rows are
+        # [gate (N) | up (N)] and C = act(A @ gate^T) * (A @ up^T), each product rounded first
+        LIBDEVICE: tl.constexpr,  # compiled (not interpreted): CUDA's exp, as torch's kernels
         HAS_BIAS: tl.constexpr,
         MUL_WEIGHT: tl.constexpr,  # round to A's dtype, then times the row's routing weight in fp32
         IEEE: tl.constexpr,  # fp32 inputs: full-precision dot, not tf32
@@ -128,6 +135,7 @@ if HAS_TRITON:
         a_ptrs = a_ptr + (rows // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]
         w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # used only with ACT >= 0
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -136,10 +144,21 @@ if HAS_TRITON:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
+            if ACT >= 0:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if IEEE:
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, w_up, acc_up)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
         if HAS_BIAS:
             acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if ACT >= 0:
+                acc_up += tl.load(bias_ptr + expert * stride_be + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if ACT >= 0:  # as the unfused path: the GEMM's outputs rounded, act(gate) rounded, the product
+            dtype = a_ptr.dtype.element_ty
+            acc = gated_value(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), ACT, LIBDEVICE, dtype)
         if MUL_WEIGHT:
             weight = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0)
             acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -183,21 +202,26 @@ def grouped_gemm(
     a_row_div: int,
     topk_weights: torch.Tensor | None = None,  # [num_rows] float32: scale each row (second GEMM)
     block_n: int | None = None,
+    act: int = -1,  # gated_value's code: w is [gate | up], out = act(gate) * up (first GEMM)
 ) -> None:
     num_rows, n = out.shape
     k = w.shape[2]
     assert a.shape[1] == k and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, a.stride(), w.shape, w.stride())
     assert out.is_contiguous() and w.dtype == a.dtype, (out.stride(), w.dtype, a.dtype)
+    assert w.shape[1] == (2 * n if act >= 0 else n), f"weight rows {w.shape[1]} for {n} output columns (act {act})"
     block_k = _BLOCK_K[a.dtype]
     block_n = block_n or (128 if align.block_m >= 64 else 64)  # wide tiles pay off once blocks are tall
+    if act >= 0:
+        block_n //= 2  # two products a program (gate and up): the same tile of weights as unfused
     grid = (align.block_expert.shape[0], triton.cdiv(n, block_n))
     _fused_moe_kernel[grid](
         a, w, w if bias is None else bias, out, out if topk_weights is None else topk_weights,
         align.sorted_rows, align.block_expert, align.num_padded,
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), 0 if bias is None else bias.stride(0),
-        A_ROW_DIV=a_row_div, HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None,
-        IEEE=a.dtype == torch.float32, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=8 if align.block_m >= 128 else 4, num_stages=_NUM_STAGES,
+        A_ROW_DIV=a_row_div, ACT=act, LIBDEVICE=not TRITON_INTERPRET, HAS_BIAS=bias is not None,
+        MUL_WEIGHT=topk_weights is not None, IEEE=a.dtype == torch.float32, BLOCK_M=align.block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=8 if align.block_m >= 128 else 4, num_stages=_NUM_STAGES,
+        enable_fp_fusion=act < 0,  # the activation's products each rounded, as the reference's (no fma)
     )  # fmt: skip
 
 
@@ -213,8 +237,9 @@ def fused_moe(
     block_m: int | None = None,  # rows per block; None: by the rows per expert
     add: torch.Tensor | None = None,  # [num_tokens, hidden], x's dtype: added to the sum (shared experts)
 ) -> torch.Tensor:  # [num_tokens, hidden], new
-    """The routed experts' weighted sum per token (+ `add`): two grouped GEMMs and one sum where
-    Triton runs, the per-expert reference elsewhere."""
+    """The routed experts' weighted sum per token (+ `add`): two grouped GEMMs (the activation in
+    the first where the kernel knows it) and one sum where Triton runs, the per-expert reference
+    elsewhere."""
     num_tokens, hidden = x.shape
     num_experts, n_in, _ = w_in.shape
     assert w_in.shape[2] == hidden and w_out.shape[:2] == (num_experts, hidden), (x.shape, w_in.shape, w_out.shape)
@@ -226,9 +251,14 @@ def fused_moe(
     num_rows = num_tokens * top_k
     align = moe_align(topk_ids, num_experts, block_m or pick_block_m(num_rows, num_experts))
     x = x if x.stride(1) == 1 else x.contiguous()
-    h = torch.empty(num_rows, n_in, dtype=x.dtype, device=x.device)  # [num_rows, N]
-    grouped_gemm(x, w_in, b_in, h, align, a_row_div=top_k)
-    h = act.apply(h)  # [num_rows, intermediate]
+    code = kernel_act(act.name) if act.gated and act.swiglu_limit is None else None
+    if code is not None:  # act(gate) * up in the first GEMM's epilogue
+        h = torch.empty(num_rows, n_in // 2, dtype=x.dtype, device=x.device)  # [num_rows, intermediate]
+        grouped_gemm(x, w_in, b_in, h, align, a_row_div=top_k, act=code)
+    else:
+        h = torch.empty(num_rows, n_in, dtype=x.dtype, device=x.device)  # [num_rows, N]
+        grouped_gemm(x, w_in, b_in, h, align, a_row_div=top_k)
+        h = act.apply(h)  # [num_rows, intermediate]
     y = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     grouped_gemm(h, w_out, b_out, y, align, a_row_div=1, topk_weights=topk_weights.float().flatten())
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)

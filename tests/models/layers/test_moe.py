@@ -180,6 +180,7 @@ KERNEL_CASES = [
     (19, 4, 2, 40, 20, SILU, False, 16),  # rows per expert not a multiple of the block
     (33, 3, 1, 64, 48, ExpertActivation("relu2", gated=False), False, 32),  # NemotronH's plain experts
     (7, 6, 3, 32, 16, ExpertActivation("silu", swiglu_limit=1.5, swiglu_alpha=1.702), True, 16),  # GPT-OSS
+    (11, 6, 2, 32, 40, ExpertActivation("gelu_pytorch_tanh"), True, 16),  # fused act with biases (up's at N)
 ]
 
 
@@ -278,3 +279,21 @@ def test_count_kernel_compiles_for_hopper(compile_for_hopper):
                      fill_per_chunk="i32")  # fmt: skip
     usage = compile_for_hopper(moe_align._moe_count_kernel, signature, dict(BLOCK_R=128, E_P2=64, BLOCK_F=1024))
     assert "LOCAL:0" in usage, usage
+
+
+@pytest.mark.parametrize("block_m,act", [(16, 0), (128, 0), (64, -1)])
+def test_grouped_gemm_compiles_for_hopper(compile_for_hopper, block_m, act):
+    """The compiler, not the interpreter: the grouped GEMM with the gated activation in its
+    epilogue (two accumulators) and without, at decode and prefill tiles, spills nothing and fits
+    a multiprocessor's shared memory."""
+    from slotrunner.models.layers import fused_moe
+
+    signature = dict(a_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", c_ptr="*bf16", topk_weights_ptr="*fp32",
+                     sorted_rows_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_rows="i32", N="i32",
+                     K="i32", stride_am="i64", stride_we="i64", stride_wn="i64", stride_wk="i64", stride_be="i64")  # fmt: skip
+    block_n = (128 if block_m >= 64 else 64) // (2 if act >= 0 else 1)  # grouped_gemm's tiles
+    constexprs = dict(A_ROW_DIV=6 if act >= 0 else 1, ACT=act, LIBDEVICE=True, HAS_BIAS=False, MUL_WEIGHT=act < 0,
+                      IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)  # fmt: skip
+    usage = compile_for_hopper(fused_moe._fused_moe_kernel, signature, constexprs, num_warps=8 if block_m >= 128 else 4)
+    assert "LOCAL:0" in usage, usage
+    assert int(usage.rsplit("DYNAMIC_SHARED:", 1)[1]) <= 232_448, usage
