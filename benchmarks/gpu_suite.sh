@@ -22,7 +22,7 @@
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine; multimodal-spy: a py-spy profile of the engine's thread, by phase; multimodal-spy-gil: the same counting only samples that hold the GIL; multimodal-workers: the multimodal engine alone with 4 and 8 intake processes; multimodal-alternate: one LLaVA engine alternating 2, 4 and 8 intake processes and the text prompts; multimodal-alternate-8: 8 against the text prompts only, 7 repeats), attention-fp8-sweep (the decode launch's tiles over a float8 cache), spec (spec-long: n-gram at
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-phases: that one at batch 1 with drafts on every step, the engine's phases timed; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
-# draft a quarter of the target's depth), moe-kernel, qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count), latency, overhead, profile, profile-mm,
+# draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count), latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), launch-ab (that host time with cached Triton launches against
@@ -90,6 +90,11 @@ for s in "${steps[@]}"; do
     fp8) run_step fp8 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 ;;
     scan) run_step scan 90 python3 benchmarks/mamba_scan_kernel.py ;;
     moe-kernel) run_step moe-kernel 90 python3 benchmarks/moe_kernel.py ;;
+    moe-act-ab)  # the MoE activation in the first GEMM against its own launch, both shapes, alternating
+      for shape in deepseek-v2-lite qwen3-30b-a3b; do
+        run_step "moe-act-launch-$shape" 60 python3 benchmarks/moe_kernel.py --shape $shape --tokens 1,64,256,4096,8192 --act-launch
+        run_step "moe-act-fused-$shape" 60 python3 benchmarks/moe_kernel.py --shape $shape --tokens 1,64,256,4096,8192
+      done ;;
     hybrid-fast) run_step hybrid 120 python3 benchmarks/mamba_throughput.py --device cuda --skip-hf ;;
     hybrid)
       run_step hybrid 180 python3 benchmarks/mamba_throughput.py --device cuda

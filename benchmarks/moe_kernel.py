@@ -9,6 +9,7 @@ that time.
 
     python benchmarks/moe_kernel.py --tokens 1,64,256,512
     python benchmarks/moe_kernel.py --shape deepseek-v2-lite   # 64 experts of 1408, top-6
+    python benchmarks/moe_kernel.py --act-launch   # the activation as its own launch between the GEMMs
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -33,7 +34,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,64,256,512")
     p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--act-launch", action="store_true",
+                   help="the gated activation as a launch of its own, not in the first GEMM's epilogue (fused_moe.FUSED_ACT off)")
     args = p.parse_args()
+    if args.act_launch:
+        from slotrunner.models.layers import fused_moe as fused_moe_module
+
+        fused_moe_module.FUSED_ACT = False
     experts, inter, hidden, top_k = SHAPES[args.shape]
     g = torch.Generator().manual_seed(0)
     w_in = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).to("cuda", torch.bfloat16)
@@ -44,7 +51,8 @@ def main() -> None:
     dst = torch.empty_like(src)
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
     copy_tbs = 2 * src.numel() / copy_ms / 1e9
-    print(f"fused MoE, {experts} experts of {inter}, hidden {hidden}, top-{top_k}, bf16, {torch.cuda.get_device_name()}; "
+    where = "its own launch" if args.act_launch else "the first GEMM"
+    print(f"fused MoE, {experts} experts of {inter}, hidden {hidden}, top-{top_k}, bf16, activation in {where}, {torch.cuda.get_device_name()}; "
           f"device copy {copy_tbs:.2f} TB/s (read + write)")
     print(f"{'tokens':>6} {'experts hit':>11} {'us':>8} {'weights TB/s':>12} {'of copy':>8}")
     per_expert = (w_in[0].numel() + w_out[0].numel()) * 2

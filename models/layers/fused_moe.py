@@ -38,6 +38,7 @@ from slotrunner.models.layers.moe_align import MoeAlignment, moe_align
 # GPU a row is not promised bitwise the same in every batch; CPU runs the reference.)
 _BLOCK_K = {torch.float32: 32, torch.float16: 64, torch.bfloat16: 64}
 _NUM_STAGES = 3
+FUSED_ACT = True  # benchmarks turn it off to time the activation as its own launch (read per call)
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def fused_moe(
     num_rows = num_tokens * top_k
     align = moe_align(topk_ids, num_experts, block_m or pick_block_m(num_rows, num_experts))
     x = x if x.stride(1) == 1 else x.contiguous()
-    code = kernel_act(act.name) if act.gated and act.swiglu_limit is None else None
+    code = kernel_act(act.name) if FUSED_ACT and act.gated and act.swiglu_limit is None else None
     if code is not None:  # act(gate) * up in the first GEMM's epilogue
         h = torch.empty(num_rows, n_in // 2, dtype=x.dtype, device=x.device)  # [num_rows, intermediate]
         grouped_gemm(x, w_in, b_in, h, align, a_row_div=top_k, act=code)
