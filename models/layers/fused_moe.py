@@ -24,6 +24,7 @@ what runs on CPU (its `unique().tolist()` is a host sync, harmless there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,12 @@ class ExpertActivation:
         hf_activation(self.name)  # ValueError for a name the table lacks
         if self.swiglu_limit is not None and not self.gated:
             raise ValueError("a clamped SwiGLU needs gated experts")
+
+    @cached_property
+    def epilogue_code(self) -> int | None:
+        """`gated_value`'s code where the first GEMM's epilogue computes this activation (plain
+        gated SiLU / GELU), else None. Derived once, not per forward."""
+        return kernel_act(self.name) if self.gated and self.swiglu_limit is None else None
 
     def apply(self, h: torch.Tensor, reference: bool = False) -> torch.Tensor:  # [rows, N] -> [rows, I]
         if self.swiglu_limit is not None:
@@ -252,7 +259,7 @@ def fused_moe(
     num_rows = num_tokens * top_k
     align = moe_align(topk_ids, num_experts, block_m or pick_block_m(num_rows, num_experts))
     x = x if x.stride(1) == 1 else x.contiguous()
-    code = kernel_act(act.name) if FUSED_ACT and act.gated and act.swiglu_limit is None else None
+    code = act.epilogue_code if FUSED_ACT else None
     if code is not None:  # act(gate) * up in the first GEMM's epilogue
         h = torch.empty(num_rows, n_in // 2, dtype=x.dtype, device=x.device)  # [num_rows, intermediate]
         grouped_gemm(x, w_in, b_in, h, align, a_row_div=top_k, act=code)
