@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -10,11 +11,31 @@ from torch import nn
 LOAD_FORMATS = ("auto", "dummy")
 
 
+@contextmanager
+def _parameters_in(dtype: torch.dtype) -> Iterator[None]:
+    """Every parameter a module registers meanwhile takes `dtype` as it is registered. Layers
+    create their parameters in float32 (torch's default): converted only after the whole model
+    was built, a 30B-parameter model first held 122 GB on the device and could not be built on
+    an 80 GB card whose memory holds it in bfloat16 (61 GB). Now at most one parameter is in
+    float32 at a time. Buffers (RoPE tables) keep their dtype on purpose."""
+    register = nn.Module.register_parameter
+
+    def register_in_dtype(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_in_dtype
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_model(model_cls: Callable[[object], nn.Module], hf_config: object, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    with torch.device(device):
+    with torch.device(device), _parameters_in(dtype):
         model = model_cls(hf_config)
-    # Parameters take the requested dtype; buffers (RoPE tables) stay float32 on purpose.
-    for p in model.parameters():
+    for p in model.parameters():  # any a module set without registering it (no copy for the others)
         p.data = p.data.to(dtype)
     return model.eval().requires_grad_(False)
 
