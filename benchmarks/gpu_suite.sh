@@ -22,7 +22,7 @@
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine; multimodal-spy: a py-spy profile of the engine's thread, by phase; multimodal-spy-gil: the same counting only samples that hold the GIL; multimodal-workers: the multimodal engine alone with 4 and 8 intake processes; multimodal-alternate: one LLaVA engine alternating 2, 4 and 8 intake processes and the text prompts; multimodal-alternate-8: 8 against the text prompts only, 7 repeats), attention-fp8-sweep (the decode launch's tiles over a float8 cache), spec (spec-long: n-gram at
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-phases: that one at batch 1 with drafts on every step, the engine's phases timed; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
-# draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count), latency, overhead, profile, profile-mm,
+# draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone, after serving the run once untimed; deepseek-cold: after two tokens a request, with Triton's kernel cache empty; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count), latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), launch-ab (that host time with cached Triton launches against
@@ -110,8 +110,10 @@ for s in "${steps[@]}"; do
     mla-splits)  # the MLA decode kernel by split count: 64 rows as the DeepSeek workload decodes, and one row
       run_step mla-splits-64 120 python3 benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 1,2,4,8,0 --warps 4,8 --stages 2,3 --repeats 200
       run_step mla-splits-1 60 python3 benchmarks/mla_decode.py --rows 1 --seq-len 2048 --kernel-splits 1,4,16,0 --warps 4,8 --repeats 200 ;;
-    deepseek-full) run_step deepseek-full 200 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none ;;
-    qwen3moe-full) run_step qwen3moe-full 240 python3 benchmarks/moe_throughput.py --peers none ;;  # 48 layers, ~61 GB
+    deepseek-full) run_step deepseek-full 200 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --full-warm-up ;;
+    deepseek-cold)  # all 27 layers after the two-token warm-up, Triton's kernel cache empty at start: what the run compiles
+      TRITON_CACHE_DIR=$(mktemp -d) run_step deepseek-cold 200 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none ;;
+    qwen3moe-full) run_step qwen3moe-full 240 python3 benchmarks/moe_throughput.py --peers none --full-warm-up ;;  # 48 layers, ~61 GB
     deepseek-router-ab)  # the one-launch router against the reference's launches, alternating processes
       for i in 1 2; do
         run_step "deepseek-full-reference-router-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --router reference

@@ -79,6 +79,31 @@ def warm_up(llm, prompts: list, params=None) -> None:
     llm.reset_prefix_cache()
 
 
+def triton_cache_entries() -> dict[str, list[str]]:
+    """Triton's on-disk kernel cache: entry -> the kernels it holds. Each kernel variant compiled
+    since adds an entry (a variant found there is loaded, not compiled). Taken around a timed
+    run, `compiled_since` names what the run paid to compile because its warm-up missed it."""
+    import os
+
+    try:
+        from triton import knobs
+
+        cache_dir = knobs.cache.dir
+    except (ImportError, AttributeError):
+        cache_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    if not os.path.isdir(cache_dir):
+        return {}
+    return {
+        entry: [f[: -len(".json")] for f in os.listdir(os.path.join(cache_dir, entry)) if f.endswith(".json") and not f.startswith("__grp__")]
+        for entry in os.listdir(cache_dir)
+    }
+
+
+def compiled_since(before: dict[str, list[str]]) -> list[str]:
+    """The kernels whose variants entered Triton's cache since `before`, by name."""
+    return sorted(name for entry, names in triton_cache_entries().items() if entry not in before for name in names)
+
+
 def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool = True) -> dict:
     from slotrunner import LLM, SamplingParams
 
