@@ -18,6 +18,7 @@ context once per generated token, over the measured wall time.
     python benchmarks/throughput.py --peers none         # slotrunner alone
     python benchmarks/throughput.py --num-requests 64 --peers generate
     python benchmarks/throughput.py --peers none --prefix-caching-ab 2   # caching's cost, off/on x2
+    python benchmarks/throughput.py --peers none --phases   # also the time by step shape
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -117,11 +118,22 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
     warm_up(llm, reqs, params if args.full_warm_up else None)
     steps = {"n": 0}
-    step = llm.engine.step
+    step, scheduler = llm.engine.step, llm.engine.scheduler
+    periods: list[tuple[float, int, int]] = []  # (seconds since the last step's return, rows, tokens)
+    last = {"t": None, "done": None}
 
-    def counted_step(*args, **kwargs):
+    def counted_step(*a, **kw):
         steps["n"] += 1
-        return step(*args, **kwargs)
+        out = step(*a, **kw)
+        if args.phases:
+            # The step this call completed (under async scheduling the one before the step it
+            # launched): the time between returns is the pipeline's period for it.
+            now, done = time.perf_counter(), scheduler._last_updated
+            if done is not None and done is not last["done"] and last["t"] is not None:
+                sizes = done.num_scheduled_tokens
+                periods.append((now - last["t"], len(sizes), sum(sizes.values())))
+            last["t"], last["done"] = now, done
+        return out
 
     llm.engine.step = counted_step
     torch.cuda.synchronize()
@@ -135,7 +147,29 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
     gc.collect()  # the engine's reference cycles hold its GPU memory until collected
     torch.cuda.empty_cache()
     name = "slotrunner" if prefix_caching else "slotrunner, prefix caching off"
-    return dict(system=name, wall_s=wall, out_tokens=n_out, steps=steps["n"], startup_s=startup)
+    return dict(system=name, wall_s=wall, out_tokens=n_out, steps=steps["n"], startup_s=startup, periods=periods)
+
+
+PHASES = (("prefill or mixed", None), ("decode 1-4 rows", 4), ("decode 5-16", 16), ("decode 17-64", 64),
+          ("decode 65-128", 128), ("decode 129-256", 256), ("decode > 256", None))  # fmt: skip
+
+
+def print_phases(periods: list[tuple[float, int, int]], wall: float) -> None:
+    """Where the run's time went, by the shape of the step each period completed."""
+    table = {name: [0, 0.0, 0] for name, _ in PHASES}
+    for seconds, rows, tokens in periods:
+        if tokens > rows:
+            name = PHASES[0][0]
+        else:
+            name = next((n for n, top in PHASES[1:-1] if rows <= top), PHASES[-1][0])
+        entry = table[name]
+        entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + seconds, entry[2] + rows
+    print(f"time between step returns by the completed step's shape ({len(periods)} steps, "
+          f"{sum(p[0] for p in periods):.2f} s of the {wall:.2f} s wall):")
+    print(f"  {'step':<18} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'rows/step':>9}")
+    for name, (n, seconds, rows) in table.items():
+        if n:
+            print(f"  {name:<18} {n:>6} {seconds:>8.3f} {1e3 * seconds / n:>8.3f} {rows / n:>9.1f}")
 
 
 def hf_model():
@@ -215,6 +249,7 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--full-warm-up", action="store_true", help="warm up on the whole run, not two tokens a request")
+    p.add_argument("--phases", action="store_true", help="also the run's time by step shape (prefill, decode batch sizes)")
     p.add_argument("--prefix-caching-ab", type=int, default=0, metavar="N",
                    help="N pairs of runs with prefix caching off, then on (nothing is shared: its cost alone)")
     args = p.parse_args()
@@ -242,6 +277,8 @@ def main() -> None:
     print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
           f"(weights per step + KV per token at 4.8 TB/s) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
           f"engine start-up incl. graph capture {ours['startup_s']:.1f} s", flush=True)
+    if args.phases:
+        print_phases(ours["periods"], ours["wall_s"])
     peers = [] if args.peers == "none" else args.peers.split(",")
     if peers:
         model = hf_model()
