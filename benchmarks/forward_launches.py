@@ -10,6 +10,7 @@ sizes most of them cost their launch latency (a few microseconds each on one H10
 number bounds a step from below whatever the bytes it reads.
 
     python benchmarks/forward_launches.py --arch DeepseekV2ForCausalLM --batch 4
+    python benchmarks/forward_launches.py --arch DeepseekV2ForCausalLM --batch 4 --prefill 40  # a prefill step
 
 This is a benchmark, not a test: it asserts nothing.
 """
@@ -38,7 +39,9 @@ NO_LAUNCH = frozenset({
 })  # fmt: skip
 
 
-def count_decode_forward(arch: str, batch: int) -> tuple[Counter, Counter, int]:
+def count_decode_forward(arch: str, batch: int, prefill: int = 0) -> tuple[Counter, Counter, int]:
+    """Launches of a decode step of `batch` rows; with `prefill` > 0, of the first step instead:
+    `batch` prompts of `prefill` tokens each."""
     from slotrunner import LLM, SamplingParams, registry
     from slotrunner.conformance import tiny_case
 
@@ -49,8 +52,9 @@ def count_decode_forward(arch: str, batch: int) -> tuple[Counter, Counter, int]:
         engine, runner = llm.engine, llm.engine.runner
         for i in range(batch):
             sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
-            engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i + j) % 50 for j in range(5)]}, sp)
-        engine.step()  # the prefill
+            engine.add_request(f"r{i}", {"prompt_token_ids": [1 + (i + j) % 50 for j in range(prefill or 5)]}, sp)
+        if not prefill:
+            engine.step()  # the prefill
         forward, counter = runner.model.forward, OpCounter()
 
         class _Aten(TorchDispatchMode):  # composite operators counted as what they decompose into
@@ -71,7 +75,8 @@ def count_decode_forward(arch: str, batch: int) -> tuple[Counter, Counter, int]:
 
         runner.model.forward = counted
         sched = engine.scheduler.schedule()
-        assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "not a decode step"
+        assert prefill or all(n == 1 for n in sched.num_scheduled_tokens.values()), "not a decode step"
+        assert not prefill or all(n == prefill for n in sched.num_scheduled_tokens.values()), "not one whole prefill a row"
         runner.execute_model(sched)
         engine._process(sched, runner.sample_tokens().get(), final_only=True)
         aten = Counter({k: v for k, v in counter.aten.items() if k.split(".")[0] not in NO_LAUNCH})
@@ -82,11 +87,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="DeepseekV2ForCausalLM")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=0, metavar="N", help="count the prefill step of prompts of N tokens instead")
     args = p.parse_args()
     torch.manual_seed(0)
-    aten, kernels, layers = count_decode_forward(args.arch, args.batch)
+    aten, kernels, layers = count_decode_forward(args.arch, args.batch, args.prefill)
     total = sum(aten.values()) + sum(kernels.values())
-    print(f"{args.arch}, {layers} layers, decode step of {args.batch} rows: {total} launches "
+    what = f"prefill step of {args.batch} x {args.prefill} tokens" if args.prefill else f"decode step of {args.batch} rows"
+    print(f"{args.arch}, {layers} layers, {what}: {total} launches "
           f"({sum(kernels.values())} Triton, {sum(aten.values())} torch operators)")  # fmt: skip
     print(f"  Triton: {dict(kernels.most_common())}")
     print(f"  torch:  {dict(aten.most_common())}")
