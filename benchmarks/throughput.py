@@ -56,13 +56,18 @@ def workload(n: int, seed: int, lo: int, hi: int) -> tuple[list[list[int]], list
     return prompts, [int(x) for x in out_lens]
 
 
+def model_bytes(cfg: dict, kv_bytes: int = 2) -> tuple[int, int]:
+    """(bytes of the bf16 weights a decode step reads, bytes of KV cache a token of context holds)."""
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * kv_bytes
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    qkvo = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"] + cfg["num_attention_heads"] * cfg["head_dim"] * h
+    return 2 * (cfg["num_hidden_layers"] * (qkvo + 3 * h * i) + v * h), kv_per_token
+
+
 def roofline_seconds(cfg: dict, prompts: list[list[int]], out_lens: list[int], num_steps: int) -> float:
     """Bytes that must cross HBM at least once: weights per decode step, each generated token's
     KV context (bf16), over the bandwidth."""
-    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    qkvo = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"] + cfg["num_attention_heads"] * cfg["head_dim"] * h
-    weight_bytes = 2 * (cfg["num_hidden_layers"] * (qkvo + 3 * h * i) + v * h)
+    weight_bytes, kv_per_token = model_bytes(cfg)
     context = sum(len(p) * m + m * (m - 1) / 2 for p, m in zip(prompts, out_lens))
     return (weight_bytes * num_steps + kv_per_token * context) / HBM_BYTES_PER_S
 
@@ -119,7 +124,8 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
     warm_up(llm, reqs, params if args.full_warm_up else None)
     steps = {"n": 0}
     step, scheduler = llm.engine.step, llm.engine.scheduler
-    periods: list[tuple[float, int, int]] = []  # (seconds since the last step's return, rows, tokens)
+    # (seconds since the last step's return, rows, tokens, tokens of KV context its rows read)
+    periods: list[tuple[float, int, int, int]] = []
     last = {"t": None, "done": None}
 
     def counted_step(*a, **kw):
@@ -130,8 +136,9 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
             # launched): the time between returns is the pipeline's period for it.
             now, done = time.perf_counter(), scheduler._last_updated
             if done is not None and done is not last["done"] and last["t"] is not None:
-                sizes = done.num_scheduled_tokens
-                periods.append((now - last["t"], len(sizes), sum(sizes.values())))
+                sizes, tokens = done.num_scheduled_tokens, sum(done.num_scheduled_tokens.values())
+                context = sum(done.cached_reqs.num_computed_tokens) + sum(r.num_computed_tokens for r in done.new_reqs) + tokens
+                periods.append((now - last["t"], len(sizes), tokens, context))
             last["t"], last["done"] = now, done
         return out
 
@@ -154,22 +161,29 @@ PHASES = (("prefill or mixed", None), ("decode 1-4 rows", 4), ("decode 5-16", 16
           ("decode 65-128", 128), ("decode 129-256", 256), ("decode > 256", None))  # fmt: skip
 
 
-def print_phases(periods: list[tuple[float, int, int]], wall: float) -> None:
-    """Where the run's time went, by the shape of the step each period completed."""
-    table = {name: [0, 0.0, 0] for name, _ in PHASES}
-    for seconds, rows, tokens in periods:
+def print_phases(periods: list[tuple[float, int, int, int]], wall: float, cfg: dict, kv_bytes: int) -> None:
+    """Where the run's time went, by the shape of the step each period completed; for decode
+    steps also the bytes they must read (the weights once, each row's KV context) over the time."""
+    weight_bytes, kv_per_token = model_bytes(cfg, kv_bytes)
+    table = {name: [0, 0.0, 0, 0] for name, _ in PHASES}
+    for seconds, rows, tokens, context in periods:
         if tokens > rows:
             name = PHASES[0][0]
         else:
             name = next((n for n, top in PHASES[1:-1] if rows <= top), PHASES[-1][0])
         entry = table[name]
-        entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + seconds, entry[2] + rows
+        entry[0], entry[1], entry[2], entry[3] = entry[0] + 1, entry[1] + seconds, entry[2] + rows, entry[3] + context
     print(f"time between step returns by the completed step's shape ({len(periods)} steps, "
-          f"{sum(p[0] for p in periods):.2f} s of the {wall:.2f} s wall):")
-    print(f"  {'step':<18} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'rows/step':>9}")
-    for name, (n, seconds, rows) in table.items():
-        if n:
-            print(f"  {name:<18} {n:>6} {seconds:>8.3f} {1e3 * seconds / n:>8.3f} {rows / n:>9.1f}")
+          f"{sum(p[0] for p in periods):.2f} s of the {wall:.2f} s wall; decode: weights + KV context read once, over the time):")
+    print(f"  {'step':<18} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'rows/step':>9} {'context/row':>11} {'GB/step':>8} {'TB/s':>6}")
+    for name, (n, seconds, rows, context) in table.items():
+        if not n:
+            continue
+        line = f"  {name:<18} {n:>6} {seconds:>8.3f} {1e3 * seconds / n:>8.3f} {rows / n:>9.1f}"
+        if name != PHASES[0][0]:
+            moved = n * weight_bytes + context * kv_per_token
+            line += f" {context / rows:>11.0f} {moved / n / 1e9:>8.2f} {moved / seconds / 1e12:>6.2f}"
+        print(line)
 
 
 def hf_model():
@@ -278,7 +292,7 @@ def main() -> None:
           f"(weights per step + KV per token at 4.8 TB/s) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
           f"engine start-up incl. graph capture {ours['startup_s']:.1f} s", flush=True)
     if args.phases:
-        print_phases(ours["periods"], ours["wall_s"])
+        print_phases(ours["periods"], ours["wall_s"], cfg, 1 if args.kv_cache_dtype == "fp8" else 2)
     peers = [] if args.peers == "none" else args.peers.split(",")
     if peers:
         model = hf_model()
