@@ -94,6 +94,7 @@ def decode_step_bytes(model: torch.nn.Module, batch: int) -> float:
 
 def run_slotrunner(model_dir: str, prompts: list[list[int]], out_len: int, args) -> dict:
     from slotrunner import LLM, SamplingParams
+    from slotrunner.core_runner.triton_utils import compiles_counted
 
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=len(prompts[0]) + out_len + 8,
@@ -104,12 +105,17 @@ def run_slotrunner(model_dir: str, prompts: list[list[int]], out_len: int, args)
     warm_up(llm, [{"prompt_token_ids": p} for p in prompts], params if args.full_warm_up else None)
     step_bytes = decode_step_bytes(llm.engine.runner.model, len(prompts))
     torch.cuda.synchronize()
-    compiled = triton_cache_entries()
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
+    compiled, keys = triton_cache_entries(), []
+    with compiles_counted(keys) as variants:  # new variants of this process, whether or not the disk cache had them
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
     compiled = compiled_since(compiled)
+    for key in keys:
+        print(f"  variant first launched inside the timed run: {key}"[:1200], flush=True)
+    if variants:
+        print(f"  {len(variants)} variants, {sum(t for _, t in variants):.2f} s to compile or load", flush=True)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == out_len * len(prompts), f"generated {n_out} tokens, requested {out_len * len(prompts)}"
     del llm

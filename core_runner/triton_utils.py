@@ -122,9 +122,11 @@ class CachedLaunch:
 
 
 @contextlib.contextmanager
-def compiles_counted() -> Iterator[list[tuple[str, float]]]:
+def compiles_counted(keys: list[str] | None = None) -> Iterator[list[tuple[str, float]]]:
     """(kernel name, seconds) of each Triton compile inside the block (none without Triton): a
-    benchmark names the variants its timed run met first, a test asserts there are none."""
+    benchmark names the variants its timed run met first, a test asserts there are none.
+    `keys`, if given, gets each compile's Triton cache key (the specialization: argument
+    classes and constexpr values), to tell which argument made a new variant."""
     compiled: list[tuple[str, float]] = []
     if not HAS_TRITON:
         yield compiled
@@ -139,6 +141,8 @@ def compiles_counted() -> Iterator[list[tuple[str, float]]]:
             return original(self, *args, **kwargs)
         finally:
             compiled.append((getattr(self, "__name__", "?"), time.perf_counter() - t0))
+            if keys is not None:
+                keys.append(f"{getattr(self, '__name__', '?')}: {args[0] if args else kwargs.get('key')}")
 
     JITFunction._do_compile = timed
     try:

@@ -29,7 +29,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, jit_per_step, tl, triton, use_triton
 from slotrunner.models.layers.activation import gated_act, gated_act_ref, kernel_act
 from slotrunner.models.layers.hf_act import hf_activation
 from slotrunner.models.layers.moe_align import MoeAlignment, moe_align
@@ -101,7 +101,7 @@ def fused_moe_ref(
 if HAS_TRITON:
     from slotrunner.models.layers.activation import gated_value
 
-    @triton.jit
+    @jit_per_step("num_rows")
     def _fused_moe_kernel(
         a_ptr,  # [num_a_rows, K], unit column stride; routed row r reads row r // A_ROW_DIV
         w_ptr,  # [num_experts, N, K]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ if HAS_TRITON:
         rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
         return rows, ok, expert, onehot, rank
 
-    @triton.jit
+    @jit_per_step("num_rows", "max_padded", "fill_per_chunk")
     def _moe_count_kernel(
         ids_ptr,  # [num_rows] routed rows' experts
         chunk_counts_ptr,  # [num_chunks, E_P2] int32, written
@@ -96,7 +96,7 @@ if HAS_TRITON:
         for p0 in range(chunk * fill_per_chunk, end, BLOCK_F):
             tl.store(sorted_rows_ptr + p0 + f, tl.full([BLOCK_F], num_rows, tl.int32), mask=p0 + f < end)
 
-    @triton.jit
+    @jit_per_step("num_chunks", "max_blocks")
     def _moe_offsets_kernel(
         chunk_counts_ptr,  # [num_chunks, E_P2] int32; rewritten: rows of the expert in earlier chunks
         expert_start_ptr,  # [E_P2] int32, written: each expert's padded start
@@ -129,7 +129,7 @@ if HAS_TRITON:
             expert = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
             tl.store(block_expert_ptr + b, tl.where(start < total, expert, -1), mask=b < max_blocks)
 
-    @triton.jit
+    @jit_per_step("num_rows")
     def _moe_scatter_kernel(
         ids_ptr,  # [num_rows]
         chunk_counts_ptr,  # [num_chunks, E_P2] int32: rows of the expert in earlier chunks

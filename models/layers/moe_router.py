@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
 
 SCORING = ("softmax", "sigmoid")
 GROUP_SCORING = ("top2_sum", "max")  # a group's score: the sum of its two best experts (V3), its best (V2)
@@ -102,7 +102,7 @@ _BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
 
 if HAS_TRITON:
 
-    @triton.jit
+    @jit_per_step("num_tokens")
     def _route_kernel(
         x_ptr,  # [num_tokens, K], unit column stride
         stride_xt,

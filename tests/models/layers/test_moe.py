@@ -297,3 +297,25 @@ def test_grouped_gemm_compiles_for_hopper(compile_for_hopper, block_m, act):
     usage = compile_for_hopper(fused_moe._fused_moe_kernel, signature, constexprs, num_warps=8 if block_m >= 128 else 4)
     assert "LOCAL:0" in usage, usage
     assert int(usage.rsplit("DYNAMIC_SHARED:", 1)[1]) <= 232_448, usage
+
+
+def test_per_step_counts_make_no_new_kernel_variants():
+    """The MoE launches' row and token counts change with every eager (prefill or mixed) step.
+    Specialized, each count class (1, a multiple of 16, other) met first mid-run compiled there:
+    DeepSeek-V2-Lite's timed run compiled `_moe_count_kernel` after its warm-up (one H100)."""
+    pytest.importorskip("triton")
+    from slotrunner.models.layers import fused_moe as fm, moe_align as ma, moe_router as mr
+
+    varying = {
+        ma._moe_count_kernel: {"num_rows", "max_padded", "fill_per_chunk"},
+        ma._moe_offsets_kernel: {"num_chunks", "max_blocks"},
+        ma._moe_scatter_kernel: {"num_rows"},
+        fm._fused_moe_kernel: {"num_rows"},
+        mr._route_kernel: {"num_tokens"},
+    }
+    for kernel, names in varying.items():
+        if not hasattr(kernel.fn, "params"):
+            pytest.skip("under TRITON_INTERPRET kernels are interpreted functions: nothing is specialized")
+        params = {p.name: p for p in kernel.fn.params}
+        assert names <= params.keys(), (kernel.fn.__name__, names - params.keys())
+        assert all(params[n].do_not_specialize for n in names), kernel.fn.__name__
