@@ -112,6 +112,7 @@ def compiled_since(before: dict[str, list[str]]) -> list[str]:
 
 def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool = True) -> dict:
     from slotrunner import LLM, SamplingParams
+    from slotrunner.core_runner.triton_utils import compiles_counted
 
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2100,
@@ -144,10 +145,14 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
 
     llm.engine.step = counted_step
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(reqs, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
+    keys: list[str] = []
+    with compiles_counted(keys):  # kernel variants this process met first inside the timed run
+        t = time.perf_counter()
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    for key in keys:
+        print(f"  variant first launched inside the timed run: {key}"[:1200], flush=True)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(out_lens), f"generated {n_out} tokens, requested {sum(out_lens)}"
     del llm
