@@ -9,6 +9,7 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --batch 256 --min-len 2100 --max-len 2400 --shared-prefix 2048
     python benchmarks/attention_kernel.py --fp8
     python benchmarks/attention_kernel.py --fp8-sweep
+    python benchmarks/attention_kernel.py --split-sweep   # keys of each row split over programs, both caches
 
 With `--fp8` the default tiles only, over the bf16 cache and the same keys and values rounded
 to a float8 e4m3 cache (kv_cache_dtype="fp8"): time, bytes read per second, and how far the
@@ -44,6 +45,8 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of the decode tile, 128)")
     p.add_argument("--fp8", action="store_true", help="the default tiles over the bf16 cache and its float8 e4m3 copy")
     p.add_argument("--fp8-sweep", action="store_true", help="the sweep of tiles, warps and stages over the float8 e4m3 cache")
+    p.add_argument("--split-sweep", action="store_true",
+                   help="each row's keys split over 1, 2, 4 programs, both caches, two tile widths")
     args = p.parse_args()
     B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
     lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)
@@ -73,6 +76,9 @@ def main() -> None:
             read = int(lens.sum()) * Hk * D * 2 * itemsize
             print(f"{name} cache: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
         print(f"outputs apart by at most {(outs['bf16'] - outs['fp8']).abs().max():.4f} (the cache's rounding)")
+        return
+    if args.split_sweep:
+        split_sweep(spec, q, k, v, cache, meta, lens, args.iters)
         return
     if args.shared_prefix:
         shared_meta = dataclasses.replace(meta, shared_prefix_len=torch.tensor([args.shared_prefix], dtype=torch.int32, device=dev))
@@ -106,6 +112,25 @@ def main() -> None:
         torch.cuda.synchronize()
         dt_s = (time.perf_counter() - t) / args.iters
         print(f"tile {tile:>3} warps {warps} stages {stages}: {dt_s * 1e3:.3f} ms  {kv_bytes / dt_s / 1e12:.2f} TB/s", flush=True)
+
+
+def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
+    """A decode launch whose programs each walk all of a (row, KV head)'s key tiles keeps as many
+    loads in flight as its programs issue: with a float8 cache each load carries half the bytes.
+    More programs a row (the split-KV launch, a merge by the last split) keep more in flight."""
+    from slotrunner.core_runner.attention.backend import to_cache_dtype
+
+    Hk, D = spec.num_kv_heads, spec.head_dim
+    base = {}
+    for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+        read = int(lens.sum()) * Hk * D * 2 * itemsize
+        for tile, splits, stages in itertools.product((64, 128), (1, 2, 4), (2, 3)):
+            backend = TritonBackend(TileConfig(decode_tile_n=tile, decode_splits=splits, decode_num_stages=stages))
+            t = timed(backend, spec, q, k, v, c, meta, iters)
+            out = backend.forward(spec, q, k, v, c, meta).float()
+            ref = base.setdefault(name, out)
+            print(f"{name} cache, tile {tile:>3}, {splits} split(s), {stages} stages: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s  "
+                  f"(apart from the first by {(out - ref).abs().max():.2e})", flush=True)
 
 
 def timed(backend, spec, q, k, v, cache, meta, iters: int) -> float:

@@ -43,7 +43,7 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
-from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
+from slotrunner.core_runner.attention.split_kv import MAX_SPLITS, split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
@@ -73,12 +73,17 @@ class TileConfig:
     # Decode launches of fewer (row, KV head) programs than this split each row's keys (split_kv.py);
     # 0: never.
     split_kv_programs: int = 128
+    # > 0: every decode-only launch without a shared prefix splits each row's keys this many ways,
+    # whatever its batch (`benchmarks/attention_kernel.py --split-sweep`); 0: split_kv_programs' rule.
+    decode_splits: int = 0
 
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1) or self.decode_splits > MAX_SPLITS:
+            raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
 
 
 if HAS_TRITON:
@@ -408,7 +413,7 @@ def paged_attention(
     # program each, sparing it the split state and the merge).
     splits = 1
     if shared is None and meta.max_query_len == 1:
-        splits = split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)
+        splits = tiles.decode_splits or split_kv_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs)
     if splits > 1:
         part_acc, part_ml = split_kv_state(meta.num_reqs, num_heads, splits, head_dim, q.device)
         counters = split_kv_counters(meta.num_reqs * num_kv_heads, q.device)

@@ -94,6 +94,11 @@ CASES = [
     Case("mixed, few rows: unsplit", ((40, 1), (0, 5), (23, 1)), window=9, sinks=True),
     Case("split, fp8 cache", ((50, 1), (7, 1)), cache_dtype=torch.float8_e4m3fn),
     Case("decode at block edges, unsplit", ((2, 1), (3, 1), (4, 1), (35, 1), (0, 1)), tiles=NO_SPLIT),
+    # TileConfig.decode_splits: every decode-only launch split, past the rule's four rows
+    Case("decode, 6 rows, 4 splits forced", ((2, 1), (40, 1), (9, 1), (0, 1), (33, 1), (17, 1)),
+         tiles=dataclasses.replace(SMALL_TILES, decode_splits=4)),
+    Case("fp8 cache, 6 rows, 2 splits forced", ((2, 1), (40, 1), (9, 1), (0, 1), (33, 1), (17, 1)),
+         cache_dtype=torch.float8_e4m3fn, tiles=dataclasses.replace(SMALL_TILES, decode_splits=2)),
     Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
     Case("fp8 cache, window 5, sinks, unsplit", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
@@ -336,6 +341,8 @@ def test_tile_config_rejects_small_tiles():
         TileConfig(decode_tile_n=8)
     with pytest.raises(ValueError, match="prefill_block_m"):
         TileConfig(prefill_block_m=48)
+    with pytest.raises(ValueError, match="decode_splits"):
+        TileConfig(decode_splits=3)
 
 
 # -- GPU, real sizes (the lead runs these on the device machine) ---------------------------------
