@@ -115,9 +115,10 @@ def main() -> None:
 
 
 def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
-    """A decode launch whose programs each walk all of a (row, KV head)'s key tiles keeps as many
-    loads in flight as its programs issue: with a float8 cache each load carries half the bytes.
-    More programs a row (the split-KV launch, a merge by the last split) keep more in flight."""
+    """Whether more programs a row (the split-KV launch, a merge by the last split) speed up a
+    large decode batch: each program walks its (row, KV head)'s key tiles in turn, so the loads in
+    flight could bound the float8 cache's launch, whose loads carry half the bytes. On one H100
+    neither cache gained at 2 or 4 splits (benchmarks/RESULTS.md, 2026-12-06 eighth sitting)."""
     from slotrunner.core_runner.attention.backend import to_cache_dtype
 
     Hk, D = spec.num_kv_heads, spec.head_dim
