@@ -31,7 +31,7 @@ import functools
 import torch
 
 from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -64,11 +64,7 @@ if HAS_TRITON:
         k = tl.load(k_pe_ptr + t * stride_kt + p, mask=p < ROPE)
         tl.store(row + RANK + p, k.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
 
-    # The block table's row stride differs between a decode step replayed from a graph (the
-    # persistent table) and the decode rows of an eager mixed step (their rows gathered at the
-    # step's width): specialized on it, DeepSeek-V2-Lite's timed run compiled two variants
-    # (2.7 s on one H100) that the graph captures had compiled with the other class.
-    @jit_per_step("stride_bt")
+    @triton.jit
     def _mla_decode_kernel(
         q_lat_ptr,  # [num_rows, num_heads, rank]
         stride_lr,

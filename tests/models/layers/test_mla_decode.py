@@ -127,16 +127,3 @@ def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits):
                       DOT_PRECISION="tf32", NUM_SPLITS=splits)  # fmt: skip
     usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs)
     assert "LOCAL:0" in usage, usage
-
-
-def test_block_table_stride_makes_no_new_variant():
-    """A graph replay reads the persistent block table, an eager mixed step's decode rows a
-    gather at the step's width: the row stride's class differs. Specialized on it, DeepSeek-V2-
-    Lite's timed run compiled two variants the graph captures had compiled with the other class."""
-    pytest.importorskip("triton")
-    from slotrunner.models.layers import mla_decode
-
-    fn = mla_decode._mla_decode_kernel.fn
-    if not hasattr(fn, "params"):
-        pytest.skip("under TRITON_INTERPRET kernels are interpreted functions: nothing is specialized")
-    assert {p.name: p for p in fn.params}["stride_bt"].do_not_specialize
