@@ -20,6 +20,7 @@ _ROOT = b"slotrunner-prefix-cache-v1"
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str]) -> bytes:
+    """One block's hash (what `extend_block_hashes` computes for each block, in one pass)."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     for key in extra_keys:
@@ -35,12 +36,28 @@ def extend_block_hashes(
     key_spans: Sequence[KeySpan] = (),
     salt: str | None = None,  # a key over the whole request (adapter id, cache salt)
 ) -> list[bytes]:
-    """Append the hashes of every full block in `token_ids[:num_tokens]` not hashed yet."""
-    for i in range(len(hashes), min(num_tokens, len(token_ids)) // block_size):
-        start, end = i * block_size, (i + 1) * block_size
-        keys = [k for s, e, k in key_spans if s < end and e > start]
-        if salt is not None:
-            keys.insert(0, salt)
-        parent = hashes[-1] if hashes else _ROOT
-        hashes.append(hash_block(parent, token_ids[start:end], keys))
+    """Append the hashes of every full block in `token_ids[:num_tokens]` not hashed yet: each
+    is `hash_block` of its parent's hash, its tokens and the keys over it. The new blocks'
+    tokens are converted once, not a block at a time: a prefill step of 8,192 tokens hashes
+    512 blocks, and a conversion per block cost more than the hashing."""
+    first, last = len(hashes), min(num_tokens, len(token_ids)) // block_size
+    if first >= last:
+        return hashes
+    data = memoryview(np.asarray(token_ids[first * block_size : last * block_size], dtype=np.int64).tobytes())
+    width = block_size * 8
+    parent = hashes[-1] if hashes else _ROOT
+    keyed = bool(key_spans) or salt is not None
+    blake2b = hashlib.blake2b
+    for i in range(last - first):
+        h = blake2b(parent, digest_size=16)
+        h.update(data[i * width : (i + 1) * width])
+        if keyed:
+            start, end = (first + i) * block_size, (first + i + 1) * block_size
+            keys = [k for s, e, k in key_spans if s < end and e > start]
+            if salt is not None:
+                keys.insert(0, salt)
+            for key in keys:
+                h.update(b"\x00" + key.encode())
+        parent = h.digest()
+        hashes.append(parent)
     return hashes

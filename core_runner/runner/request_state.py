@@ -46,7 +46,10 @@ class RequestState:
         slot = self.free_slots.pop()
         self.req_id_to_slot[req.req_id] = slot
         n = req.prefill_len
-        self.token_ids[slot, :n] = torch.tensor(req.prefill_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        # Through numpy (torch.tensor of a list took ~0.1 ms a 512-token prompt on the host),
+        # copied straight into the slot's row: one copy, no device temporary. From pageable
+        # memory the copy has read the host array when it returns.
+        self.token_ids[slot, :n].copy_(torch.from_numpy(np.asarray(req.prefill_token_ids, dtype=np.int64)), non_blocking=True)
         self.prompt_len_np[slot] = req.prompt_len
         self.prefill_len_np[slot] = n
         if self.draft_tokens.shape[1]:
