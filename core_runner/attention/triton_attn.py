@@ -76,6 +76,11 @@ class TileConfig:
     # > 0: every decode-only launch without a shared prefix splits each row's keys this many ways,
     # whatever its batch (`benchmarks/attention_kernel.py --split-sweep`); 0: split_kv_programs' rule.
     decode_splits: int = 0
+    # Element offsets into the cache in int32 where they fit (the cache of one layer under 2^31
+    # elements), else int64. Compiled for sm_90, the decode launch (16 x 128 products, 128-key
+    # tiles, 4 warps) took 255 registers and spilled with int64 offsets, 186-190 without spills
+    # with int32 ones.
+    int32_offsets: bool = True
 
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
@@ -194,6 +199,7 @@ if HAS_TRITON:
         FP8_F16: tl.constexpr,  # with KV_FP8 and 16-bit q: products in fp16 (fp8_in_fp16)
         SHARED_PREFIX: tl.constexpr = False,  # decode launch: start from the prefix launch's state
         NUM_SPLITS: tl.constexpr = 1,  # decode launch: > 1 splits each row's key tiles (split_kv.py)
+        OFFSETS_I32: tl.constexpr = False,  # the cache's element offsets fit in int32 (TileConfig.int32_offsets)
     ):
         kv_head = tl.program_id(1)
         if DECODE:
@@ -279,7 +285,9 @@ if HAS_TRITON:
         for tile_start in range(kv_start, kv_end, TILE_N):
             k_pos = tile_start + n  # [TILE_N]
             k_ok = k_pos < kv_end
-            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+            if not OFFSETS_I32:
+                block = block.to(tl.int64)
             slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [TILE_N]
             k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
             k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
@@ -444,6 +452,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision,
         KV_FP8=kv_fp8,
         FP8_F16=fp8_f16,
+        OFFSETS_I32=tiles.int32_offsets and kv_cache[0].numel() < 2**31,
         num_warps=tiles.num_warps,
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on

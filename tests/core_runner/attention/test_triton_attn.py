@@ -94,6 +94,10 @@ CASES = [
     Case("mixed, few rows: unsplit", ((40, 1), (0, 5), (23, 1)), window=9, sinks=True),
     Case("split, fp8 cache", ((50, 1), (7, 1)), cache_dtype=torch.float8_e4m3fn),
     Case("decode at block edges, unsplit", ((2, 1), (3, 1), (4, 1), (35, 1), (0, 1)), tiles=NO_SPLIT),
+    # TileConfig.int32_offsets off: the int64 offsets a cache of 2^31 elements or more takes
+    Case("mixed, int64 offsets", MIXED, tiles=dataclasses.replace(SMALL_TILES, int32_offsets=False)),
+    Case("fp8 cache, int64 offsets, split", ((50, 1), (7, 1)), cache_dtype=torch.float8_e4m3fn,
+         tiles=dataclasses.replace(SMALL_TILES, int32_offsets=False)),
     # TileConfig.decode_splits: every decode-only launch split, past the rule's four rows
     Case("decode, 6 rows, 4 splits forced", ((2, 1), (40, 1), (9, 1), (0, 1), (33, 1), (17, 1)),
          tiles=dataclasses.replace(SMALL_TILES, decode_splits=4)),
