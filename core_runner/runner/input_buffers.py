@@ -15,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+_ALIGN = 16  # bytes: each staged field's start
+
 
 _NP_DTYPE = {torch.int32: np.int32, torch.int64: np.int64}
 # Token counts whose views stay cached: decode steps repeat a few, prefill chunks vary.
@@ -76,7 +78,11 @@ class InputBuffers:
             "shared_prefix_len": (torch.int32, 1),
         }
         pin = device.type == "cuda"
-        nbytes = sum(-(-n * dtype.itemsize // 8) * 8 for dtype, n in staged.values())  # 8-byte aligned fields
+        # Fields start 16-byte aligned: Triton specializes a pointer argument on 16-byte alignment,
+        # and a kernel reading a field here in a graph replay and a gathered copy of it in an
+        # eager step (MLA decode's seq_lens) compiled a variant for each -- the second inside a
+        # run (two variants, ~2 s on one H100 with a cold kernel cache).
+        nbytes = sum(-(-n * dtype.itemsize // _ALIGN) * _ALIGN for dtype, n in staged.values())
         self._staged = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         dev: dict[str, torch.Tensor] = {}
@@ -86,7 +92,7 @@ class InputBuffers:
             end = offset + n * dtype.itemsize
             dev[name] = self._staged[offset:end].view(dtype)
             self._np[name] = self._staging.numpy()[offset:end].view(_NP_DTYPE[dtype])
-            offset += -(-n * dtype.itemsize // 8) * 8
+            offset += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
         self.idx_mapping = dev["idx_mapping"]  # [max_num_reqs] batch row -> slot
         self.num_computed = dev["num_computed"]  # [max_num_reqs] tokens cached before the step
         # One logits row per batch row, plus one per draft (speculative decoding), rows in order.

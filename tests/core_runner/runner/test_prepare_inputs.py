@@ -85,3 +85,16 @@ def test_padded_rows_are_empty_after_a_larger_step():
     assert buffers.idx_mapping[:3].tolist() == [slot["b"], 0, 0]
     assert buffers.num_sampled[:3].tolist() == [1, 0, 0]
     assert buffers.num_computed[:3].tolist() == [3, 0, 0]
+
+
+def test_staged_fields_start_16_byte_aligned():
+    """Guards against: a staged field (seq_lens, say) 8 bytes past a 16-byte boundary. Triton
+    specializes pointers on 16-byte alignment: a graph replay passed the field itself, an eager
+    mixed step a gathered copy of it (MLA decode), and the second variant compiled mid-run."""
+    from slotrunner.core_runner.runner.input_buffers import InputBuffers
+
+    for max_reqs, max_draft in ((1, 0), (3, 0), (5, 2), (7, 3)):  # odd sizes: int32 fields end mid-granule
+        b = InputBuffers(max_reqs, 16, 8, CPU, max_draft)
+        for name in ("idx_mapping", "num_computed", "logits_indices", "query_start_loc", "seq_lens", "num_sampled",
+                     "num_draft", "shared_prefix_len"):  # fmt: skip
+            assert getattr(b, name).data_ptr() % 16 == 0, (max_reqs, max_draft, name)
