@@ -33,11 +33,30 @@ def _parameters_in(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(model_cls: Callable[[object], nn.Module], hf_config: object, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    with torch.device(device), _parameters_in(dtype):
-        model = model_cls(hf_config)
+    try:
+        with torch.device(device), _parameters_in(dtype):
+            model = model_cls(hf_config)
+    except torch.OutOfMemoryError as e:  # say what the model needs, not only the allocation that failed
+        raise torch.OutOfMemoryError(_does_not_fit(model_cls, hf_config, dtype, torch.device(device), e)) from e
     for p in model.parameters():  # any a module set without registering it (no copy for the others)
         p.data = p.data.to(dtype)
     return model.eval().requires_grad_(False)
+
+
+def _does_not_fit(model_cls: Callable[[object], nn.Module], hf_config: object, dtype: torch.dtype, device: torch.device,
+                  error: BaseException) -> str:
+    """The message for a model whose parameters did not fit: their size (this rank's shard under
+    tensor parallelism), from the model built again on the meta device (nothing allocated)."""
+    with torch.device("meta"), _parameters_in(dtype):
+        need = sum(p.numel() * p.element_size() for p in model_cls(hf_config).parameters())
+    where = f"{device}"
+    if device.type == "cuda":
+        where += f" ({torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB in all)"
+    return (
+        f"{model_cls.__name__}'s parameters take {need / 2**30:.2f} GiB in {str(dtype).removeprefix('torch.')} and did "
+        f"not fit on {where}, beside what else it holds; the KV cache and activations need room too. A "
+        f"smaller dtype, tensor_parallel_size > 1 or a device with more memory would. ({error})"
+    )
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

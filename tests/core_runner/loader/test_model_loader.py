@@ -34,3 +34,23 @@ def test_parameters_take_the_dtype_as_they_are_registered():
 def test_registration_is_restored_after_the_build():
     build_model(_Probe, None, torch.bfloat16, torch.device("cpu"))
     assert nn.Linear(2, 2).weight.dtype == torch.float32
+
+
+class _TooLarge(nn.Module):
+    """~4.66 GiB of bfloat16 parameters: built on the meta device only; anywhere else it fails as
+    a device without the memory would."""
+
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        if torch.empty(0).device.type != "meta":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB.")
+        self.w = nn.Parameter(torch.empty(50_000, 50_000))
+
+
+def test_running_out_of_memory_says_what_the_model_needs():
+    import pytest
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"_TooLarge's parameters take 4\.66 GiB in bfloat16 and did not fit on cpu") as info:
+        build_model(_TooLarge, None, torch.bfloat16, torch.device("cpu"))
+    assert "tensor_parallel_size" in str(info.value) and "Tried to allocate 1.50 GiB" in str(info.value)
+    assert nn.Linear(2, 2).weight.dtype == torch.float32, "registration restored after the failure"
