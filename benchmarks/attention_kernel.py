@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
-from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend
+from slotrunner.core_runner.attention.tile_config import TileConfig
+from slotrunner.core_runner.attention.triton_attn import TritonBackend
 
 
 def main() -> None:

@@ -140,9 +140,10 @@ def compiles_counted(keys: list[str] | None = None) -> Iterator[list[tuple[str, 
         try:
             return original(self, *args, **kwargs)
         finally:
-            compiled.append((getattr(self, "__name__", "?"), time.perf_counter() - t0))
+            name = getattr(self, "__name__", "?")
+            compiled.append((name, time.perf_counter() - t0))
             if keys is not None:
-                keys.append(f"{getattr(self, '__name__', '?')}: {args[0] if args else kwargs.get('key')}")
+                keys.append(f"{name}: {args[0] if args else kwargs.get('key')}")
 
     JITFunction._do_compile = timed
     try:

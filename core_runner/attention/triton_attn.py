@@ -37,13 +37,12 @@ query tensor's shape only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
-from slotrunner.core_runner.attention.split_kv import MAX_SPLITS, split_kv_counters, split_kv_splits, split_kv_state
+from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
+from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
@@ -52,43 +51,6 @@ if HAS_TRITON:
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile sizes of the two launches. Tests shrink them to cross many tiles on tiny inputs;
-    the defaults are for a GPU (tl.dot needs every dimension >= 16)."""
-
-    # Decode tiles of 128 keys (64 before): on one H200, batch-1 decode 1.188 -> 1.157 ms a token,
-    # the bench workload 24.2K -> 24.8K tok/s, the launch alone at batch 256 0.220 -> 0.218 ms;
-    # with them the shared-prefix launch is fastest at one stage (0.139 ms with the decode launch
-    # against 0.176 at 64-key tiles and three stages; benchmarks/RESULTS.md, 2026-12-01 fifth sitting).
-    decode_tile_n: int = 128  # keys per tile, decode launch
-    prefill_block_m: int = 64  # M rows (query tokens x group heads) per prefill program
-    prefill_tile_n: int = 64  # keys per tile, prefill launch
-    num_warps: int = 4
-    decode_num_stages: int = 2
-    prefill_num_stages: int = 2
-    shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
-    # Decode launches of fewer (row, KV head) programs than this split each row's keys (split_kv.py);
-    # 0: never.
-    split_kv_programs: int = 128
-    # > 0: every decode-only launch without a shared prefix splits each row's keys this many ways,
-    # whatever its batch (`benchmarks/attention_kernel.py --split-sweep`); 0: split_kv_programs' rule.
-    decode_splits: int = 0
-    # Element offsets into the cache in int32 where they fit (the cache of one layer under 2^31
-    # elements), else int64. Compiled for sm_90, the decode launch (16 x 128 products, 128-key
-    # tiles, 4 warps) took 255 registers and spilled with int64 offsets, 186-190 without spills
-    # with int32 ones.
-    int32_offsets: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1) or self.decode_splits > MAX_SPLITS:
-            raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
 
 
 if HAS_TRITON:
@@ -452,7 +414,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision,
         KV_FP8=kv_fp8,
         FP8_F16=fp8_f16,
-        OFFSETS_I32=tiles.int32_offsets and kv_cache[0].numel() < 2**31,
+        OFFSETS_I32=tiles.int32_offsets and kv_cache.numel() < 2**32,  # each of K and V under 2^31 elements
         num_warps=tiles.num_warps,
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on

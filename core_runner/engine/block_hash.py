@@ -19,10 +19,10 @@ from slotrunner.core_runner.engine.intake import KeySpan
 _ROOT = b"slotrunner-prefix-cache-v1"
 
 
-def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str]) -> bytes:
-    """One block's hash (what `extend_block_hashes` computes for each block, in one pass)."""
+def hash_block(parent: bytes, token_bytes: bytes | memoryview, extra_keys: Sequence[str] = ()) -> bytes:
+    """One block's hash: its parent's hash, its token ids as int64 bytes, the keys over it."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(token_bytes)
     for key in extra_keys:
         h.update(b"\x00" + key.encode())
     return h.digest()
@@ -36,10 +36,9 @@ def extend_block_hashes(
     key_spans: Sequence[KeySpan] = (),
     salt: str | None = None,  # a key over the whole request (adapter id, cache salt)
 ) -> list[bytes]:
-    """Append the hashes of every full block in `token_ids[:num_tokens]` not hashed yet: each
-    is `hash_block` of its parent's hash, its tokens and the keys over it. The new blocks'
-    tokens are converted once, not a block at a time: a prefill step of 8,192 tokens hashes
-    512 blocks, and a conversion per block cost more than the hashing."""
+    """Append the hashes of every full block in `token_ids[:num_tokens]` not hashed yet. The new
+    blocks' tokens are converted once, not a block at a time: a prefill step of 8,192 tokens
+    hashes 512 blocks, and a conversion per block cost more than the hashing."""
     first, last = len(hashes), min(num_tokens, len(token_ids)) // block_size
     if first >= last:
         return hashes
@@ -47,17 +46,13 @@ def extend_block_hashes(
     width = block_size * 8
     parent = hashes[-1] if hashes else _ROOT
     keyed = bool(key_spans) or salt is not None
-    blake2b = hashlib.blake2b
-    for i in range(last - first):
-        h = blake2b(parent, digest_size=16)
-        h.update(data[i * width : (i + 1) * width])
+    for i in range(first, last):
+        keys: list[str] = []
         if keyed:
-            start, end = (first + i) * block_size, (first + i + 1) * block_size
+            start, end = i * block_size, (i + 1) * block_size
             keys = [k for s, e, k in key_spans if s < end and e > start]
             if salt is not None:
                 keys.insert(0, salt)
-            for key in keys:
-                h.update(b"\x00" + key.encode())
-        parent = h.digest()
+        parent = hash_block(parent, data[(i - first) * width : (i - first + 1) * width], keys)
         hashes.append(parent)
     return hashes

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 
 _ALIGN = 16  # bytes: each staged field's start
-
-
 _NP_DTYPE = {torch.int32: np.int32, torch.int64: np.int64}
 # Token counts whose views stay cached: decode steps repeat a few, prefill chunks vary.
 _CACHED_TOKEN_COUNTS = 64

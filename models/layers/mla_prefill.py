@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec
-from slotrunner.core_runner.attention.triton_attn import TileConfig, paged_attention
+from slotrunner.core_runner.attention.tile_config import TileConfig
+from slotrunner.core_runner.attention.triton_attn import paged_attention
 from slotrunner.core_runner.triton_utils import use_triton
 
 

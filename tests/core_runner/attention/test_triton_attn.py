@@ -32,7 +32,8 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape, to_cache_dtype
 from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
-from slotrunner.core_runner.attention.triton_attn import TileConfig, TritonBackend
+from slotrunner.core_runner.attention.tile_config import TileConfig
+from slotrunner.core_runner.attention.triton_attn import TritonBackend
 from slotrunner.core_runner.runner.attn_backend import select_attn_backend
 from slotrunner.core_runner.triton_utils import use_triton
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from slotrunner.core_runner.engine.block_hash import _ROOT, extend_block_hashes, hash_block
@@ -20,7 +21,8 @@ def _one_block_at_a_time(hashes, token_ids, num_tokens, block_size, key_spans=()
         keys = [k for s, e, k in key_spans if s < end and e > start]
         if salt is not None:
             keys.insert(0, salt)
-        hashes.append(hash_block(hashes[-1] if hashes else _ROOT, token_ids[start:end], keys))
+        block = np.asarray(token_ids[start:end], dtype=np.int64).tobytes()
+        hashes.append(hash_block(hashes[-1] if hashes else _ROOT, block, keys))
     return hashes
 
 

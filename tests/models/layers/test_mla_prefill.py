@@ -98,7 +98,7 @@ def test_batched_prefill_matches_per_row_reference():
 
 
 def _check_interpreted():
-    from slotrunner.core_runner.attention.triton_attn import TileConfig
+    from slotrunner.core_runner.attention.tile_config import TileConfig
     from slotrunner.core_runner.triton_utils import use_triton
 
     assert use_triton(torch.device("cpu")), "the interpreter switch did not take: the torch path would run"

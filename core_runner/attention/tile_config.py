@@ -1,0 +1,45 @@
+"""TileConfig: the tile sizes and launch choices of the Triton paged attention (`triton_attn.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotrunner.core_runner.attention.split_kv import MAX_SPLITS
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of the two launches. Tests shrink them to cross many tiles on tiny inputs;
+    the defaults are for a GPU (tl.dot needs every dimension >= 16)."""
+
+    # Decode tiles of 128 keys (64 before): on one H200, batch-1 decode 1.188 -> 1.157 ms a token,
+    # the bench workload 24.2K -> 24.8K tok/s, the launch alone at batch 256 0.220 -> 0.218 ms;
+    # with them the shared-prefix launch is fastest at one stage (0.139 ms with the decode launch
+    # against 0.176 at 64-key tiles and three stages; benchmarks/RESULTS.md, 2026-12-01 fifth sitting).
+    decode_tile_n: int = 128  # keys per tile, decode launch
+    prefill_block_m: int = 64  # M rows (query tokens x group heads) per prefill program
+    prefill_tile_n: int = 64  # keys per tile, prefill launch
+    num_warps: int = 4
+    decode_num_stages: int = 2
+    prefill_num_stages: int = 2
+    shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
+    # Decode launches of fewer (row, KV head) programs than this split each row's keys (split_kv.py);
+    # 0: never.
+    split_kv_programs: int = 128
+    # > 0: every decode-only launch without a shared prefix splits each row's keys this many ways,
+    # whatever its batch (`benchmarks/attention_kernel.py --split-sweep`); 0: split_kv_programs' rule.
+    decode_splits: int = 0
+    # Element offsets into the cache in int32 where they fit (the cache of one layer under 2^31
+    # elements), else int64. Compiled for sm_90, the decode launch (16 x 128 products, 128-key
+    # tiles, 4 warps) took 255 registers and spilled with int64 offsets, 186-190 without spills
+    # with int32 ones.
+    int32_offsets: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1) or self.decode_splits > MAX_SPLITS:
+            raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
+
