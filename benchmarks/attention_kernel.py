@@ -122,8 +122,9 @@ def main() -> None:
 
 
 def offsets_ab(spec, q, k, v, cache, meta, lens, iters: int) -> None:
-    """The decode launch with int64 element offsets into the cache against int32 ones (255
-    registers with spills against ~190 without, compiled for sm_90), three alternating rounds."""
+    """The decode launch with int64 element offsets into the cache against int32 ones (over a
+    float8 cache 193 against 192 registers, compiled for sm_90 with aligned pointers), three
+    alternating rounds."""
     from slotrunner.core_runner.attention.backend import to_cache_dtype
 
     Hk, D = spec.num_kv_heads, spec.head_dim

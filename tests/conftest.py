@@ -159,8 +159,14 @@ def compile_for_hopper():
     the compiler infers, shapes tl.dot accepts. `compile(kernel, signature, constexprs,
     num_warps=4, num_stages=3)` takes each runtime argument's Triton type (`"*bf16"`, `"i32"`)
     and each constexpr's value, and returns the cuobjdump resource line (registers, local
-    memory) and `DYNAMIC_SHARED:<bytes>` (the shared memory a launch asks for; an H100 / H200
-    gives a program at most 232,448). Skips where Triton or its NVIDIA backend is missing."""
+    memory), `DYNAMIC_SHARED:<bytes>` (the shared memory a launch asks for; an H100 / H200
+    gives a program at most 232,448) and `ASYNC_COPIES:<n>` (loads issued as asynchronous
+    copies to shared memory: those the software pipeliner took). Skips where Triton or its NVIDIA backend is missing.
+
+    Every pointer is compiled as 16-byte aligned, as the JIT specializes a launch whose tensors
+    are (torch's allocations and the staged fields are): without that hint Triton can prove no
+    alignment, so loads stay scalar and none goes through an asynchronous copy -- a variant no
+    launch runs. `divisible` names integer arguments to compile as multiples of 16 as well."""
     import inspect
     import os
     import subprocess
@@ -175,12 +181,15 @@ def compile_for_hopper():
     if not os.path.exists(os.path.join(bin_dir, "ptxas")):
         pytest.skip("this Triton ships no ptxas")
 
-    def compile(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+    def compile(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3, divisible=()) -> str:
         jit = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn  # CachedLaunch wraps one
         params = list(inspect.signature(jit.fn).parameters)
         assert set(params) == set(signature) | set(constexprs), f"arguments {set(params) ^ (set(signature) | set(constexprs))}"
+        assert set(divisible) <= set(signature), f"divisible {set(divisible) - set(signature)} are not runtime arguments"
         sig = {p: "constexpr" if p in constexprs else signature[p] for p in params}
-        src = ASTSource(jit, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+        aligned = [p for p in signature if signature[p].startswith("*") or p in divisible]
+        attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in aligned}
+        src = ASTSource(jit, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -188,6 +197,7 @@ def compile_for_hopper():
             dump = [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name]
             out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
         usage = " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
-        return f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared}"  # Triton's shared memory, allocated at launch
+        copies = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")  # loads the pipeliner made asynchronous
+        return f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies}"  # shared: allocated at launch
 
     return compile

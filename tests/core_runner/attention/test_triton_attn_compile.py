@@ -1,0 +1,40 @@
+"""The paged-attention decode launch compiled for sm_90 (Triton's compiler and ptxas, no GPU needed).
+
+Guards against: a change to the decode loop that makes the launch spill registers to local
+memory, or that stops the software pipeliner from issuing the key and value loads as
+asynchronous copies (their addresses come from the block table: an indirect load the pipeliner
+must still take), over either cache. The interpreter, which checks the outputs, sees neither.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from slotrunner.core_runner.attention.tile_config import TileConfig
+from slotrunner.core_runner.triton_utils import HAS_TRITON
+
+# Qwen3-0.6B's shape: 8 KV heads of 128, two query heads each, the default decode tiles.
+SHAPE = dict(NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, HEAD_DIM_P2=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16)
+FLAGS = dict(DECODE=True, USE_WINDOW=False, USE_SOFT_CAP=False, HAS_BIAS=False, HAS_SINKS=False, SHARED_PREFIX=False, NUM_SPLITS=1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache):
+    from slotrunner.core_runner.attention import triton_attn
+
+    tiles = TileConfig()
+    fp8 = cache == "fp8e4nv"
+    pointers = dict(q_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, out_ptr="bf16", block_tables_ptr="i32",
+                    seq_lens_ptr="i32", query_start_loc_ptr="i32", bias_ptr="fp32", sinks_ptr="fp32",
+                    shared_len_ptr="i32", part_acc_ptr="fp32", part_ml_ptr="fp32", counters_ptr="i32")
+    signature = {name: "*" + t for name, t in pointers.items()}
+    for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_bh", "stride_bd", "num_distances", "num_reqs"):
+        signature[name] = "i32"
+    signature.update(scale="fp32", soft_cap="fp32", sliding_window="i32")
+    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, DOT_PRECISION="ieee", KV_FP8=fp8, FP8_F16=fp8,
+                      OFFSETS_I32=tiles.int32_offsets)
+    usage = compile_for_hopper(triton_attn._paged_attention_kernel, signature, constexprs, num_warps=tiles.num_warps,
+                               num_stages=tiles.decode_num_stages, divisible=("stride_qt", "stride_qh", "stride_ot", "stride_oh"))
+    assert "LOCAL:0" in usage, usage
+    assert int(usage.rsplit("ASYNC_COPIES:", 1)[1]) >= 2, f"the key and value loads are not pipelined: {usage}"
