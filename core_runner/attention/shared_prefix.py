@@ -45,6 +45,11 @@ if HAS_TRITON:
         return q
 
     @triton.jit
+    def head_halves(x, M: tl.constexpr, D: tl.constexpr):
+        """[M, D] -> its columns [:D // 2] and [D // 2:], each [M, D // 2] (registers only)."""
+        return tl.split(tl.permute(tl.reshape(x, [M, 2, D // 2]), [0, 2, 1]))
+
+    @triton.jit
     def _shared_prefix_kernel(
         q_ptr,  # [num_tokens, num_heads, head_dim]
         stride_qt,

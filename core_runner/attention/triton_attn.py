@@ -9,7 +9,8 @@ Three kernels, each above its wrapper; their torch specifications are `write_kv`
 - `_paged_attention_kernel` -> `paged_attention()`: FlashAttention-style online softmax over key
   tiles gathered through the block table, fp32 accumulation. The query heads sharing one KV head
   are packed into the M dimension (M row = query token x head of the group), so every K/V tile
-  is loaded once per KV head. Two launches of the same kernel:
+  is loaded once per KV head. The decode launch takes its products over the head dim's two halves
+  (`TileConfig.decode_head_halves`: fewer registers over a float8 cache). Two launches of the same kernel:
     * decode launch, grid (num_reqs, num_kv_heads, splits): one program per (row, KV head) handles
       every row with exactly one query token -- all of a decode-only batch; in a batch of a few
       rows, `splits` programs share each row's key tiles and the last to finish merges them (`split_kv.py`).
@@ -46,7 +47,7 @@ from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
-    from slotrunner.core_runner.attention.shared_prefix import attention_q
+    from slotrunner.core_runner.attention.shared_prefix import attention_q, head_halves
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -162,6 +163,7 @@ if HAS_TRITON:
         SHARED_PREFIX: tl.constexpr = False,  # decode launch: start from the prefix launch's state
         NUM_SPLITS: tl.constexpr = 1,  # decode launch: > 1 splits each row's key tiles (split_kv.py)
         OFFSETS_I32: tl.constexpr = False,  # the cache's element offsets fit in int32 (TileConfig.int32_offsets)
+        HALVES: tl.constexpr = False,  # products over the head dim's two halves (TileConfig.decode_head_halves)
     ):
         kv_head = tl.program_id(1)
         if DECODE:
@@ -241,6 +243,10 @@ if HAS_TRITON:
             acc = tl.load(
                 part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
             )
+        if HALVES:  # (HEAD_DIM a power of two: no padded dims to mask)
+            dh = tl.arange(0, HEAD_DIM // 2)
+            q_lo, q_hi = head_halves(q, BLOCK_M, HEAD_DIM)
+            acc_lo, acc_hi = head_halves(acc, BLOCK_M, HEAD_DIM)
         n = tl.arange(0, TILE_N)
         block_row = block_tables_ptr + row.to(tl.int64) * stride_bt
         kv_col = kv_head * HEAD_DIM
@@ -251,11 +257,16 @@ if HAS_TRITON:
             if not OFFSETS_I32:
                 block = block.to(tl.int64)
             slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [TILE_N]
-            k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
-            k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-            if KV_FP8:
-                k_t = k_t.to(q.dtype)
-            s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+            if HALVES:  # the second product accumulates onto the first: the sums of one product
+                k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + dh[:, None]  # [HEAD_DIM // 2, TILE_N]
+                k_lo = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :], other=0.0)
+                s = tl.dot(q_lo, k_lo.to(q.dtype), input_precision=DOT_PRECISION)
+                k_hi = tl.load(k_cache_ptr + k_off + HEAD_DIM // 2, mask=k_ok[None, :], other=0.0)
+                s = tl.dot(q_hi, k_hi.to(q.dtype), s, input_precision=DOT_PRECISION)
+            else:
+                k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
+                k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+                s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
             if not FP8_F16:  # (fp16 products: q came scaled)
                 s = s * scale
             if USE_SOFT_CAP:
@@ -278,12 +289,20 @@ if HAS_TRITON:
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[None, :]  # [TILE_N, HEAD_DIM_P2]
-            v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            if KV_FP8:
-                v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            p = p.to(q.dtype)
+            if HALVES:
+                v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + dh[None, :]  # [TILE_N, HEAD_DIM // 2]
+                v_lo = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None], other=0.0)
+                acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(q.dtype), input_precision=DOT_PRECISION)
+                v_hi = tl.load(v_cache_ptr + v_off + HEAD_DIM // 2, mask=k_ok[:, None], other=0.0)
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(q.dtype), input_precision=DOT_PRECISION)
+            else:
+                v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[None, :]  # [TILE_N, HEAD_DIM_P2]
+                v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
+        if HALVES:
+            acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), [0, 2, 1]), [BLOCK_M, HEAD_DIM])
         out_ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         if NUM_SPLITS > 1:  # this split's state; the last split of the row to finish merges them
             part0 = (row.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS  # [BLOCK_M]
@@ -427,6 +446,7 @@ def paged_attention(
         DECODE=True,
         SHARED_PREFIX=shared is not None,
         NUM_SPLITS=splits,
+        HALVES=tiles.decode_head_halves and head_dim == common["HEAD_DIM_P2"] and head_dim >= 32,
         num_stages=tiles.decode_num_stages,
         **common,
     )

@@ -9,7 +9,8 @@ bias applied in the wrong order, the bias distance unclamped, padded head dims (
 the dot products, a sliding-window row reading the freed blocks its table names before its
 window (KV-cache groups), padding tokens (slot -1) written into the cache (at flat index -1, i.e. the
 last V element of the K half) or left with non-finite outputs, attention sinks left out of the
-softmax's running sum or counted once per split, split-KV decode (small decode-only batches:
+softmax's running sum or counted once per split, the decode launch's products over the head
+dim's halves joined in the wrong order, split-KV decode (small decode-only batches:
 several cases here split, some are run unsplit too) merging its splits with the wrong weights,
 reading splits that never ran, or leaving an arrival counter set (the next launch then never
 merges: cases run several launches a process), and a row's output changing with the other rows of its batch
@@ -104,6 +105,10 @@ CASES = [
          tiles=dataclasses.replace(SMALL_TILES, decode_splits=4)),
     Case("fp8 cache, 6 rows, 2 splits forced", ((2, 1), (40, 1), (9, 1), (0, 1), (33, 1), (17, 1)),
          cache_dtype=torch.float8_e4m3fn, tiles=dataclasses.replace(SMALL_TILES, decode_splits=2)),
+    # TileConfig.decode_head_halves: the decode launch's products over the head dim's halves
+    Case("mixed, head halves", MIXED, tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=True)),
+    Case("fp8 cache, split, sinks, head halves", ((50, 1), (7, 1)), sinks=True, cache_dtype=torch.float8_e4m3fn,
+         tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=True)),
     Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
     Case("fp8 cache, window 5, sinks, unsplit", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands

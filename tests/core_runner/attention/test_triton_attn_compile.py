@@ -3,7 +3,7 @@
 Guards against: a change to the decode loop that makes the launch spill registers to local
 memory, or that stops the software pipeliner from issuing the key and value loads as
 asynchronous copies (their addresses come from the block table: an indirect load the pipeliner
-must still take), over either cache. The interpreter, which checks the outputs, sees neither.
+must still take), over either cache, with one product per tile or one per half of the head dim. The interpreter, which checks the outputs, sees neither.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ FLAGS = dict(DECODE=True, USE_WINDOW=False, USE_SOFT_CAP=False, HAS_BIAS=False, 
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("halves", [False, True], ids=["one product", "head halves"])
 @pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
-def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache):
+def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, halves):
     from slotrunner.core_runner.attention import triton_attn
 
     tiles = TileConfig()
@@ -33,7 +34,7 @@ def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cach
         signature[name] = "i32"
     signature.update(scale="fp32", soft_cap="fp32", sliding_window="i32")
     constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, DOT_PRECISION="ieee", KV_FP8=fp8, FP8_F16=fp8,
-                      OFFSETS_I32=tiles.int32_offsets)
+                      OFFSETS_I32=tiles.int32_offsets, HALVES=halves)
     usage = compile_for_hopper(triton_attn._paged_attention_kernel, signature, constexprs, num_warps=tiles.num_warps,
                                num_stages=tiles.decode_num_stages, divisible=("stride_qt", "stride_qh", "stride_ot", "stride_oh"))
     assert "LOCAL:0" in usage, usage
