@@ -160,8 +160,9 @@ def compile_for_hopper():
     num_warps=4, num_stages=3)` takes each runtime argument's Triton type (`"*bf16"`, `"i32"`)
     and each constexpr's value, and returns the cuobjdump resource line (registers, local
     memory), `DYNAMIC_SHARED:<bytes>` (the shared memory a launch asks for; an H100 / H200
-    gives a program at most 232,448) and `ASYNC_COPIES:<n>` (loads issued as asynchronous
-    copies to shared memory: those the software pipeliner took). Skips where Triton or its NVIDIA backend is missing.
+    gives a program at most 232,448), `ASYNC_COPIES:<n>` (loads issued as asynchronous
+    copies to shared memory: those the software pipeliner took) and `SHARED_BYTE_LOADS:<n>`
+    (reads of shared memory one byte an instruction, in the PTX). Skips where Triton or its NVIDIA backend is missing.
 
     Every pointer is compiled as 16-byte aligned, as the JIT specializes a launch whose tensors
     are (torch's allocations and the staged fields are): without that hint Triton can prove no
@@ -198,6 +199,7 @@ def compile_for_hopper():
             out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
         usage = " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
         copies = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")  # loads the pipeliner made asynchronous
-        return f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies}"  # shared: allocated at launch
+        byte_loads = compiled.asm["ptx"].count("ld.shared.b8")  # shared-memory reads of one byte each
+        return f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies} SHARED_BYTE_LOADS:{byte_loads}"
 
     return compile
