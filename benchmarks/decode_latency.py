@@ -2,7 +2,7 @@
 
 One request, `--input-len` prompt tokens, `--output-len` new tokens, greedy, EOS ignored. The
 decode time per token excludes the first token (prefill): (wall - time to first token) /
-(output_len - 1). The weights-only floor is the time to read the weights once at 4.8 TB/s.
+(output_len - 1). The weights-only floor is the time to read the weights once at the card's peak HBM bandwidth.
 Three engines in turn: CUDA graphs, CUDA graphs with every product through cuBLAS (the layers'
 skinny GEMM kernel off, and with it the norms and activations it fuses: `models/layers/skinny_gemm.py`),
 eager.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from throughput import HBM_BYTES_PER_S, qwen3_06b_config
+from throughput import hbm_bandwidth, qwen3_06b_config
 
 
 def measure(model_dir: str, args: argparse.Namespace, enforce_eager: bool, skinny: bool = True) -> tuple[float, float]:
@@ -66,7 +66,8 @@ def main() -> None:
     cfg = qwen3_06b_config()
     h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     qkvo = h * (16 + 2 * 8) * 128 + 16 * 128 * h
-    floor_ms = 1e3 * 2 * (L * (qkvo + 3 * h * i) + v * h) / HBM_BYTES_PER_S
+    bandwidth, bandwidth_name = hbm_bandwidth()
+    floor_ms = 1e3 * 2 * (L * (qkvo + 3 * h * i) + v * h) / bandwidth
     rows = []
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
@@ -74,7 +75,7 @@ def main() -> None:
             ttft, tpot = measure(d, args, eager, skinny)
             rows.append((name, ttft, tpot))
     print(f"batch-1 decode, Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}, {args.input_len} in / "
-          f"{args.output_len} out, best of {args.repeats}; weights-only floor {floor_ms:.3f} ms/token")
+          f"{args.output_len} out, best of {args.repeats}; weights-only floor {floor_ms:.3f} ms/token at {bandwidth_name}")
     print(f"{'mode':<14} {'TTFT ms':>9} {'ms/token':>9}")
     for name, ttft, tpot in rows:
         print(f"{name:<14} {1e3 * ttft:>9.2f} {1e3 * tpot:>9.3f}")

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from throughput import compiled_since, triton_cache_entries, warm_up  # the workload's shapes once, untimed
+from throughput import compiled_since, hbm_bandwidth, triton_cache_entries, warm_up  # the workload's shapes once, untimed
 
 
 def qwen3_30b_a3b_config(num_layers: int) -> dict:
@@ -185,9 +185,10 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         report(run_slotrunner(d, prompts, args.output_len, args))
     ours = rows[0]
-    floor = ours["step_bytes"] * args.output_len / 4.8e12  # one H200's HBM bandwidth
+    bandwidth, bandwidth_name = hbm_bandwidth()
+    floor = ours["step_bytes"] * args.output_len / bandwidth
     print(f"slotrunner engine start-up incl. graph capture {ours['startup_s']:.1f} s; decode floor (weights and active "
-          f"experts read once a step, {ours['step_bytes'] / 1e9:.1f} GB, {args.output_len} steps at 4.8 TB/s) "
+          f"experts read once a step, {ours['step_bytes'] / 1e9:.1f} GB, {args.output_len} steps at {bandwidth_name}) "
           f"{floor:.2f} s = {100 * floor / ours['wall_s']:.0f}% of wall; Triton kernels compiled inside the timed run: "
           f"{len(ours['compiled_in_run'])} {ours['compiled_in_run']}", flush=True)  # fmt: skip
     if args.peers == "generate":

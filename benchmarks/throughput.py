@@ -10,9 +10,10 @@ Peers, on the same requests:
   generating its longest requested output; only the requested tokens are counted.
 - transformers `generate_batch` (continuous batching), each request with its own max_new_tokens.
 
-It also prints the fraction of the memory-bandwidth roofline slotrunner reaches: the time one
-H200 (4.8 TB/s) needs just to read the weights once per decode step and every token's KV
-context once per generated token, over the measured wall time.
+It also prints the fraction of the memory-bandwidth roofline slotrunner reaches: the time the
+card needs at its peak HBM bandwidth (one H200: 4.8 TB/s; `CARD_HBM_BYTES_PER_S`) just to read
+the weights once per decode step and every token's KV context once per generated token, over the
+measured wall time.
 
     python benchmarks/throughput.py                      # all systems
     python benchmarks/throughput.py --peers none         # slotrunner alone
@@ -35,7 +36,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HBM_BYTES_PER_S = 4.8e12  # one H200
+# Peak HBM bandwidth by card (the vendors' figures), for the rooflines: the first key found in the
+# device's name. A card not listed is counted as one H200.
+CARD_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12}
+
+
+def hbm_bandwidth() -> tuple[float, str]:
+    """(bytes/s, how the output names it) of this machine's GPU."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    for key, bw in CARD_HBM_BYTES_PER_S.items():
+        if key in name:
+            return bw, f"{bw / 1e12:.2f} TB/s, an {key}'s peak"
+    return 4.8e12, "4.8 TB/s, one H200's peak (this card is not listed)"
 
 
 def qwen3_06b_config() -> dict:
@@ -64,12 +76,12 @@ def model_bytes(cfg: dict, kv_bytes: int = 2) -> tuple[int, int]:
     return 2 * (cfg["num_hidden_layers"] * (qkvo + 3 * h * i) + v * h), kv_per_token
 
 
-def roofline_seconds(cfg: dict, prompts: list[list[int]], out_lens: list[int], num_steps: int) -> float:
+def roofline_seconds(cfg: dict, prompts: list[list[int]], out_lens: list[int], num_steps: int, bandwidth: float) -> float:
     """Bytes that must cross HBM at least once: weights per decode step, each generated token's
-    KV context (bf16), over the bandwidth."""
+    KV context (bf16), over the bandwidth (bytes/s)."""
     weight_bytes, kv_per_token = model_bytes(cfg)
     context = sum(len(p) * m + m * (m - 1) / 2 for p, m in zip(prompts, out_lens))
-    return (weight_bytes * num_steps + kv_per_token * context) / HBM_BYTES_PER_S
+    return (weight_bytes * num_steps + kv_per_token * context) / bandwidth
 
 
 def warm_up(llm, prompts: list, params=None) -> None:
@@ -292,9 +304,10 @@ def main() -> None:
         if args.prefix_caching_ab:
             prefix_caching_ab(d, prompts, out_lens, args)
     ours = rows[0]
-    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"])
+    bandwidth, bandwidth_name = hbm_bandwidth()
+    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"], bandwidth)
     print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
-          f"(weights per step + KV per token at 4.8 TB/s) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
+          f"(weights per step + KV per token at {bandwidth_name}) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
           f"engine start-up incl. graph capture {ours['startup_s']:.1f} s", flush=True)
     if args.phases:
         print_phases(ours["periods"], ours["wall_s"], cfg, 1 if args.kv_cache_dtype == "fp8" else 2)
