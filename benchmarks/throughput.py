@@ -76,10 +76,12 @@ def model_bytes(cfg: dict, kv_bytes: int = 2) -> tuple[int, int]:
     return 2 * (cfg["num_hidden_layers"] * (qkvo + 3 * h * i) + v * h), kv_per_token
 
 
-def roofline_seconds(cfg: dict, prompts: list[list[int]], out_lens: list[int], num_steps: int, bandwidth: float) -> float:
+def roofline_seconds(
+    cfg: dict, prompts: list[list[int]], out_lens: list[int], num_steps: int, bandwidth: float, kv_bytes: int = 2
+) -> float:
     """Bytes that must cross HBM at least once: weights per decode step, each generated token's
-    KV context (bf16), over the bandwidth (bytes/s)."""
-    weight_bytes, kv_per_token = model_bytes(cfg)
+    KV context (`kv_bytes` an element: 2 bf16, 1 float8), over the bandwidth (bytes/s)."""
+    weight_bytes, kv_per_token = model_bytes(cfg, kv_bytes)
     context = sum(len(p) * m + m * (m - 1) / 2 for p, m in zip(prompts, out_lens))
     return (weight_bytes * num_steps + kv_per_token * context) / bandwidth
 
@@ -287,8 +289,9 @@ def main() -> None:
 
     prompts, out_lens = workload(args.num_requests, args.seed, args.min_len, args.max_len)
     cfg = qwen3_06b_config()
+    kv_bytes, kv_name = (1, "float8 KV cache") if args.kv_cache_dtype == "fp8" else (2, "bf16 KV cache")
     print(f"bench workload: {args.num_requests} requests, in/out uniform in [{args.min_len}, {args.max_len}], "
-          f"{sum(out_lens)} output tokens; Qwen3-0.6B shape, bf16, {torch.cuda.get_device_name()}; "
+          f"{sum(out_lens)} output tokens; Qwen3-0.6B shape, bf16, {kv_name}, {torch.cuda.get_device_name()}; "
           f"torch {torch.__version__}")
     print(f"{'system':<36} {'seconds':>9} {'out tok/s':>10} {'slotrunner x':>13}", flush=True)
     rows = []
@@ -305,12 +308,12 @@ def main() -> None:
             prefix_caching_ab(d, prompts, out_lens, args)
     ours = rows[0]
     bandwidth, bandwidth_name = hbm_bandwidth()
-    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"], bandwidth)
+    roof = roofline_seconds(cfg, prompts, out_lens, ours["steps"], bandwidth, kv_bytes)
     print(f"slotrunner: {ours['steps']} steps, {1e3 * ours['wall_s'] / ours['steps']:.2f} ms/step; roofline "
           f"(weights per step + KV per token at {bandwidth_name}) {roof:.2f} s = {100 * roof / ours['wall_s']:.0f}% of wall; "
           f"engine start-up incl. graph capture {ours['startup_s']:.1f} s", flush=True)
     if args.phases:
-        print_phases(ours["periods"], ours["wall_s"], cfg, 1 if args.kv_cache_dtype == "fp8" else 2)
+        print_phases(ours["periods"], ours["wall_s"], cfg, kv_bytes)
     peers = [] if args.peers == "none" else args.peers.split(",")
     if peers:
         model = hf_model()
