@@ -115,7 +115,9 @@ def test_compiled_mla_kernels_match_reference():
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits):
     """The compiler, not the interpreter: the decode launch at DeepSeek-V2-Lite's shape, whole and
-    split (the merge included), builds for sm_90 with its default warps and no spill."""
+    split (the merge included), builds for sm_90 with its default warps and no spill, its cache
+    tiles loaded by asynchronous copies. The strides are multiples of 16 there (576 a cached
+    token, 512 / 192 a head of q), as Triton specializes them."""
     from slotrunner.models.layers import mla_decode
 
     signature = dict(
@@ -125,5 +127,7 @@ def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits):
     )  # fmt: skip
     constexprs = dict(NUM_HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_R=512, BLOCK_P=64, TILE_N=32,
                       DOT_PRECISION="tf32", NUM_SPLITS=splits)  # fmt: skip
-    usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs)
+    strides = ("stride_lr", "stride_lh", "stride_pr", "stride_ph", "stride_c")
+    usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs, divisible=strides)
     assert "LOCAL:0" in usage, usage
+    assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) > 0, f"the cache tiles' loads are not pipelined: {usage}"
