@@ -36,11 +36,12 @@ class TileConfig:
     # cache and 132 -> 118 over bf16, no spill either way (an earlier count of 255 with spills
     # came from compiling without the alignment, a variant no launch runs).
     int32_offsets: bool = True
-    # The decode launch's products over the two halves of the head dim (head dims that are powers
-    # of two >= 32), so that a float8 tile is widened to fp16 half at a time: 192 -> 140
-    # registers, three programs a multiprocessor instead of two. On one H100, batch 256: float8
-    # 0.198 -> 0.181 ms, bf16 unchanged (0.285), outputs bitwise equal (the second q.K product
-    # accumulates onto the first, in the order one product's sums run).
+    # Over a float8 cache, the decode launch's products over the two halves of the head dim (head
+    # dims that are powers of two >= 32), so that a tile is widened to fp16 half at a time: 192 ->
+    # 140 registers at head dim 128, three programs a multiprocessor instead of two; at 256, 255
+    # with spills -> 200 without. On one H100, batch 256: 0.198 -> 0.181 ms, outputs bitwise equal
+    # (the second q.K product accumulates onto the first, in the order one product's sums run).
+    # A bf16 cache gains nothing at 128 (0.285 ms either way) and spills at 256: it keeps one product.
     decode_head_halves: bool = True
 
     def __post_init__(self) -> None:

@@ -9,8 +9,8 @@ Three kernels, each above its wrapper; their torch specifications are `write_kv`
 - `_paged_attention_kernel` -> `paged_attention()`: FlashAttention-style online softmax over key
   tiles gathered through the block table, fp32 accumulation. The query heads sharing one KV head
   are packed into the M dimension (M row = query token x head of the group), so every K/V tile
-  is loaded once per KV head. The decode launch takes its products over the head dim's two halves
-  (`TileConfig.decode_head_halves`: fewer registers over a float8 cache). Two launches of the same kernel:
+  is loaded once per KV head. Over a float8 cache the decode launch takes its products over the
+  head dim's two halves (`TileConfig.decode_head_halves`: fewer registers). Two launches of the same kernel:
     * decode launch, grid (num_reqs, num_kv_heads, splits): one program per (row, KV head) handles
       every row with exactly one query token -- all of a decode-only batch; in a batch of a few
       rows, `splits` programs share each row's key tiles and the last to finish merges them (`split_kv.py`).
@@ -446,7 +446,7 @@ def paged_attention(
         DECODE=True,
         SHARED_PREFIX=shared is not None,
         NUM_SPLITS=splits,
-        HALVES=tiles.decode_head_halves and head_dim == common["HEAD_DIM_P2"] and head_dim >= 32,
+        HALVES=tiles.decode_head_halves and kv_fp8 and head_dim == common["HEAD_DIM_P2"] and head_dim >= 32,
         num_stages=tiles.decode_num_stages,
         **common,
     )

@@ -105,10 +105,12 @@ CASES = [
          tiles=dataclasses.replace(SMALL_TILES, decode_splits=4)),
     Case("fp8 cache, 6 rows, 2 splits forced", ((2, 1), (40, 1), (9, 1), (0, 1), (33, 1), (17, 1)),
          cache_dtype=torch.float8_e4m3fn, tiles=dataclasses.replace(SMALL_TILES, decode_splits=2)),
-    # TileConfig.decode_head_halves: the decode launch's products over the head dim's halves
-    Case("mixed, head halves", MIXED, tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=True)),
-    Case("fp8 cache, split, sinks, head halves", ((50, 1), (7, 1)), sinks=True, cache_dtype=torch.float8_e4m3fn,
-         tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=True)),
+    # TileConfig.decode_head_halves: the float8 cases above at head dim 32 take the decode launch's
+    # products over the head dim's halves (the default); these the one product
+    Case("fp8 cache, mixed, one product", MIXED, cache_dtype=torch.float8_e4m3fn,
+         tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=False)),
+    Case("fp8 cache, split, sinks, one product", ((50, 1), (7, 1)), sinks=True, cache_dtype=torch.float8_e4m3fn,
+         tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=False)),
     Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
     Case("fp8 cache, window 5, sinks, unsplit", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands

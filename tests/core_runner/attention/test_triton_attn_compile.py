@@ -3,7 +3,8 @@
 Guards against: a change to the decode loop that makes the launch spill registers to local
 memory, or that stops the software pipeliner from issuing the key and value loads as
 asynchronous copies (their addresses come from the block table: an indirect load the pipeliner
-must still take), over either cache, with one product per tile or one per half of the head dim. The interpreter, which checks the outputs, sees neither.
+must still take), over either cache, with one product per tile or one per half of the head dim
+(the float8 launch's; over bf16 the halves spill at head dim 256, so that cache keeps one product). The interpreter, which checks the outputs, sees neither.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import pytest
 from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.triton_utils import HAS_TRITON
 
-# Qwen3-0.6B's shape: 8 KV heads of 128, two query heads each, the default decode tiles.
-SHAPE = dict(NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, HEAD_DIM_P2=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16)
+# Qwen3-0.6B's shape (8 KV heads of 128, two query heads each; 256: Gemma's head dim), the default decode tiles.
+SHAPE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16)
 FLAGS = dict(DECODE=True, USE_WINDOW=False, USE_SOFT_CAP=False, HAS_BIAS=False, HAS_SINKS=False, SHARED_PREFIX=False, NUM_SPLITS=1)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-@pytest.mark.parametrize("halves", [False, True], ids=["one product", "head halves"])
-@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
-def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, halves):
+@pytest.mark.parametrize(
+    "cache, head_dim, halves",
+    [("bf16", 128, False), ("bf16", 256, False), ("fp8e4nv", 128, False), ("fp8e4nv", 128, True), ("fp8e4nv", 256, True)],
+    ids=["bf16", "bf16 dim 256", "fp8 one product", "fp8 head halves", "fp8 head halves dim 256"],
+)
+def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim, halves):
     from slotrunner.core_runner.attention import triton_attn
 
     tiles = TileConfig()
@@ -33,9 +37,9 @@ def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cach
     for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_bh", "stride_bd", "num_distances", "num_reqs"):
         signature[name] = "i32"
     signature.update(scale="fp32", soft_cap="fp32", sliding_window="i32")
-    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, DOT_PRECISION="ieee", KV_FP8=fp8, FP8_F16=fp8,
-                      OFFSETS_I32=tiles.int32_offsets, HALVES=halves)
+    constexprs = dict(SHAPE, **FLAGS, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, TILE_N=tiles.decode_tile_n, DOT_PRECISION="ieee",
+                      KV_FP8=fp8, FP8_F16=fp8, OFFSETS_I32=tiles.int32_offsets, HALVES=halves)
     usage = compile_for_hopper(triton_attn._paged_attention_kernel, signature, constexprs, num_warps=tiles.num_warps,
                                num_stages=tiles.decode_num_stages, divisible=("stride_qt", "stride_qh", "stride_ot", "stride_oh"))
-    assert "LOCAL:0" in usage, usage
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
