@@ -129,5 +129,5 @@ def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits):
                       DOT_PRECISION="tf32", NUM_SPLITS=splits)  # fmt: skip
     strides = ("stride_lr", "stride_lh", "stride_pr", "stride_ph", "stride_c")
     usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs, divisible=strides)
-    assert "LOCAL:0" in usage, usage
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) > 0, f"the cache tiles' loads are not pipelined: {usage}"

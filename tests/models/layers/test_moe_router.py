@@ -142,6 +142,8 @@ def test_route_kernel_compiles_for_hopper(compile_for_hopper, case):
         TOPK_GROUP=topk_group, GROUP_MAX=group_max, G_P2=triton.next_power_of_2(n_group), IEEE=False,
         BLOCK_T=moe_router._BLOCK_T, BLOCK_K=block_k,
     )  # fmt: skip
-    usage = compile_for_hopper(moe_router._route_kernel, signature, constexprs, num_warps=num_warps)
-    assert "LOCAL:0" in usage, usage
+    # stride_xt and K as a launch has them: multiples of 16 (the hidden size).
+    usage = compile_for_hopper(moe_router._route_kernel, signature, constexprs, num_warps=num_warps, divisible=("stride_xt", "K"))
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("DYNAMIC_SHARED:")[1].split()[0]) <= 232_448, usage
+    assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) > 0, f"the weight tiles' loads are not pipelined: {usage}"
