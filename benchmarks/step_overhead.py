@@ -164,8 +164,11 @@ def measure(
     # Room for every step's tokens (with drafts, 1 + ngram a step): a request that hits the
     # length limit finishes, and the batch would shrink under the measurement.
     max_model_len = max(1024, 8 + (steps + count_steps + 50) * (1 + ngram))
+    # Async scheduling on either device (a GPU's default), so that a CPU run takes the GPU's
+    # scheduler path: synchronous scheduling also checks each row's token count in update().
     llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=max_model_len,
-              max_num_seqs=batch, max_num_batched_tokens=max(2048, 8 * batch), enforce_eager=True, speculative_config=spec)
+              max_num_seqs=batch, max_num_batched_tokens=max(2048, 8 * batch), enforce_eager=True, speculative_config=spec,
+              async_scheduling=True)
     engine, runner = llm.engine, llm.engine.runner
     if ngram:  # every step carries drafts: the gate's probes of going without are left out
         engine.scheduler.draft_gate.want_drafts = lambda: True
