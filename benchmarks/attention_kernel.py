@@ -10,7 +10,8 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --fp8
     python benchmarks/attention_kernel.py --fp8-sweep
     python benchmarks/attention_kernel.py --split-sweep   # keys of each row split over programs, both caches
-    python benchmarks/attention_kernel.py --offsets-ab    # int64 against int32 cache offsets, both caches
+    python benchmarks/attention_kernel.py --ab int32_offsets       # int64 against int32 cache offsets, both caches
+    python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
 
 With `--fp8` the default tiles only, over the bf16 cache and the same keys and values rounded
 to a float8 e4m3 cache (kv_cache_dtype="fp8"): time, bytes read per second, and how far the
@@ -47,8 +48,9 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of the decode tile, 128)")
     p.add_argument("--fp8", action="store_true", help="the default tiles over the bf16 cache and its float8 e4m3 copy")
     p.add_argument("--fp8-sweep", action="store_true", help="the sweep of tiles, warps and stages over the float8 e4m3 cache")
-    p.add_argument("--offsets-ab", action="store_true",
-                   help="int64 against int32 cache offsets (TileConfig.int32_offsets), both caches, alternating")
+    p.add_argument("--ab", metavar="FIELD", choices=("int32_offsets", "decode_head_halves"),
+                   help="a TileConfig switch off against on, both caches, alternating rounds")
+    p.add_argument("--offsets-ab", action="store_const", dest="ab", const="int32_offsets", help="--ab int32_offsets")
     p.add_argument("--split-sweep", action="store_true",
                    help="each row's keys split over 1, 2, 4 programs, both caches, two tile widths")
     args = p.parse_args()
@@ -81,8 +83,8 @@ def main() -> None:
             print(f"{name} cache: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
         print(f"outputs apart by at most {(outs['bf16'] - outs['fp8']).abs().max():.4f} (the cache's rounding)")
         return
-    if args.offsets_ab:
-        offsets_ab(spec, q, k, v, cache, meta, lens, args.iters)
+    if args.ab:
+        switch_ab(args.ab, spec, q, k, v, cache, meta, lens, args.iters)
         return
     if args.split_sweep:
         split_sweep(spec, q, k, v, cache, meta, lens, args.iters)
@@ -121,21 +123,23 @@ def main() -> None:
         print(f"tile {tile:>3} warps {warps} stages {stages}: {dt_s * 1e3:.3f} ms  {kv_bytes / dt_s / 1e12:.2f} TB/s", flush=True)
 
 
-def offsets_ab(spec, q, k, v, cache, meta, lens, iters: int) -> None:
-    """The decode launch with int64 element offsets into the cache against int32 ones (over a
-    float8 cache 193 against 192 registers, compiled for sm_90 with aligned pointers), three
-    alternating rounds."""
+def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:
+    """The decode launch with a TileConfig switch off against on, three alternating rounds, and
+    whether the outputs are bitwise equal. `int32_offsets`: int64 against int32 element offsets
+    into the cache (over float8 193 against 192 registers, compiled for sm_90 with aligned
+    pointers). `decode_head_halves`: one product a tile against one per half of the head dim
+    (over float8 192 against 140 registers; a bf16 cache takes one product either way)."""
     from slotrunner.core_runner.attention.backend import to_cache_dtype
 
     Hk, D = spec.num_kv_heads, spec.head_dim
     for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
         read = int(lens.sum()) * Hk * D * 2 * itemsize
-        backends = {i32: TritonBackend(TileConfig(int32_offsets=i32)) for i32 in (False, True)}
-        outs = {i32: b.forward(spec, q, k, v, c, meta) for i32, b in backends.items()}
+        backends = {on: TritonBackend(TileConfig(**{field: on})) for on in (False, True)}
+        outs = {on: b.forward(spec, q, k, v, c, meta) for on, b in backends.items()}
         for round_ in range(3):
-            for i32, backend in backends.items():
+            for on, backend in backends.items():
                 t = timed(backend, spec, q, k, v, c, meta, iters)
-                print(f"{name} cache, {'int32' if i32 else 'int64'} offsets, round {round_ + 1}: {t * 1e3:.3f} ms  "
+                print(f"{name} cache, {field} {'on' if on else 'off'}, round {round_ + 1}: {t * 1e3:.3f} ms  "
                       f"{read / t / 1e12:.2f} TB/s", flush=True)
         print(f"{name}: outputs {'bitwise equal' if torch.equal(outs[False], outs[True]) else 'DIFFER'}", flush=True)
 
