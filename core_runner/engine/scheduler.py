@@ -269,8 +269,9 @@ class Scheduler:
             cached_computed.append(num_computed)
             num_scheduled[req_id] = num_new
             # Hashes cover known tokens only: blocks that hold drafts are registered later.
-            # Most decode steps fill no block: this is _cache_blocks' own check, saving the call.
-            if prefix_caching and end // block_size > request.num_registered_blocks:
+            # Most decode steps fill no block: this is _cache_blocks' own check, saving the call
+            # (known tokens only: under async scheduling a row's last token is still pending).
+            if prefix_caching and min(end, num_known) // block_size > request.num_registered_blocks:
                 self._cache_blocks(request, end)
             if checkpoints:
                 self._checkpoint_state(request, num_computed, num_new, out)
