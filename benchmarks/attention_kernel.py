@@ -124,11 +124,9 @@ def main() -> None:
 
 
 def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:
-    """The decode launch with a TileConfig switch off against on, three alternating rounds, and
-    whether the outputs are bitwise equal. `int32_offsets`: int64 against int32 element offsets
-    into the cache (over float8 193 against 192 registers, compiled for sm_90 with aligned
-    pointers). `decode_head_halves`: one product a tile against one per half of the head dim
-    (over float8 192 against 140 registers; a bf16 cache takes one product either way)."""
+    """The decode launch with a TileConfig switch (`int32_offsets`, `decode_head_halves`; what
+    each does, and its registers, beside it in tile_config.py) off against on, three alternating
+    rounds, and whether the outputs are bitwise equal."""
     from slotrunner.core_runner.attention.backend import to_cache_dtype
 
     Hk, D = spec.num_kv_heads, spec.head_dim

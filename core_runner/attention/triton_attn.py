@@ -257,14 +257,15 @@ if HAS_TRITON:
             if not OFFSETS_I32:
                 block = block.to(tl.int64)
             slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [TILE_N]
+            kv_off = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_col  # [TILE_N] each key's first element, K and V alike
             if HALVES:  # the second product accumulates onto the first: the sums of one product
-                k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + dh[:, None]  # [HEAD_DIM // 2, TILE_N]
+                k_off = kv_off[None, :] + dh[:, None]  # [HEAD_DIM // 2, TILE_N]
                 k_lo = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :], other=0.0)
                 s = tl.dot(q_lo, k_lo.to(q.dtype), input_precision=DOT_PRECISION)
                 k_hi = tl.load(k_cache_ptr + k_off + HEAD_DIM // 2, mask=k_ok[None, :], other=0.0)
                 s = tl.dot(q_hi, k_hi.to(q.dtype), s, input_precision=DOT_PRECISION)
             else:
-                k_off = slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[:, None]  # [HEAD_DIM_P2, TILE_N]
+                k_off = kv_off[None, :] + d[:, None]  # [HEAD_DIM_P2, TILE_N]
                 k_t = tl.load(k_cache_ptr + k_off, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
                 s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
             if not FP8_F16:  # (fp16 products: q came scaled)
@@ -291,13 +292,13 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, 1)
             p = p.to(q.dtype)
             if HALVES:
-                v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + dh[None, :]  # [TILE_N, HEAD_DIM // 2]
+                v_off = kv_off[:, None] + dh[None, :]  # [TILE_N, HEAD_DIM // 2]
                 v_lo = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None], other=0.0)
                 acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(q.dtype), input_precision=DOT_PRECISION)
                 v_hi = tl.load(v_cache_ptr + v_off + HEAD_DIM // 2, mask=k_ok[:, None], other=0.0)
                 acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(q.dtype), input_precision=DOT_PRECISION)
             else:
-                v_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_col + d[None, :]  # [TILE_N, HEAD_DIM_P2]
+                v_off = kv_off[:, None] + d[None, :]  # [TILE_N, HEAD_DIM_P2]
                 v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
