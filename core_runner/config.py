@@ -31,9 +31,20 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# Decode batch sizes captured as CUDA graphs by default (sizes above max_num_seqs are dropped):
+# Decode batch sizes captured as CUDA graphs by default (`graph_sizes` fits them to max_num_seqs):
 # dense where batches are small, every 32 or 64 rows above.
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def graph_sizes(capture_sizes: tuple[int, ...] | list[int], max_rows: int) -> list[int]:
+    """The decode batch sizes to capture where a step holds at most `max_rows` rows: the sizes
+    asked for up to it, and `max_rows` itself where a larger size was asked for. Without it, a
+    batch between the largest size kept and `max_rows` would run eagerly: with max_num_seqs=6 and
+    the default sizes, every full decode step (5 or 6 rows) did, ~20x slower on one H100."""
+    sizes = {s for s in capture_sizes if 1 <= s <= max_rows}
+    if max_rows >= 1 and any(s > max_rows for s in capture_sizes):
+        sizes.add(max_rows)
+    return sorted(sizes)
 # Token counts at which one request's prefill chunk alone is captured (those up to the step's
 # token budget): the target's (runner/cuda_graphs.py) and a draft model's catch-up over a prompt.
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256, 512)

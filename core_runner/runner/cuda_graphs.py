@@ -1,6 +1,7 @@
 """CudaGraphs: decode steps replayed from CUDA graphs captured at padded batch sizes.
 
-A decode-only step of `num_reqs` rows is padded up to the next captured size: the padding rows
+A decode-only step of `num_reqs` rows is padded up to the next captured size (`graph_sizes`: the
+sizes asked for up to the step's row limit, and the limit itself): the padding rows
 have an empty query and seq_len 0, the padding tokens slot -1 (never written to the cache).
 Every input the graph reads lives in InputBuffers, whose addresses never change, so a replay
 sees the step the input-preparation ops just wrote. Prefill and mixed steps of several requests, and
@@ -34,7 +35,7 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, FamilyAttnMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
-from slotrunner.core_runner.config import PREFILL_GRAPH_LENS
+from slotrunner.core_runner.config import PREFILL_GRAPH_LENS, graph_sizes
 from slotrunner.core_runner.graph_capture import collector_paused
 from slotrunner.core_runner.runner.input_batch import InputBatch
 from slotrunner.core_runner.runner.input_buffers import InputBuffers
@@ -58,11 +59,10 @@ class CudaGraphs:
         self.model_state = model_state
         self.backend = backend
         self.buffers = buffers
-        limit = min(buffers.max_num_reqs, buffers.max_num_tokens)
-        self.sizes = sorted({s for s in capture_sizes if 1 <= s <= limit})
+        self.sizes = graph_sizes(capture_sizes, min(buffers.max_num_reqs, buffers.max_num_tokens))
         self.draft_query_len = draft_query_len
         q = draft_query_len
-        self.draft_sizes = [s for s in self.sizes if s * q <= buffers.max_num_tokens] if q > 1 else []
+        self.draft_sizes = graph_sizes(self.sizes, buffers.max_num_tokens // q) if q > 1 else []
         m = shared_prefix_min_rows
         self.shared_prefix_sizes = [] if m is None else [s for s in self.sizes if s >= m]
         self.max_model_len = max_model_len

@@ -30,6 +30,7 @@ from torch import nn
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
+from slotrunner.core_runner.config import graph_sizes
 from slotrunner.core_runner.graph_capture import collector_paused
 
 # Several rows' catch-up over their prompts replays a graph of the next of these row counts (padding
@@ -48,7 +49,7 @@ class DraftDecodeGraphs:
         self,
         model: nn.Module,  # the draft, its KV cache bound
         attn_backend: AttentionBackend,
-        capture_sizes: tuple[int, ...],  # the target's decode sizes; those <= max_rows are kept
+        capture_sizes: tuple[int, ...],  # the target's decode sizes, fitted to max_rows (graph_sizes)
         max_rows: int,
         max_blocks: int,  # block-table width (the target's max_num_blocks_per_req)
         max_model_len: int,
@@ -58,7 +59,7 @@ class DraftDecodeGraphs:
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
-        self.sizes = sorted({s for s in capture_sizes if 1 <= s <= max_rows})
+        self.sizes = graph_sizes(capture_sizes, max_rows)
         self.query_lens = (1, catch_up_len) if catch_up_len > 1 else (1,)
         self.catch_up_len = catch_up_len
         # Rows over more tokens than a decode row's catch-up (prompts): one row alone where one row
