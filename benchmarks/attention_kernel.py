@@ -12,6 +12,7 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --split-sweep   # keys of each row split over programs, both caches
     python benchmarks/attention_kernel.py --ab int32_offsets       # int64 against int32 cache offsets, both caches
     python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
+    python benchmarks/attention_kernel.py --graph-split-rows 8,16,32,64,128 --min-len 1000 --max-len 1700
 
 With `--fp8` the default tiles only, over the bf16 cache and the same keys and values rounded
 to a float8 e4m3 cache (kv_cache_dtype="fp8"): time, bytes read per second, and how far the
@@ -53,22 +54,15 @@ def main() -> None:
     p.add_argument("--offsets-ab", action="store_const", dest="ab", const="int32_offsets", help="--ab int32_offsets")
     p.add_argument("--split-sweep", action="store_true",
                    help="each row's keys split over 1, 2, 4 programs, both caches, two tile widths")
+    p.add_argument("--graph-split-rows", metavar="ROWS", default="",
+                   help="comma-separated batch sizes: 1-16 splits timed from CUDA graphs, both caches")
     args = p.parse_args()
-    B, Hq, Hk, D, bs = args.batch, 16, 8, 128, 16
-    lens = np.random.default_rng(0).integers(args.min_len, args.max_len, B)
-    max_blocks = -(-int(lens.max()) // bs)
-    num_blocks = B * max_blocks
-    dev, dt = "cuda", torch.bfloat16
-    cache = torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), dtype=dt, device=dev)
-    tables = torch.randperm(num_blocks, device=dev).view(B, max_blocks).int()
-    tables[:, : args.shared_prefix // bs] = tables[0, : args.shared_prefix // bs]
-    seq = torch.tensor(lens, device=dev, dtype=torch.int32)
-    slots = tables[torch.arange(B, device=dev), (seq - 1) // bs].long() * bs + (seq - 1) % bs
-    qsl = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    meta = AttentionMetadata(B, B, qsl, np.arange(B + 1), seq, lens, 1, int(lens.max()), tables, slots)
-    spec = AttentionSpec(Hq, Hk, D, D**-0.5)
-    q = torch.randn(B, Hq, D, dtype=dt, device=dev)
-    k, v = torch.randn(B, Hk, D, dtype=dt, device=dev), torch.randn(B, Hk, D, dtype=dt, device=dev)
+    if args.graph_split_rows:
+        graph_split_rows(args)
+        return
+    spec, q, k, v, cache, meta, lens = decode_batch(args.batch, args.min_len, args.max_len, args.shared_prefix)
+    B, Hq, Hk, D = args.batch, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    dev = "cuda"
     kv_bytes = int(lens.sum()) * Hk * D * 2 * 2
     print(f"decode batch {B}, lengths {args.min_len}-{args.max_len}, {Hq}/{Hk} heads x {D}, bf16, {torch.cuda.get_device_name()}")
     if args.fp8:
@@ -160,6 +154,69 @@ def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
             ref = base.setdefault(name, out)
             print(f"{name} cache, tile {tile:>3}, {splits} split(s), {stages} stages: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s  "
                   f"(apart from the first by {(out - ref).abs().max():.2e})", flush=True)
+
+
+def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, seed: int = 0):
+    """A decode batch of B rows over a random paged bf16 cache (Qwen3-0.6B's attention shape)."""
+    Hq, Hk, D, bs = 16, 8, 128, 16
+    lens = np.random.default_rng(seed).integers(min_len, max_len, B)
+    max_blocks = -(-int(lens.max()) // bs)
+    num_blocks = B * max_blocks
+    dev, dt = "cuda", torch.bfloat16
+    cache = torch.randn(kv_cache_shape(num_blocks, bs, Hk, D), dtype=dt, device=dev)
+    tables = torch.randperm(num_blocks, device=dev).view(B, max_blocks).int()
+    tables[:, : shared_prefix // bs] = tables[0, : shared_prefix // bs]
+    seq = torch.tensor(lens, device=dev, dtype=torch.int32)
+    slots = tables[torch.arange(B, device=dev), (seq - 1) // bs].long() * bs + (seq - 1) % bs
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    meta = AttentionMetadata(B, B, qsl, np.arange(B + 1), seq, lens, 1, int(lens.max()), tables, slots)
+    spec = AttentionSpec(Hq, Hk, D, D**-0.5)
+    q = torch.randn(B, Hq, D, dtype=dt, device=dev)
+    k, v = torch.randn(B, Hk, D, dtype=dt, device=dev), torch.randn(B, Hk, D, dtype=dt, device=dev)
+    return spec, q, k, v, cache, meta, lens
+
+
+def graph_split_rows(args) -> None:
+    """Each row's keys over 1, 2, 4, 8, 16 programs (`TileConfig.decode_splits`) at mid-size decode
+    batches, both caches, timed as CUDA-graph replays of `--iters` launches: a launch of a few
+    dozen rows takes less GPU time than its host call, so eager back-to-back calls time the host
+    (as a step replayed from a graph does not). Three alternating rounds."""
+    from slotrunner.core_runner.attention.backend import to_cache_dtype
+
+    print(f"decode launch from CUDA graphs, lengths {args.min_len}-{args.max_len}, {torch.cuda.get_device_name()}")
+    for rows in (int(r) for r in args.graph_split_rows.split(",")):
+        spec, q, k, v, cache, meta, lens = decode_batch(rows, args.min_len, args.max_len)
+        for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+            read = int(lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * itemsize
+            best: dict[int, float] = {}
+            for _ in range(3):
+                for splits in (1, 2, 4, 8, 16):
+                    backend = TritonBackend(TileConfig(decode_splits=splits))
+                    t = timed_graph(backend, spec, q, k, v, c, meta, args.iters)
+                    best[splits] = min(best.get(splits, t), t)
+            figures = "  ".join(f"{s}: {t * 1e6:6.1f} us {read / t / 1e12:.2f} TB/s" for s, t in best.items())
+            print(f"{rows:>4} rows, {name}: {figures}", flush=True)
+
+
+def timed_graph(backend, spec, q, k, v, cache, meta, iters: int) -> float:
+    """Seconds a call, `iters` calls captured in one CUDA graph and replayed (best of 3 replays)."""
+    backend.forward(spec, q, k, v, cache, meta)  # eagerly first: split counters exist before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            backend.forward(spec, q, k, v, cache, meta)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+    return best
 
 
 def timed(backend, spec, q, k, v, cache, meta, iters: int) -> float:

@@ -26,20 +26,22 @@ import torch
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton
 
 MAX_SPLITS = 16  # programs per (row, KV head) at most
-# Decode launches of more rows never split: with fewer rows than the runner's shared-prefix launch
-# needs (SHARED_PREFIX_MIN_ROWS, 8), no step both splits and shares a prefix.
-MAX_ROWS = 4
+# The attention's decode launches of more rows never split: with fewer rows than the runner's
+# shared-prefix launch needs (SHARED_PREFIX_MIN_ROWS, 8), no step both splits and shares a prefix,
+# so a decode row's output does not depend on whether its batch shares one.
+MAX_ROWS = 7
 
 
-def split_kv_splits(num_reqs: int, num_kv_heads: int, target_programs: int, max_rows: int | None = MAX_ROWS) -> int:
+def split_kv_splits(
+    num_reqs: int, num_kv_heads: int, target_programs: int, max_splits: int = MAX_SPLITS, max_rows: int | None = None
+) -> int:
     """Splits per (row, KV head) for a decode launch of `num_reqs` rows: 1 (no split) above
     `max_rows` rows (None: no such limit; MLA's decode, which has no shared-prefix launch), else
-    the largest power of two <= MAX_SPLITS that keeps the launch within `target_programs`
-    programs."""
+    the largest power of two <= `max_splits` that keeps the launch within `target_programs` programs."""
     splits = 1
     if max_rows is not None and num_reqs > max_rows:
         return splits
-    while splits < MAX_SPLITS and 2 * splits * num_reqs * num_kv_heads <= target_programs:
+    while splits < max_splits and 2 * splits * num_reqs * num_kv_heads <= target_programs:
         splits *= 2
     return splits
 

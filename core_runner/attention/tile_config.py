@@ -23,9 +23,17 @@ class TileConfig:
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
     shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
-    # Decode launches of fewer (row, KV head) programs than this split each row's keys (split_kv.py);
-    # 0: never.
-    split_kv_programs: int = 128
+    # A decode-only launch of at most split_kv.MAX_ROWS (7) rows splits each row's keys over the
+    # most programs, a power of two up to split_kv_max, that keep it within split_kv_programs
+    # programs (split_kv.py; 0: never). Timed from CUDA graphs on one H100 (`attention_kernel.py
+    # --graph-split-rows`, Qwen3-0.6B's heads, 100-1700 keys), that is the best split count or
+    # within 10% of it at 1-6 rows: 8 splits (at 6 rows 28.8 -> 16.3 us bf16, 28.1 -> 15.8 fp8);
+    # the rule before (128 programs, up to 16 splits, at most four rows) took 16 at one row, 4 at
+    # four and none at 5-7. Up to 24 rows would gain from 2-4 splits too (8 rows 32.0 -> 19.1 us),
+    # but from 8 rows a step may share a prefix, which keeps it unsplit, and a row's output would
+    # then depend on whether its batch shares one.
+    split_kv_programs: int = 384
+    split_kv_max: int = 8
     # > 0: every decode-only launch without a shared prefix splits each row's keys this many ways,
     # whatever its batch (`benchmarks/attention_kernel.py --split-sweep`); 0: split_kv_programs' rule.
     decode_splits: int = 0
@@ -49,6 +57,8 @@ class TileConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.split_kv_max < 1 or self.split_kv_max & (self.split_kv_max - 1) or self.split_kv_max > MAX_SPLITS:
+            raise ValueError(f"split_kv_max must be a power of two <= {MAX_SPLITS}, got {self.split_kv_max}")
         if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1) or self.decode_splits > MAX_SPLITS:
             raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
 

@@ -200,7 +200,7 @@ def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
     read back by the merge; on one H200 (132 multiprocessors), 64 rows of DeepSeek-V2-Lite's
     shape at 640 tokens took 50.7 / 33.6 / 31.1 / 40.7 us at 1 / 2 / 4 / 8 splits
     (`benchmarks/mla_decode.py`): two programs per multiprocessor (4 splits) beat one (2)."""
-    return split_kv_splits(num_rows, head_blocks, _target_programs(torch.device(device)), max_rows=None)
+    return split_kv_splits(num_rows, head_blocks, _target_programs(torch.device(device)))
 
 
 def mla_decode_ref(

@@ -340,12 +340,20 @@ def test_default_backend_on_cpu():
 
 
 def test_split_kv_rule():
-    """Small decode launches split (powers of two up to 16, within the program target); above
-    four rows, or with the target 0, never."""
-    from slotrunner.core_runner.attention.split_kv import split_kv_splits
+    """Decode launches split into the most programs, a power of two up to the cap, that stay within
+    the program target; above the row limit, or with the target 0, never. The attention's rule (384
+    programs, at most 8 ways, at most 7 rows) at Qwen3-0.6B's eight KV heads: 8 splits up to 6
+    rows, 4 at 7, none from 8, where a step may share a prefix (and then never splits)."""
+    from slotrunner.core_runner.attention.split_kv import MAX_ROWS, split_kv_splits
+    from slotrunner.core_runner.runner.model_runner import SHARED_PREFIX_MIN_ROWS
 
-    assert [split_kv_splits(n, 8, 128) for n in (1, 2, 3, 4, 5, 64)] == [16, 8, 4, 4, 1, 1]
+    assert [split_kv_splits(n, 8, 128) for n in (1, 2, 3, 4, 5, 64)] == [16, 8, 4, 4, 2, 1]
     assert split_kv_splits(2, 1, 128) == 16 and split_kv_splits(1, 8, 0) == 1
+    assert split_kv_splits(5, 8, 128, max_rows=4) == 1
+    assert MAX_ROWS < SHARED_PREFIX_MIN_ROWS
+    tiles = TileConfig()
+    rule = [split_kv_splits(n, 8, tiles.split_kv_programs, tiles.split_kv_max, MAX_ROWS) for n in (1, 4, 6, 7, 8, 12, 256)]
+    assert rule == [8, 8, 8, 4, 1, 1, 1]
 
 
 def test_tile_config_rejects_small_tiles():
@@ -355,6 +363,8 @@ def test_tile_config_rejects_small_tiles():
         TileConfig(prefill_block_m=48)
     with pytest.raises(ValueError, match="decode_splits"):
         TileConfig(decode_splits=3)
+    with pytest.raises(ValueError, match="split_kv_max"):
+        TileConfig(split_kv_max=32)
 
 
 # -- GPU, real sizes (the lead runs these on the device machine) ---------------------------------
