@@ -4,9 +4,10 @@ from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES, graph_sizes
 
 
 def test_graph_sizes_end_at_the_row_limit():
-    """Guards against: with max_num_seqs between two listed sizes (6, 100), full decode steps
+    """Guards against: with max_num_seqs between two listed sizes (5, 100), full decode steps
     found no captured size and ran eagerly."""
-    assert graph_sizes(DEFAULT_CUDA_GRAPH_SIZES, 6) == [1, 2, 4, 6]
+    assert graph_sizes(DEFAULT_CUDA_GRAPH_SIZES, 5) == [1, 2, 4, 5]
+    assert graph_sizes(DEFAULT_CUDA_GRAPH_SIZES, 7) == [1, 2, 4, 6, 7]
     assert graph_sizes(DEFAULT_CUDA_GRAPH_SIZES, 100)[-3:] == [64, 96, 100]
     assert graph_sizes(DEFAULT_CUDA_GRAPH_SIZES, 256)[-1] == 256  # a listed limit: nothing added
     assert graph_sizes(DEFAULT_CUDA_GRAPH_SIZES, 1) == [1]

@@ -207,12 +207,11 @@ def test_one_request_prefill_replays_its_graph(tmp_path, replayed_decode, arch):
 
 
 def test_full_decode_steps_of_an_unlisted_row_limit_replay_a_graph(tmp_path, replayed_decode):
-    """Guards against: with max_num_seqs=6 (between two default sizes), the default sizes were
-    cut to 1, 2, 4 and every decode step of 5 or 6 rows ran eagerly (on one H100, 240 tok/s on
-    a small bench workload). The limit itself is captured: six requests decode in graphs at 6."""
+    """Guards against: with max_num_seqs=6 (then between two default sizes), the default sizes
+    were cut to 1, 2, 4 and every decode step of 5 or 6 rows ran eagerly (on one H100, 240 tok/s
+    on a small bench workload). The limit itself is captured (sizes 1, 2, 4 here): six requests
+    decode in graphs at 6."""
     from slotrunner.conformance import build_case
-    from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES
-
     build_case(tiny_config("Qwen3ForCausalLM"), tmp_path)
     prompts = [{"prompt_token_ids": [5 + i, 9, 11, 13]} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -221,7 +220,7 @@ def test_full_decode_steps_of_an_unlisted_row_limit_replay_a_graph(tmp_path, rep
     llm = LLM(str(tmp_path), **common)
     runner = llm.engine.runner
     graphs = replayed_decode(runner.model, runner.model_state, runner.attn_backend, runner.input_buffers,
-                             DEFAULT_CUDA_GRAPH_SIZES, 64, 1)  # fmt: skip
+                             (1, 2, 4, 8, 16), 64, 1)  # fmt: skip
     assert graphs.sizes == [1, 2, 4, 6] and graphs.padded_size(5) == 6 and graphs.padded_size(7) is None
     graphs.capture()
     runner.cuda_graphs = graphs
