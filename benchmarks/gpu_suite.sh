@@ -26,7 +26,8 @@
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), launch-ab (that host time with cached Triton launches against
-# Triton's dispatch, three alternating pairs), suite (the whole CPU
+# Triton's dispatch, three alternating pairs), small-batch (the bench workload's shape at max_num_seqs=6, both caches),
+# split-graphs (the decode attention by split count at 1-32 rows, from CUDA graphs), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
 set -u
 cd "$(dirname "$0")/.."
@@ -122,6 +123,11 @@ for s in "${steps[@]}"; do
       done ;;
     profile-deepseek) run_step profile-deepseek 150 python3 benchmarks/profile_decode.py --shape deepseek-v2-lite --layers 27 --batch 64 --input-len 512 --rows 40 --prefill-kernels ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
+    small-batch)  # a decode batch of at most 6 rows (a size between the default graph sizes), both caches
+      run_step small-batch 120 python3 benchmarks/throughput.py --peers none --num-requests 32 --max-len 512 --max-num-seqs 6
+      run_step small-batch-fp8 120 python3 benchmarks/throughput.py --peers none --num-requests 32 --max-len 512 --max-num-seqs 6 --kv-cache-dtype fp8 ;;
+    split-graphs)  # the decode launch by split count at small batches, timed from CUDA graphs
+      run_step split-graphs 150 python3 benchmarks/attention_kernel.py --graph-split-rows 1,2,4,6,8,16,32 --min-len 1000 --max-len 1700 ;;
     overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
     overhead-spec)
       run_step overhead-spec 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16 --ngram 4 --count-ops 5
