@@ -33,8 +33,9 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 # Decode batch sizes captured as CUDA graphs by default (`graph_sizes` fits them to max_num_seqs):
 # dense where batches are small, every 32 or 64 rows above. 6: a step of 5-6 rows replays a graph
-# whose attention splits each row's keys (split_kv.MAX_ROWS is 7), not the 8-row one, which does
-# not; on one H100, 6 rows at 1000-1700 keys take 16.2 us a layer split 8 ways, 8 rows 32.0 unsplit.
+# whose attention splits each row's keys (attention/split_kv.py: SPLIT_ROWS, the sizes up to 6),
+# not the 8-row one, which does not; on one H100, 6 rows at 1000-1700 keys take 16.2 us a layer
+# split 8 ways, 8 rows 32.0 unsplit.
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 6, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 

@@ -15,35 +15,44 @@ launch a layer (2.25 us on one H200 at batch 1, where every launch sits at its l
 The grid depends on the batch size only, so CUDA graphs capture it.
 
 A split row's output is the same attention with its sums in another order: a row decoded in a
-batch of at most MAX_ROWS rows (and `TileConfig.split_kv_programs`) may differ in the last bits
-from the same row in a larger batch. Splits are never combined with the shared-prefix launch.
+batch of at most 6 rows (SPLIT_ROWS; and `TileConfig.split_kv_programs`) may differ in the last
+bits from the same row in a larger batch. Splits are never combined with the shared-prefix launch.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
+from slotrunner.core_runner.config import DEFAULT_CUDA_GRAPH_SIZES
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton
 
 MAX_SPLITS = 16  # programs per (row, KV head) at most
-# The attention's decode launches of more rows never split: with fewer rows than the runner's
-# shared-prefix launch needs (SHARED_PREFIX_MIN_ROWS, 8), no step both splits and shares a prefix,
-# so a decode row's output does not depend on whether its batch shares one.
-MAX_ROWS = 7
+# The row counts at which the attention's decode launch splits: the default CUDA-graph sizes up to
+# 6. A launch of r rows splits as one of the next of them does (`attention_splits`), so that an
+# eager step splits as the graph it would pad to, whatever the model's KV heads (graphs and eager
+# steps give the same bits). More rows never split: from 8 rows (SHARED_PREFIX_MIN_ROWS) a step may
+# share a prefix, which keeps it unsplit, and a row's output would then depend on whether it does;
+# 7 rows replay the 8-row graph.
+SPLIT_ROWS = tuple(s for s in DEFAULT_CUDA_GRAPH_SIZES if s <= 6)
 
 
-def split_kv_splits(
-    num_reqs: int, num_kv_heads: int, target_programs: int, max_splits: int = MAX_SPLITS, max_rows: int | None = None
-) -> int:
-    """Splits per (row, KV head) for a decode launch of `num_reqs` rows: 1 (no split) above
-    `max_rows` rows (None: no such limit; MLA's decode, which has no shared-prefix launch), else
-    the largest power of two <= `max_splits` that keeps the launch within `target_programs` programs."""
+def split_kv_splits(num_reqs: int, num_kv_heads: int, target_programs: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits per (row, KV head) for a decode launch of `num_reqs` rows: the largest power of two
+    <= `max_splits` that keeps the launch within `target_programs` programs (1: no split). MLA's
+    decode takes it as it is; the attention's, at the rows of its graphs (`attention_splits`)."""
     splits = 1
-    if max_rows is not None and num_reqs > max_rows:
-        return splits
     while splits < max_splits and 2 * splits * num_reqs * num_kv_heads <= target_programs:
         splits *= 2
     return splits
+
+
+def attention_splits(num_reqs: int, num_kv_heads: int, target_programs: int, max_splits: int) -> int:
+    """Splits per (row, KV head) of the attention's decode launch of `num_reqs` rows: those of the
+    next of SPLIT_ROWS (the rows of the graph a decode step of `num_reqs` rows replays), 1 above."""
+    i = bisect.bisect_left(SPLIT_ROWS, num_reqs)
+    return 1 if i == len(SPLIT_ROWS) else split_kv_splits(SPLIT_ROWS[i], num_kv_heads, target_programs, max_splits)
 
 
 def split_kv_state(num_reqs: int, num_heads: int, splits: int, head_dim: int, device: torch.device):

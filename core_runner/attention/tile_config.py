@@ -23,15 +23,15 @@ class TileConfig:
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
     shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
-    # A decode-only launch of at most split_kv.MAX_ROWS (7) rows splits each row's keys over the
-    # most programs, a power of two up to split_kv_max, that keep it within split_kv_programs
-    # programs (split_kv.py; 0: never). Timed from CUDA graphs on one H100 (`attention_kernel.py
-    # --graph-split-rows`, Qwen3-0.6B's heads, 100-1700 keys), that is the best split count or
-    # within 10% of it at 1-6 rows: 8 splits (at 6 rows 28.8 -> 16.3 us bf16, 28.1 -> 15.8 fp8);
-    # the rule before (128 programs, up to 16 splits, at most four rows) took 16 at one row, 4 at
-    # four and none at 5-7. Up to 24 rows would gain from 2-4 splits too (8 rows 32.0 -> 19.1 us),
-    # but from 8 rows a step may share a prefix, which keeps it unsplit, and a row's output would
-    # then depend on whether its batch shares one.
+    # A decode-only launch of at most 6 rows splits each row's keys over the most programs, a power
+    # of two up to split_kv_max, that keep a launch of the next of split_kv.SPLIT_ROWS (1, 2, 4, 6)
+    # rows within split_kv_programs programs (split_kv.py; 0: never). Timed from CUDA graphs on one
+    # H100 (`attention_kernel.py --graph-split-rows`, Qwen3-0.6B's heads, 100-1700 keys), that is
+    # the best split count or within 10% of it at 1-6 rows: 8 splits (at 6 rows 28.8 -> 16.3 us
+    # bf16, 28.1 -> 15.8 fp8); the rule before (128 programs, up to 16 splits, at most four rows)
+    # took 16 at one row, 4 at four and none at 5-6. Up to 24 rows would gain from 2-4 splits too
+    # (8 rows 32.0 -> 19.1 us), but from 8 rows a step may share a prefix, which keeps it unsplit,
+    # and a row's output would then depend on whether its batch shares one.
     split_kv_programs: int = 384
     split_kv_max: int = 8
     # > 0: every decode-only launch without a shared prefix splits each row's keys this many ways,

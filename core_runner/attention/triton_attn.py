@@ -42,8 +42,7 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
-from slotrunner.core_runner.attention.split_kv import MAX_ROWS as SPLIT_MAX_ROWS
-from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
+from slotrunner.core_runner.attention.split_kv import attention_splits, split_kv_counters, split_kv_state
 from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
@@ -404,9 +403,7 @@ def paged_attention(
     # program each, sparing it the split state and the merge).
     splits = 1
     if shared is None and meta.max_query_len == 1:
-        splits = tiles.decode_splits or split_kv_splits(
-            meta.num_reqs, num_kv_heads, tiles.split_kv_programs, tiles.split_kv_max, max_rows=SPLIT_MAX_ROWS
-        )
+        splits = tiles.decode_splits or attention_splits(meta.num_reqs, num_kv_heads, tiles.split_kv_programs, tiles.split_kv_max)
     if splits > 1:
         part_acc, part_ml = split_kv_state(meta.num_reqs, num_heads, splits, head_dim, q.device)
         counters = split_kv_counters(meta.num_reqs * num_kv_heads, q.device)
