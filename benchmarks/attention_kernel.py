@@ -62,7 +62,6 @@ def main() -> None:
         return
     spec, q, k, v, cache, meta, lens = decode_batch(args.batch, args.min_len, args.max_len, args.shared_prefix)
     B, Hq, Hk, D = args.batch, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    dev = "cuda"
     kv_bytes = int(lens.sum()) * Hk * D * 2 * 2
     print(f"decode batch {B}, lengths {args.min_len}-{args.max_len}, {Hq}/{Hk} heads x {D}, bf16, {torch.cuda.get_device_name()}")
     if args.fp8:
@@ -84,7 +83,7 @@ def main() -> None:
         split_sweep(spec, q, k, v, cache, meta, lens, args.iters)
         return
     if args.shared_prefix:
-        shared_meta = dataclasses.replace(meta, shared_prefix_len=torch.tensor([args.shared_prefix], dtype=torch.int32, device=dev))
+        shared_meta = dataclasses.replace(meta, shared_prefix_len=torch.tensor([args.shared_prefix], dtype=torch.int32, device="cuda"))
         unique = (int(lens.sum()) - B * args.shared_prefix + args.shared_prefix) * Hk * D * 2 * 2
         print(f"{args.shared_prefix} keys shared: {kv_bytes / 1e9:.2f} GB of KV read per row, {unique / 1e9:.2f} GB distinct")
         base = timed(TritonBackend(), spec, q, k, v, cache, meta, args.iters)
