@@ -48,6 +48,8 @@ def graph_sizes(capture_sizes: tuple[int, ...] | list[int], max_rows: int) -> li
     if max_rows >= 1 and any(s > max_rows for s in capture_sizes):
         sizes.add(max_rows)
     return sorted(sizes)
+
+
 # Token counts at which one request's prefill chunk alone is captured (those up to the step's
 # token budget): the target's (runner/cuda_graphs.py) and a draft model's catch-up over a prompt.
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256, 512)
