@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape
+from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape, to_cache_dtype
 from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.attention.triton_attn import TritonBackend
 
@@ -65,11 +65,9 @@ def main() -> None:
     kv_bytes = int(lens.sum()) * Hk * D * 2 * 2
     print(f"decode batch {B}, lengths {args.min_len}-{args.max_len}, {Hq}/{Hk} heads x {D}, bf16, {torch.cuda.get_device_name()}")
     if args.fp8:
-        from slotrunner.core_runner.attention.backend import to_cache_dtype
-
         backend = TritonBackend()
         outs = {}
-        for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+        for name, c, itemsize in both_caches(cache):
             t = timed(backend, spec, q, k, v, c.clone(), meta, args.iters)
             outs[name] = backend.forward(spec, q, k, v, c.clone(), meta).float()
             read = int(lens.sum()) * Hk * D * 2 * itemsize
@@ -97,8 +95,6 @@ def main() -> None:
         return
     sweep = itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
     if args.fp8_sweep:
-        from slotrunner.core_runner.attention.backend import to_cache_dtype
-
         cache = to_cache_dtype(cache, torch.float8_e4m3fn)
         kv_bytes //= 2
         sweep = itertools.product((64, 128, 256), (4, 8), (1, 2, 3, 4))
@@ -120,10 +116,8 @@ def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:
     """The decode launch with a TileConfig switch (`int32_offsets`, `decode_head_halves`; what
     each does, and its registers, beside it in tile_config.py) off against on, three alternating
     rounds, and whether the outputs are bitwise equal."""
-    from slotrunner.core_runner.attention.backend import to_cache_dtype
-
     Hk, D = spec.num_kv_heads, spec.head_dim
-    for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+    for name, c, itemsize in both_caches(cache):
         read = int(lens.sum()) * Hk * D * 2 * itemsize
         backends = {on: TritonBackend(TileConfig(**{field: on})) for on in (False, True)}
         outs = {on: b.forward(spec, q, k, v, c, meta) for on, b in backends.items()}
@@ -140,11 +134,9 @@ def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
     large decode batch: each program walks its (row, KV head)'s key tiles in turn, so the loads in
     flight could bound the float8 cache's launch, whose loads carry half the bytes. On one H100
     neither cache gained at 2 or 4 splits (benchmarks/RESULTS.md, 2026-12-06 eighth sitting)."""
-    from slotrunner.core_runner.attention.backend import to_cache_dtype
-
     Hk, D = spec.num_kv_heads, spec.head_dim
     base = {}
-    for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+    for name, c, itemsize in both_caches(cache):
         read = int(lens.sum()) * Hk * D * 2 * itemsize
         for tile, splits, stages in itertools.product((64, 128), (1, 2, 4), (2, 3)):
             backend = TritonBackend(TileConfig(decode_tile_n=tile, decode_splits=splits, decode_num_stages=stages))
@@ -153,6 +145,11 @@ def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
             ref = base.setdefault(name, out)
             print(f"{name} cache, tile {tile:>3}, {splits} split(s), {stages} stages: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s  "
                   f"(apart from the first by {(out - ref).abs().max():.2e})", flush=True)
+
+
+def both_caches(cache: torch.Tensor):
+    """(name, cache, bytes an element) of the bf16 cache and its float8 e4m3 copy."""
+    return (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1))
 
 
 def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, seed: int = 0):
@@ -180,12 +177,10 @@ def graph_split_rows(args) -> None:
     batches, both caches, timed as CUDA-graph replays of `--iters` launches: a launch of a few
     dozen rows takes less GPU time than its host call, so eager back-to-back calls time the host
     (as a step replayed from a graph does not). Three alternating rounds."""
-    from slotrunner.core_runner.attention.backend import to_cache_dtype
-
     print(f"decode launch from CUDA graphs, lengths {args.min_len}-{args.max_len}, {torch.cuda.get_device_name()}")
     for rows in (int(r) for r in args.graph_split_rows.split(",")):
         spec, q, k, v, cache, meta, lens = decode_batch(rows, args.min_len, args.max_len)
-        for name, c, itemsize in (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1)):
+        for name, c, itemsize in both_caches(cache):
             read = int(lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * itemsize
             best: dict[int, float] = {}
             for _ in range(3):
