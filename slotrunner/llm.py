@@ -46,9 +46,8 @@ class LLM:
         load_format: "auto" (checkpoint weights) or "dummy" (random weights, for benchmarks).
         seed: draws the sampling seed of requests that set none.
         enforce_eager: on CUDA, run every step eagerly (no CUDA graphs).
-        cuda_graph_sizes: decode batch sizes captured as CUDA graphs on CUDA (a size above
-            max_num_seqs stands for max_num_seqs itself); a decode batch is padded up to the
-            next size, larger batches and prefill steps run eagerly.
+        cuda_graph_sizes: decode batch sizes captured as CUDA graphs on CUDA (one above max_num_seqs:
+            max_num_seqs); a decode batch is padded to the next size, larger ones and prefills run eagerly.
         async_scheduling: schedule each step while the previous one runs on the device
             (default: on for CUDA, off on CPU).
         quantized_weights: what happens to a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 matrices.

@@ -26,7 +26,7 @@ class TileConfig:
     # A decode-only launch of at most 6 rows splits each row's keys over the most programs, a power
     # of two up to split_kv_max, that keep a launch of the next of split_kv.SPLIT_ROWS (1, 2, 4, 6)
     # rows within split_kv_programs programs (split_kv.py; 0: never). Timed from CUDA graphs on one
-    # H100 (`attention_kernel.py --graph-split-rows`, Qwen3-0.6B's heads, 100-1700 keys), that is
+    # H100 (`attention_kernel.py --graph-split-rows`, 8 KV heads of 128, 100-1700 keys), that is
     # the best split count or within 10% of it at 1-6 rows: 8 splits (at 6 rows 28.8 -> 16.3 us
     # bf16, 28.1 -> 15.8 fp8); the rule before (128 programs, up to 16 splits, at most four rows)
     # took 16 at one row, 4 at four and none at 5-6. Up to 24 rows would gain from 2-4 splits too
