@@ -49,8 +49,8 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="keys every row shares (a multiple of the decode tile, 128)")
     p.add_argument("--fp8", action="store_true", help="the default tiles over the bf16 cache and its float8 e4m3 copy")
     p.add_argument("--fp8-sweep", action="store_true", help="the sweep of tiles, warps and stages over the float8 e4m3 cache")
-    p.add_argument("--ab", metavar="FIELD", choices=("int32_offsets", "decode_head_halves"),
-                   help="a TileConfig switch off against on, both caches, alternating rounds")
+    p.add_argument("--ab", metavar="FIELD", choices=tuple(AB_VALUES),
+                   help="a TileConfig field off against on (AB_VALUES), both caches, alternating rounds")
     p.add_argument("--offsets-ab", action="store_const", dest="ab", const="int32_offsets", help="--ab int32_offsets")
     p.add_argument("--split-sweep", action="store_true",
                    help="each row's keys split over 1, 2, 4 programs, both caches, two tile widths")
@@ -112,14 +112,18 @@ def main() -> None:
         print(f"tile {tile:>3} warps {warps} stages {stages}: {dt_s * 1e3:.3f} ms  {kv_bytes / dt_s / 1e12:.2f} TB/s", flush=True)
 
 
+# The TileConfig fields --ab compares: (off, on). What each does, and its registers, is beside it
+# in tile_config.py.
+AB_VALUES = {"int32_offsets": (False, True), "decode_head_halves": (False, True), "decode_maxnreg": (0, 128)}
+
+
 def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:
-    """The decode launch with a TileConfig switch (`int32_offsets`, `decode_head_halves`; what
-    each does, and its registers, beside it in tile_config.py) off against on, three alternating
+    """The decode launch with a TileConfig field off against on (AB_VALUES), three alternating
     rounds, and whether the outputs are bitwise equal."""
     Hk, D = spec.num_kv_heads, spec.head_dim
     for name, c, itemsize in both_caches(cache):
         read = int(lens.sum()) * Hk * D * 2 * itemsize
-        backends = {on: TritonBackend(TileConfig(**{field: on})) for on in (False, True)}
+        backends = {on: TritonBackend(TileConfig(**{field: value})) for on, value in zip((False, True), AB_VALUES[field])}
         outs = {on: b.forward(spec, q, k, v, c, meta) for on, b in backends.items()}
         for round_ in range(3):
             for on, backend in backends.items():

@@ -51,6 +51,10 @@ class TileConfig:
     # (the second q.K product accumulates onto the first, in the order one product's sums run).
     # A bf16 cache gains nothing at 128 (0.285 ms either way) and spills at 256: it keeps one product.
     decode_head_halves: bool = True
+    # > 0: the decode launch's registers per thread capped at this many (Triton's `maxnreg`); 0:
+    # the compiler's choice. Over a float8 cache at head dim 128 the launch takes 140 (three
+    # programs a multiprocessor); 128 would fit four, spilling 16 bytes (compiled for sm_90).
+    decode_maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
@@ -61,4 +65,6 @@ class TileConfig:
             raise ValueError(f"split_kv_max must be a power of two <= {MAX_SPLITS}, got {self.split_kv_max}")
         if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1) or self.decode_splits > MAX_SPLITS:
             raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
+        if self.decode_maxnreg and not 32 <= self.decode_maxnreg <= 255:
+            raise ValueError(f"decode_maxnreg must be 0 (the compiler's choice) or 32-255 registers, got {self.decode_maxnreg}")
 

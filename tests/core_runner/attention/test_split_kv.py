@@ -51,3 +51,5 @@ def test_tile_config_rejects_small_tiles():
         TileConfig(decode_splits=3)
     with pytest.raises(ValueError, match="split_kv_max"):
         TileConfig(split_kv_max=32)
+    with pytest.raises(ValueError, match="decode_maxnreg must be 0"):
+        TileConfig(decode_maxnreg=300)

@@ -111,6 +111,9 @@ CASES = [
          tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=False)),
     Case("fp8 cache, split, sinks, one product", ((50, 1), (7, 1)), sinks=True, cache_dtype=torch.float8_e4m3fn,
          tiles=dataclasses.replace(SMALL_TILES, decode_head_halves=False)),
+    # TileConfig.decode_maxnreg: the decode launch's registers capped (a launch option; the same outputs)
+    Case("fp8 cache, mixed, registers capped", MIXED, cache_dtype=torch.float8_e4m3fn,
+         tiles=dataclasses.replace(SMALL_TILES, decode_maxnreg=128)),
     Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
     Case("fp8 cache, window 5, sinks, unsplit", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
