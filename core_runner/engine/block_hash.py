@@ -10,9 +10,8 @@ with 128 bits: a collision would silently reuse wrong KV, so no cheap 64-bit has
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
-
-import numpy as np
 
 from slotrunner.core_runner.engine.intake import KeySpan
 
@@ -30,27 +29,31 @@ def hash_block(parent: bytes, token_bytes: bytes | memoryview, extra_keys: Seque
 
 def extend_block_hashes(
     hashes: list[bytes],  # the request's hashes so far (full blocks), extended in place
-    token_ids: Sequence[int],  # every known token of the request (prompt + output)
+    token_ids: Sequence[int],  # the request's known tokens (prompt + output) from position `start` on
     num_tokens: int,  # hash the full blocks among the first num_tokens tokens
     block_size: int,
     key_spans: Sequence[KeySpan] = (),
     salt: str | None = None,  # a key over the whole request (adapter id, cache salt)
+    start: int = 0,  # the position of token_ids[0]: at most the first block not hashed yet
 ) -> list[bytes]:
-    """Append the hashes of every full block in `token_ids[:num_tokens]` not hashed yet. The new
-    blocks' tokens are converted once, not a block at a time: a prefill step of 8,192 tokens
-    hashes 512 blocks, and a conversion per block cost more than the hashing."""
-    first, last = len(hashes), min(num_tokens, len(token_ids)) // block_size
+    """Append the hashes of every full block in the first `num_tokens` tokens not hashed yet. The
+    new blocks' tokens are converted once, not a block at a time: a prefill step of 8,192 tokens
+    hashes 512 blocks, and a conversion per block cost more than the hashing. A decode row that
+    fills a block passes its output's tail (`start`), not a copy of its whole sequence."""
+    first, last = len(hashes), min(num_tokens, start + len(token_ids)) // block_size
     if first >= last:
         return hashes
-    data = memoryview(np.asarray(token_ids[first * block_size : last * block_size], dtype=np.int64).tobytes())
+    assert start <= first * block_size, f"tokens from {start} on cannot hash block {first}"
+    # int64 in the machine's byte order, as numpy's int64 (the hashes of earlier versions)
+    data = memoryview(array("q", token_ids[first * block_size - start : last * block_size - start]).tobytes())
     width = block_size * 8
     parent = hashes[-1] if hashes else _ROOT
     keyed = bool(key_spans) or salt is not None
     for i in range(first, last):
         keys: list[str] = []
         if keyed:
-            start, end = i * block_size, (i + 1) * block_size
-            keys = [k for s, e, k in key_spans if s < end and e > start]
+            lo, hi = i * block_size, (i + 1) * block_size
+            keys = [k for s, e, k in key_spans if s < hi and e > lo]
             if salt is not None:
                 keys.insert(0, salt)
         parent = hash_block(parent, data[(i - first) * width : (i - first + 1) * width], keys)

@@ -102,6 +102,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """The known tokens from position `start` on: a copy of those alone, not of the sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        return self.output_token_ids[start - num_prompt :] if start >= num_prompt else self.prompt_token_ids[start:] + self.output_token_ids
+
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens

@@ -167,8 +167,7 @@ class Scheduler:
             self._finished_req_ids.add(req_id)  # its slot, if the runner got as far as giving it one
             self.block_manager.free(req_id)
             request.status = RequestStatus.WAITING
-            request.num_computed_tokens = request.num_registered_blocks = 0
-            request.num_pending = 0
+            request.num_computed_tokens = request.num_registered_blocks = request.num_pending = 0
             request.num_spec_tokens = request.num_inflight_drafts = 0
             self.waiting.appendleft(request)
 
@@ -400,8 +399,9 @@ class Scheduler:
             out.state_checkpoints[request.req_id] = entry
 
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
-        key_spans = request.family_inputs.cache_key_spans() if request.family_inputs is not None else ()
-        extend_block_hashes(request.block_hashes, request.all_token_ids, num_tokens, self.block_size, key_spans)
+        start = len(request.block_hashes) * self.block_size  # the first block to hash: tokens before it are not copied
+        spans = () if request.family_inputs is None else request.family_inputs.cache_key_spans()
+        extend_block_hashes(request.block_hashes, request.token_ids_from(start), num_tokens, self.block_size, spans, start=start)
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks among its first `num_tokens` tokens -- those this

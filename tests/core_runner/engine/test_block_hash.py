@@ -3,7 +3,7 @@ new blocks, gives each block `hash_block` of its parent, its tokens and the keys
 
 Guards against: a block hashed with a neighbour's tokens or at the wrong offset of the one-pass
 conversion, a key span or the salt applied to blocks it does not touch, a chain that restarts
-from the root between calls."""
+from the root between calls, or a row's tail (`start`) hashed at the wrong positions."""
 
 from __future__ import annotations
 
@@ -34,11 +34,14 @@ def test_extending_in_steps_equals_hashing_each_block(seed):
         tokens = [rng.randrange(0, 200_000) for _ in range(rng.randrange(0, 100))]
         spans = [(a, a + rng.randrange(1, 20), f"media{a}") for a in sorted(rng.sample(range(100), rng.randrange(0, 4)))]
         salt = rng.choice([None, "adapter-7"])
-        ours, expected = [], []
+        ours, tailed, expected = [], [], []
         for num_tokens in sorted(rng.sample(range(110), 3)):  # a prefill in chunks, then decode
             extend_block_hashes(ours, tokens, num_tokens, block_size, spans, salt)
+            # The tokens from a position at or before the first block not hashed yet (a decode row's tail)
+            start = max(0, len(tailed) * block_size - rng.randrange(0, 2 * block_size))
+            extend_block_hashes(tailed, tokens[start:], num_tokens, block_size, spans, salt, start=start)
             _one_block_at_a_time(expected, tokens, num_tokens, block_size, spans, salt)
-            assert ours == expected
+            assert ours == expected and tailed == expected
 
 
 def test_same_prefix_same_hashes_and_a_changed_token_changes_the_rest():

@@ -190,6 +190,14 @@ def test_stop_conditions() -> None:
     assert sched.block_manager.num_free_blocks == cfg.num_kv_blocks and not runner.slots
 
 
+def test_token_ids_from_a_position() -> None:
+    """Guards against the prompt/output seam in `Request.token_ids_from` (prefix-cache hashing of
+    a decode row's newest block): a token dropped or repeated at the boundary."""
+    r = make_request("r", 3, max_tokens=None)
+    r.output_token_ids.extend([TOKEN_BASE + 1, TOKEN_BASE + 2])
+    assert [r.token_ids_from(start) for start in range(7)] == [r.all_token_ids[start:] for start in range(7)]
+
+
 def test_preemption_recomputes_prompt_and_output() -> None:
     """Guards against a preempted request losing its generated tokens, keeping its blocks,
     resuming with a prefill of only the prompt (which would repeat or skip output), losing its
