@@ -53,7 +53,9 @@ class TileConfig:
     decode_head_halves: bool = True
     # > 0: the decode launch's registers per thread capped at this many (Triton's `maxnreg`); 0:
     # the compiler's choice. Over a float8 cache at head dim 128 the launch takes 140 (three
-    # programs a multiprocessor); 128 would fit four, spilling 16 bytes (compiled for sm_90).
+    # programs a multiprocessor); 128 fits four, spilling 16 bytes, 96 five, spilling 144. On one
+    # H100 (batch 256) neither pays: float8 0.183 ms at 128 against 0.184, 0.234 at 96; bf16, held
+    # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
 
     def __post_init__(self) -> None:
