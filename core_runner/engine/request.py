@@ -136,6 +136,19 @@ class Request:
         may lag, never lead)."""
         return len(self.output_token_ids) >= (self.sampling_params.min_tokens or 0)
 
+    def settle_drafts(self, num_drafts: int, num_sampled: int) -> None:
+        """A step that verified `num_drafts` of its drafts sampled `num_sampled` tokens for it (the
+        accepted drafts and the token after them). The KV of rejected drafts is not the request's:
+        it recomputes from the first rejected position (the new token's KV is computed next step,
+        as in any decode). A request preempted since has no KV to roll back."""
+        num_accepted = num_sampled - 1
+        assert 0 <= num_accepted <= num_drafts, f"{self.req_id!r}: {num_sampled} tokens for {num_drafts} drafts"
+        if self.status == RequestStatus.RUNNING:
+            self.num_computed_tokens -= num_drafts - num_accepted
+        self.num_inflight_drafts -= num_drafts
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+
     def append_sampled(self, token_ids: list[int], max_model_len: int) -> bool:
         """Append a step's sampled tokens (several with drafts) up to the first one that finishes
         the request -- EOS, a stop id, max_tokens or max_model_len -- and set its finished status;

@@ -470,30 +470,25 @@ class Scheduler:
         requests, max_model_len, synchronous = self._requests, self.max_model_len, not self.async_scheduling
         unscheduled = set(runner_out.req_ids) - sched_out.num_scheduled_tokens.keys()
         assert not unscheduled, f"runner returned rows for unscheduled {sorted(unscheduled)}"
+        # A plain decode step under async scheduling (most steps) has no drafts to settle and no
+        # check to make: its rows skip those lines (this loop runs for every row every step).
+        per_row = bool(draft_counts) or next_drafts is not None or synchronous
         for row, (req_id, sampled) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
             request = requests.get(req_id)
             if not sampled or request is None:
                 continue  # prefill chunk, or aborted / finished while the step ran
-            num_drafts = draft_counts.get(req_id, 0) if draft_counts else 0
-            if num_drafts:
-                # The KV of rejected drafts is not the request's: it recomputes from the first
-                # rejected position (the new token's KV is computed next step, as in any decode).
-                # A request preempted since has no KV to roll back.
-                num_accepted = len(sampled) - 1
-                assert 0 <= num_accepted <= num_drafts, f"{req_id!r}: {len(sampled)} tokens for {num_drafts} drafts"
-                if request.status == RequestStatus.RUNNING:
-                    request.num_computed_tokens -= num_drafts - num_accepted
-                request.num_inflight_drafts -= num_drafts
-                request.num_draft_tokens += num_drafts
-                request.num_accepted_tokens += num_accepted
-            if next_drafts is not None:
-                request.num_spec_tokens = next_drafts[row]
-            assert not synchronous or (
-                request.num_computed_tokens + 1 == len(request.prompt_token_ids) + len(request.output_token_ids) + len(sampled)
-            ), (
-                f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
-                f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
-            )
+            if per_row:
+                num_drafts = draft_counts.get(req_id, 0) if draft_counts else 0
+                if num_drafts:
+                    request.settle_drafts(num_drafts, len(sampled))
+                if next_drafts is not None:
+                    request.num_spec_tokens = next_drafts[row]
+                assert not synchronous or (
+                    request.num_computed_tokens + 1 == len(request.prompt_token_ids) + len(request.output_token_ids) + len(sampled)
+                ), (
+                    f"request {req_id!r} sampled a token with {request.num_computed_tokens} of "
+                    f"{request.num_tokens} tokens computed: runner and scheduler disagree on its prefill"
+                )
             if request.append_sampled(sampled, max_model_len):
                 self._remove(request)
             touched.append(request)
