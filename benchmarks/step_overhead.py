@@ -9,6 +9,7 @@ a step: the no-op forward makes greedy decoding repeat one token, so every draft
 each step carries K + 1 tokens a row (the draft gate is told to keep drafts on).
 
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512
+    python benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000
     python benchmarks/step_overhead.py --device cpu --count-ops 10 --temperature 0.8
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,16 --ngram 4 --count-ops 5
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --device cpu --clock thread --profile 30
@@ -154,7 +155,7 @@ def one_step(engine, runner, batch: int, part: Callable[[str], object], query_le
 
 def measure(
     model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None,
-    count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0, ngram: int = 0,
+    count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0, ngram: int = 0, prompt_len: int = 8,
 ) -> dict[str, float]:
     from slotrunner import LLM, SamplingParams
 
@@ -163,11 +164,14 @@ def measure(
     spec = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 3} if ngram else None
     # Room for every step's tokens (with drafts, 1 + ngram a step): a request that hits the
     # length limit finishes, and the batch would shrink under the measurement.
-    max_model_len = max(1024, 8 + (steps + count_steps + 50) * (1 + ngram))
+    # Rows whose prompt is in decode while later prompts prefill (chunked, long prompts) take tokens then too.
+    budget = max(2048, 8 * batch)
+    max_tokens = (steps + count_steps + 50) * (1 + ngram) + 2 * -(-batch * prompt_len // budget)
+    max_model_len = max(1024, prompt_len + max_tokens)
     # Async scheduling on either device (a GPU's default), so that a CPU run takes the GPU's
     # scheduler path: synchronous scheduling also checks each row's token count in update().
     llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=max_model_len,
-              max_num_seqs=batch, max_num_batched_tokens=max(2048, 8 * batch), enforce_eager=True, speculative_config=spec,
+              max_num_seqs=batch, max_num_batched_tokens=budget, enforce_eager=True, speculative_config=spec,
               async_scheduling=True)
     engine, runner = llm.engine, llm.engine.runner
     if ngram:  # every step carries drafts: the gate's probes of going without are left out
@@ -176,11 +180,14 @@ def measure(
     runner.model.forward = lambda input_ids, positions, inputs_embeds=None, **kw: hidden[: input_ids.shape[0]]
     for i in range(batch):  # temperature > 0: seeded sampling (Gumbel noise keyed on each request's seed)
         sp = SamplingParams(temperature=temperature, seed=i if temperature else None, ignore_eos=True,
-                            max_tokens=(steps + count_steps + 50) * (1 + ngram))
-        prompt = [0] * 8 if ngram else [1 + (i + j) % 1000 for j in range(8)]
+                            max_tokens=max_tokens)
+        prompt = [0] * prompt_len if ngram else [1 + (i + j) % 1000 for j in range(prompt_len)]
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(5):  # prefill, then warm decode steps
+    sched = engine.scheduler
+    while sched.num_waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sched.running):
+        engine.step()  # prefill, in chunks of the step's budget
+    for _ in range(5):  # warm decode steps
         engine.step()
     parts: dict[str, list[float]] = {k: [] for k in PARTS + ("total",)}
 
@@ -235,6 +242,8 @@ def main() -> None:
     p.add_argument("--count-ops", type=int, default=0, metavar="N", help="count torch calls, aten ops and kernels over N more steps")
     p.add_argument("--list-ops", action="store_true", help="with --count-ops: print one counted step's calls by name")
     p.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram speculation with K drafts a step, all accepted")
+    p.add_argument("--prompt-len", type=int, default=8, metavar="N",
+                   help="tokens a prompt (long ones: the prefix cache hashes each row's block as it fills, at that context)")
     p.add_argument("--triton-dispatch", action="store_true", help="launch every Triton kernel through Triton's own dispatch (no CachedLaunch)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -249,7 +258,8 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(CONFIG))
         for b in sizes:
             profile = cProfile.Profile() if args.profile else None
-            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops, args.temperature, args.ngram)))
+            rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops,
+                                                args.temperature, args.ngram, args.prompt_len)))
             if profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
@@ -260,7 +270,8 @@ def main() -> None:
         sampling += f", n-gram speculation with {args.ngram} drafts a step, all accepted"
     if args.triton_dispatch:
         sampling += ", Triton kernels through Triton's dispatch"
-    print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, median of {args.steps} steps, ms")
+    print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, "
+          f"{args.prompt_len}-token prompts, median of {args.steps} steps, ms")
     print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:
         print(f"{r['batch']:>6} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "
