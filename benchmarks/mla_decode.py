@@ -11,6 +11,7 @@
 
     python benchmarks/mla_decode.py --rows 4 --seq-len 2048 --threads 1
     python benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 1,2,4,8,0 --repeats 200
+    python benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 0 --cache-dtype bf16,fp8 --tile-n 16,32 --warps 4,8
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -85,25 +86,29 @@ def decode(rows: int, seq_len: int, device: torch.device, repeats: int) -> None:
 
 
 def kernel_splits(
-    rows: int, seq_len: int, device: torch.device, splits: list[int], repeats: int, warps: list[int], stages: list[int]
+    rows: int, seq_len: int, device: torch.device, splits: list[int], repeats: int, warps: list[int], stages: list[int],
+    tile_ns: list[int], cache_dtypes: list[str],
 ) -> None:
-    """The decode kernel alone in bf16 at V2-Lite's attention shape, per split count (0: the
-    launch's own choice, `decode_splits`), warps and pipeline stages: microseconds a launch and
-    the latent bytes read a second."""
-    from slotrunner.models.layers.mla_decode import decode_splits, mla_decode
+    """The decode kernel alone with bf16 queries at V2-Lite's attention shape, per cache dtype
+    (bf16, or fp8: float8 e4m3), split count (0: the launch's own choice, `decode_splits`), key
+    tile (0: `decode_tile_n`), warps and pipeline stages: microseconds a launch and the latent
+    bytes read a second."""
+    from slotrunner.core_runner.attention.backend import to_cache_dtype
+    from slotrunner.models.layers.mla_decode import decode_splits, decode_tile_n, mla_decode
 
     heads, rank, rope, block = 16, 512, 64, 16
     gen = torch.Generator().manual_seed(0)
     num_blocks = rows * (-(-seq_len // block))
-    cache = torch.randn(num_blocks, block, rank + rope, generator=gen).to(device, torch.bfloat16)
+    cache16 = torch.randn(num_blocks, block, rank + rope, generator=gen).to(device, torch.bfloat16)
     block_tables = torch.randperm(num_blocks, generator=gen).view(rows, -1).int().to(device)
     seq_lens = torch.full((rows,), seq_len, dtype=torch.int32, device=device)
     q_lat = torch.randn(rows, heads, rank, generator=gen).to(device, torch.bfloat16)
     q_pe = torch.randn(rows, heads, rope, generator=gen).to(device, torch.bfloat16)
-    want = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=1)
-    latent_bytes = rows * seq_len * (rank + rope) * 2
-    for n, w, st in [(n, w, st) for n in splits for w in warps for st in stages]:
-        tiles = dict(splits=n or None, num_warps=w, num_stages=st)
+    for name, n, tile_n, w, st in [(c, n, t, w, st) for c in cache_dtypes for n in splits for t in tile_ns for w in warps for st in stages]:
+        cache = cache16 if name == "bf16" else to_cache_dtype(cache16, torch.float8_e4m3fn)
+        want = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=1)
+        latent_bytes = rows * seq_len * (rank + rope) * cache.element_size()
+        tiles = dict(splits=n or None, tile_n=tile_n or None, num_warps=w, num_stages=st)
         got = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, **tiles)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         def launches() -> None:
@@ -125,7 +130,9 @@ def kernel_splits(
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / (20 * max(1, repeats // 20))
         label = f"{n}" if n else f"auto ({decode_splits(rows, 1, device)})"
-        print(f"mla_decode kernel, {rows} rows x {seq_len} tokens, splits {label}, {w} warps, {st} stages: {seconds * 1e6:.1f} us, "
+        tile_label = tile_n or f"auto ({decode_tile_n(cache.dtype)})"
+        print(f"mla_decode kernel, {name} cache, {rows} rows x {seq_len} tokens, splits {label}, tile {tile_label}, "
+              f"{w} warps, {st} stages: {seconds * 1e6:.1f} us, "
               f"{latent_bytes / seconds / 1e12:.2f} TB/s of latents")  # fmt: skip
 
 
@@ -140,13 +147,16 @@ def main() -> None:
                         "bf16 decode kernel alone for each, instead of the comparisons above")
     parser.add_argument("--warps", default="4", help="with --kernel-splits: comma-separated warp counts")
     parser.add_argument("--stages", default="3", help="with --kernel-splits: comma-separated pipeline stages")
+    parser.add_argument("--tile-n", default="0", help="with --kernel-splits: comma-separated key tiles (0: the launch's own)")
+    parser.add_argument("--cache-dtype", default="bf16", help="with --kernel-splits: comma-separated cache dtypes, bf16 / fp8")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kernel_splits:
         splits = [int(n) for n in args.kernel_splits.split(",")]
         warps, stages = [int(n) for n in args.warps.split(",")], [int(n) for n in args.stages.split(",")]
-        return kernel_splits(args.rows, args.seq_len, torch.device(args.device), splits, args.repeats, warps, stages)
+        tile_ns, cache_dtypes = [int(n) for n in args.tile_n.split(",")], args.cache_dtype.split(",")
+        return kernel_splits(args.rows, args.seq_len, torch.device(args.device), splits, args.repeats, warps, stages, tile_ns, cache_dtypes)
     cache_bytes_per_token()
     decode(args.rows, args.seq_len, torch.device(args.device), args.repeats)
 

@@ -14,6 +14,7 @@ batches of `--hf-batch` requests, left-padded.
     python benchmarks/moe_throughput.py --shape deepseek-v2-lite  # MLA + 64 experts top-6, 27 layers
     python benchmarks/moe_throughput.py --peers none --router reference  # the router as separate torch launches
     python benchmarks/moe_throughput.py --peers none --full-warm-up  # the whole run once untimed first
+    python benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --kv-cache-dtype fp8
 
 The last line printed counts the Triton kernels compiled inside the timed run (entries added to
 Triton's kernel cache): a variant that the two-token warm-up never met is compiled there,
@@ -99,7 +100,7 @@ def run_slotrunner(model_dir: str, prompts: list[list[int]], out_len: int, args)
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=len(prompts[0]) + out_len + 8,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager)  # fmt: skip
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     warm_up(llm, [{"prompt_token_ids": p} for p in prompts], params if args.full_warm_up else None)
@@ -153,6 +154,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or fp8 (e4m3; MLA: the latent cache)")
     p.add_argument("--full-warm-up", action="store_true",
                    help="warm up on the whole run, not two tokens a request: every step shape of the run compiled before it")
     p.add_argument("--peers", default="generate", help="generate, or none")

@@ -28,7 +28,8 @@ worth more per block) where an MTP draft would write.
 Tensor parallelism splits attention by head (`DeepseekAttention`; the latent cache is whole on
 every rank), holds n_routed_experts / N whole experts per rank with the router replicated
 (`SparseMoE` under TP), and splits the shared experts and the dense layers' MLP by rows like
-Llama's. fp8 KV caches are refused (the MLA kernels read the model's dtype).
+Llama's. An fp8 KV cache (kv_cache_dtype="fp8") keeps the latent and the rope key in float8
+e4m3, half the bytes a decode step reads (models/layers/mla_decode.py).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 if HAS_TRITON:
+    from slotrunner.core_runner.attention.float8 import round_to_e4m3
     from slotrunner.core_runner.attention.shared_prefix import attention_q, head_halves
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
@@ -55,25 +56,6 @@ _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _round_to_e4m3(x):
-        """fp32 `x` rounded to the nearest float8 e4m3fn value (ties to even, saturated at
-        +-448), still as fp32: the float8 store then converts an exact value. What
-        backend.to_cache_dtype computes; done here in integer and fp32 arithmetic so that every
-        Triton build (the interpreter's conversion mis-rounds across binades) writes the same bytes."""
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        a = tl.abs(x)
-        e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # binade; subnormal step 2^-9 below 2^-6
-        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-        y = a / quantum  # exact: a power-of-two divisor
-        f = tl.floor(y)
-        d = y - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * quantum
-        # x's sign bit on r: -0.0 stays -0.0 (a negation compiles to 0 - r, which gives +0.0)
-        sign = x.to(tl.int32, bitcast=True) & -2147483648
-        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _write_kv_kernel(
@@ -111,8 +93,8 @@ if HAS_TRITON:
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
         if KV_FP8:
-            k = _round_to_e4m3(k.to(tl.float32))
-            v = _round_to_e4m3(v.to(tl.float32))
+            k = round_to_e4m3(k.to(tl.float32))
+            v = round_to_e4m3(v.to(tl.float32))
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

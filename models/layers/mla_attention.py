@@ -60,7 +60,8 @@ class MLAAttention(PagedCacheLayer):
     def kv_cache_spec(self) -> KVCacheSpec:
         # Not divided by tensor parallelism: `num_heads` is this rank's share of the heads, but
         # every head reads the whole latent and rope key, so each rank caches all of them.
-        return KVCacheSpec("mla_latent", (self.rank + self.rope,))
+        # Its kernels read a float8 cache too (kv_cache_dtype="fp8": mla_decode.py).
+        return KVCacheSpec("mla_latent", (self.rank + self.rope,), supports_fp8=True)
 
     def forward(
         self,

@@ -12,7 +12,9 @@ and the caller maps `out_lat` back through W_UV. Each op sits above its torch sp
 
 - `_write_latent_kernel` -> `write_latent()` / `write_latent_ref()`: one program per token
   stores its latent and rope key at its flat cache slot; slot -1 (a padding token of a
-  CUDA-graph batch) writes nothing.
+  CUDA-graph batch) writes nothing. A float8 e4m3 cache (kv_cache_dtype="fp8", scale 1, as the
+  decoder's K/V: core_runner/attention/float8.py) gets both rounded to nearest even after
+  saturating at +-448; a layernormed latent and a rotated rope key sit far inside that range.
 - `_mla_decode_kernel` -> `mla_decode()` / `mla_decode_ref()`: one query token per row, grid
   (rows, head blocks, splits); FlashAttention-style online softmax over key tiles gathered
   through the row's block table, the BLOCK_H heads of a program stacked as the M dimension of
@@ -21,7 +23,9 @@ and the caller maps `out_lat` back through W_UV. Each op sits above its torch sp
   takes a share of the row's tiles and the last to finish merges them, as the decoder's split-KV
   launch does (core_runner/attention/split_kv.py): a row's sums then run in an order that
   depends on the batch's row count. A row with seq_len 0 (a padding row) outputs zeros. No host
-  reads of device tensors: graph-safe.
+  reads of device tensors: graph-safe. Over a float8 cache each tile is widened to the query's
+  dtype after loading (exact: every e4m3 value is a bf16 and an fp16 value), so the products
+  run as over a cache of the model's dtype, reading half its bytes.
 """
 
 from __future__ import annotations
@@ -30,13 +34,16 @@ import functools
 
 import torch
 
+from slotrunner.core_runner.attention.backend import to_cache_dtype
 from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
+    from slotrunner.core_runner.attention.float8 import round_to_e4m3
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
     @triton.jit
@@ -51,6 +58,7 @@ if HAS_TRITON:
         ROPE: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_P: tl.constexpr,
+        FP8: tl.constexpr,  # float8 e4m3 cache: round as backend.to_cache_dtype does
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -59,9 +67,12 @@ if HAS_TRITON:
         row = cache_ptr + slot * (RANK + ROPE)
         r = tl.arange(0, BLOCK_R)
         c = tl.load(latent_ptr + t * stride_lt + r, mask=r < RANK)
-        tl.store(row + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
         p = tl.arange(0, BLOCK_P)
         k = tl.load(k_pe_ptr + t * stride_kt + p, mask=p < ROPE)
+        if FP8:
+            c = round_to_e4m3(c.to(tl.float32))
+            k = round_to_e4m3(k.to(tl.float32))
+        tl.store(row + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
         tl.store(row + RANK + p, k.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
 
     @triton.jit
@@ -128,7 +139,8 @@ if HAS_TRITON:
             entry = cache_ptr + slot[:, None] * stride_c
             c = tl.load(entry + r[None, :], mask=k_mask[:, None] & (r[None, :] < RANK), other=0.0)  # [TILE_N, BLOCK_R]
             k_pe = tl.load(entry + RANK + p[None, :], mask=k_mask[:, None] & (p[None, :] < ROPE), other=0.0)
-            s = tl.dot(q_lat.to(c.dtype), tl.trans(c), input_precision=DOT_PRECISION)
+            c, k_pe = c.to(q_lat.dtype), k_pe.to(q_lat.dtype)  # a float8 cache widens exactly; else no-ops
+            s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
             s += tl.dot(q_pe.to(k_pe.dtype), tl.trans(k_pe), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
             s = tl.where(k_mask[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a key
@@ -159,7 +171,10 @@ def write_latent_ref(
 ) -> None:
     flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
-    flat.index_copy_(0, slot_mapping[keep], torch.cat([latent, k_pe], dim=-1)[keep].to(cache.dtype))
+    rows = to_cache_dtype(torch.cat([latent, k_pe], dim=-1)[keep], cache.dtype)
+    if cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernel: copy the bytes
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping[keep], rows)
 
 
 def write_latent(
@@ -181,7 +196,16 @@ def write_latent(
     _write_latent_kernel[(num_tokens,)](
         latent, latent.stride(0), k_pe, k_pe.stride(0), cache, slot_mapping,
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+        FP8=cache.dtype == torch.float8_e4m3fn,
     )  # fmt: skip
+
+
+def read_latents(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Cache rows `slots` of a flat [slots, rank + rope] cache, in the cache's dtype: a float8
+    cache is gathered as bytes (not every device's gather takes float8)."""
+    if flat.dtype.itemsize == 1:
+        return flat.view(torch.uint8)[slots].view(flat.dtype)
+    return flat[slots]
 
 
 @functools.cache
@@ -203,6 +227,13 @@ def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
     return split_kv_splits(num_rows, head_blocks, _target_programs(torch.device(device)))
 
 
+def decode_tile_n(cache_dtype: torch.dtype) -> int:
+    """Cached tokens per key tile of the decode launch: 32 over a 16- or 32-bit cache; 16 over a
+    float8 one, whose tile is widened in registers (at DeepSeek's 512 + 64 channels, 4 warps, a
+    32-token float8 tile needs more than 255 registers a thread and spills; 16 takes 241)."""
+    return 16 if cache_dtype.itemsize == 1 else 32
+
+
 def mla_decode_ref(
     q_lat: torch.Tensor,  # [num_rows, num_heads, rank]
     q_pe: torch.Tensor,  # [num_rows, num_heads, rope]
@@ -221,7 +252,7 @@ def mla_decode_ref(
             continue
         pos = torch.arange(seq_len, device=cache.device)
         slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
-        entries = flat[slots].float()  # [seq_len, rank + rope]
+        entries = read_latents(flat, slots).float()  # [seq_len, rank + rope]
         latent, k_pe = entries[:, :rank], entries[:, rank:]
         scores = (q_lat[i].float() @ latent.T + q_pe[i].float() @ k_pe.T) * scale  # [heads, seq_len]
         out[i] = scores.softmax(-1) @ latent
@@ -236,7 +267,7 @@ def mla_decode(
     seq_lens: torch.Tensor,  # [num_rows] int32
     scale: float,
     block_h: int = 16,  # heads per program (tl.dot needs >= 16 rows)
-    tile_n: int = 32,  # cached tokens per key tile
+    tile_n: int | None = None,  # cached tokens per key tile; None: `decode_tile_n`
     splits: int | None = None,  # programs per (row, head block); None: `decode_splits`
     num_warps: int = 4,
     num_stages: int = 3,
@@ -250,11 +281,12 @@ def mla_decode(
     if not use_triton(q_lat.device):
         return mla_decode_ref(q_lat, q_pe, cache, block_tables, seq_lens, scale)
     assert cache.is_contiguous() and q_lat.stride(2) == 1 and q_pe.stride(2) == 1, "contiguous channels expected"
-    assert q_lat.dtype in _DTYPES and cache.dtype in _DTYPES, f"dtypes q {q_lat.dtype}, cache {cache.dtype}"
+    assert q_lat.dtype in _DTYPES and cache.dtype in _CACHE_DTYPES, f"dtypes q {q_lat.dtype}, cache {cache.dtype}"
     out = torch.empty(num_rows, num_heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     if num_rows == 0:
         return out
     head_blocks = triton.cdiv(num_heads, block_h)
+    tile_n = tile_n or decode_tile_n(cache.dtype)
     splits = splits or decode_splits(num_rows, head_blocks, q_lat.device)
     part_acc = part_ml = counters = out  # placeholders, never touched without splits
     if splits > 1:
@@ -270,7 +302,7 @@ def mla_decode(
         block_tables, block_tables.stride(0), seq_lens, float(scale) * _LOG2E, part_acc, part_ml, counters,
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(rope)), TILE_N=tile_n,
-        DOT_PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

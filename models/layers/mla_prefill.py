@@ -12,7 +12,8 @@ All such rows of a step go together, so the ops a layer launches do not grow wit
 - `MLAPrefillPlan` (built once per step from host-side lengths, shared by every MLA layer): the
   rows, their query tokens, and the flat latent-cache slot of every key of every row, rows
   concatenated (varlen).
-- `mla_prefill()`: one gather of those latents, one matmul through kv_b_proj (W_UK and W_UV of
+- `mla_prefill()`: one gather of those latents (widened to the model's dtype from a float8
+  cache), one matmul through kv_b_proj (W_UK and W_UV of
   every head), K and V laid out as a temporary cache of block size 1 (V zero-padded to the q/k
   head size), then the attention -- where Triton runs, one launch of the paged-attention
   prefill kernel (`core_runner/attention/triton_attn.py`) over every row, its block table built
@@ -38,6 +39,7 @@ from slotrunner.core_runner.attention.backend import AttentionMetadata, Attentio
 from slotrunner.core_runner.attention.tile_config import TileConfig
 from slotrunner.core_runner.attention.triton_attn import paged_attention
 from slotrunner.core_runner.triton_utils import use_triton
+from slotrunner.models.layers.mla_decode import read_latents
 
 
 class MLAPrefillPlan:
@@ -131,7 +133,7 @@ def _expand(
     head_major: bool,  # memory laid out [2, heads, num_k, head_dim] (else [2, num_k, heads, head_dim])
 ) -> torch.Tensor:  # [2, num_k, num_heads, head_dim]: K and V of every key
     rank, num_k = w_kv_b.shape[1], len(key_slots)
-    entries = cache.view(-1, cache.shape[-1])[key_slots].to(w_kv_b.dtype)  # [num_k, rank + rope]
+    entries = read_latents(cache.view(-1, cache.shape[-1]), key_slots).to(w_kv_b.dtype)  # [num_k, rank + rope]
     kv = (entries[:, :rank] @ w_kv_b.t()).view(num_k, num_heads, -1)  # [num_k, heads, nope + v]
     qk_dim, v_dim = cache.shape[-1] - rank + nope, kv.shape[-1] - nope
     if head_major:
@@ -214,7 +216,7 @@ def mla_prefill_ref(
             continue
         pos = torch.arange(seq_len, device=cache.device)
         slots = meta.block_tables[row, pos // block_size].long() * block_size + pos % block_size
-        entries = cache.view(-1, cache.shape[-1])[slots].float()  # [seq_len, rank + rope]
+        entries = read_latents(cache.view(-1, cache.shape[-1]), slots).float()  # [seq_len, rank + rope]
         kv = torch.einsum("sc,hdc->hsd", entries[:, :rank], w)  # [heads, seq_len, nope + v]
         k = torch.cat([kv[..., :nope], entries[None, :, rank:].expand(num_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1).float().transpose(0, 1)  # [heads, num_q, nope + rope]

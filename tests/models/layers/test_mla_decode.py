@@ -7,7 +7,10 @@ tables, block_size 4), the last partial tile or a head block past the heads coun
 (17 heads: two blocks of 16), a rank or rope width that is not a power of two, an empty row
 (seq_len 0) giving NaN instead of zeros, a split launch that loses or double-counts a split's
 keys (rows shorter than the splits, arrival counters left dirty for the next launch), and the absorption itself (W_UK / W_UV per head)
-drifting from the expanded attention transformers computes.
+drifting from the expanded attention transformers computes. Over a float8 e4m3 cache
+(kv_cache_dtype="fp8"): the kernel's write storing other bytes than the reference's (rounding
+ties, saturation past 448, subnormals, -0.0), and the decode reading them as anything but their
+exact value in the query's dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slotrunner.core_runner.attention.backend import to_cache_dtype
 from slotrunner.models.layers.mla_decode import mla_decode, mla_decode_ref, write_latent, write_latent_ref
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -97,10 +101,46 @@ def _check_kernels(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
             write_latent(caches[0], ckv[:, :rank], ckv[:, rank:], slots)
             write_latent_ref(caches[1], ckv[:, :rank], ckv[:, rank:], slots)
             assert torch.equal(caches[0], caches[1]), name
+    _check_fp8(device, dtypes)
     z = torch.zeros(0, 2, 16, device=device)
     empty = mla_decode(z, z, torch.zeros(1, BLOCK_SIZE, 32, device=device), torch.zeros(0, 1, dtype=torch.int32, device=device),
                        torch.zeros(0, dtype=torch.int32, device=device), 1.0)  # fmt: skip
     assert empty.shape == (0, 2, 16)
+
+
+def _check_fp8(device: str, dtypes) -> None:
+    """A float8 cache: the write's bytes equal the reference's; the decode over it equals the
+    reference, which widens the same bytes to float32."""
+    gen = torch.Generator().manual_seed(5)
+    rank, rope = 24, 8
+    # Values the rounding must agree on: ties between e4m3 neighbours, past +-448, subnormals, -0.
+    special = torch.tensor([1.0625, 1.1875, -3.25, 500.0, -1000.0, 2.0**-8, 3 * 2.0**-10, -0.0, 447.0, 0.0])
+    ckv = torch.randn(6, rank + rope, generator=gen) * 3
+    ckv[0, : len(special)] = special
+    ckv[1, rank - 4 : rank + 6] = special
+    slots = torch.tensor([3, -1, 0, 9, 2, 11], device=device)
+    for dtype in dtypes:
+        x = ckv.to(dtype).to(device)
+        caches = [torch.zeros(3, BLOCK_SIZE, rank + rope, dtype=torch.float8_e4m3fn, device=device) for _ in range(2)]
+        write_latent(caches[0], x[:, :rank], x[:, rank:], slots)
+        write_latent_ref(caches[1], x[:, :rank], x[:, rank:], slots)
+        assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8)), dtype
+        for num_heads, rank_, rope_, seq_lens in CASES[1:]:
+            q_lat, q_pe, cache, block_tables, seq = _inputs(num_heads, rank_, rope_, seq_lens, dtype, device)
+            cache = to_cache_dtype(cache, torch.float8_e4m3fn)
+            want = mla_decode_ref(q_lat, q_pe, cache, block_tables, seq, 0.25)
+            tol = FP32_TOL if dtype == torch.float32 else HALF_TOL
+            for splits in (1, 4):
+                got = mla_decode(q_lat, q_pe, cache, block_tables, seq, 0.25, tile_n=16, splits=splits)
+                torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"fp8 {dtype} splits={splits}: {m}")
+
+
+def test_reference_write_rounds_to_float8():
+    cache = torch.zeros(1, BLOCK_SIZE, 3, dtype=torch.float8_e4m3fn)
+    write_latent_ref(cache, torch.tensor([[1.0625, 600.0]]), torch.tensor([[-2.0**-10]]), torch.tensor([2]))
+    # 1.0625 is a tie between 1.0 and 1.125: to even (1.0); 600 saturates at 448; 2^-10 is half
+    # the smallest subnormal (2^-9): to even, -0.0.
+    assert cache[0, 2].float().tolist() == [1.0, 448.0, -0.0] and cache[0, :2].float().abs().sum() == 0
 
 
 def test_mla_kernels_match_reference(run_interpreted):
@@ -112,20 +152,22 @@ def test_compiled_mla_kernels_match_reference():
     _check_kernels("cuda", (torch.float32, torch.float16, torch.bfloat16))
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits):
+def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits, cache):
     """The compiler, not the interpreter: the decode launch at DeepSeek-V2-Lite's shape, whole and
-    split (the merge included), builds for sm_90 with its default warps and no spill, its cache
-    tiles loaded by asynchronous copies. The strides are multiples of 16 there (576 a cached
+    split (the merge included), over a bf16 and a float8 cache, builds for sm_90 with its default
+    warps and no spill, its cache tiles loaded by asynchronous copies. The strides are multiples of 16 there (576 a cached
     token, 512 / 192 a head of q), as Triton specializes them."""
     from slotrunner.models.layers import mla_decode
 
     signature = dict(
         q_lat_ptr="*bf16", stride_lr="i64", stride_lh="i64", q_pe_ptr="*bf16", stride_pr="i64", stride_ph="i64",
-        cache_ptr="*bf16", stride_c="i32", out_ptr="*bf16", block_tables_ptr="*i32", stride_bt="i64", seq_lens_ptr="*i32",
+        cache_ptr=f"*{cache}", stride_c="i32", out_ptr="*bf16", block_tables_ptr="*i32", stride_bt="i64", seq_lens_ptr="*i32",
         scale="fp32", part_acc_ptr="*fp32", part_ml_ptr="*fp32", counters_ptr="*i32",
     )  # fmt: skip
-    constexprs = dict(NUM_HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_R=512, BLOCK_P=64, TILE_N=32,
+    tile_n = mla_decode.decode_tile_n(torch.float8_e4m3fn if cache == "fp8e4nv" else torch.bfloat16)
+    constexprs = dict(NUM_HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_R=512, BLOCK_P=64, TILE_N=tile_n,
                       DOT_PRECISION="tf32", NUM_SPLITS=splits)  # fmt: skip
     strides = ("stride_lr", "stride_lh", "stride_pr", "stride_ph", "stride_c")
     usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs, divisible=strides)
