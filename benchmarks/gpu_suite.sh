@@ -22,7 +22,7 @@
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine; multimodal-spy: a py-spy profile of the engine's thread, by phase; multimodal-spy-gil: the same counting only samples that hold the GIL; multimodal-workers: the multimodal engine alone with 4 and 8 intake processes; multimodal-alternate: one LLaVA engine alternating 2, 4 and 8 intake processes and the text prompts; multimodal-alternate-8: 8 against the text prompts only, 7 repeats), attention-fp8-sweep (the decode launch's tiles over a float8 cache), attention-split-sweep (each row's keys split over 1, 2, 4 programs at batch 256, both caches), attention-halves-ab (the decode launch's one product against the head dim's halves, both caches), attention-maxnreg-ab (the decode launch with its registers capped at 128 and 96 against the compiler's choice, both caches), spec (spec-long: n-gram at
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-phases: that one at batch 1 with drafts on every step, the engine's phases timed; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
-# draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone, after serving the run once untimed; deepseek-cold: after two tokens a request, with Triton's kernel cache empty; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count), latency, overhead, profile, profile-mm,
+# draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone, after serving the run once untimed; deepseek-cold: after two tokens a request, with Triton's kernel cache empty; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count; tests-mla: the MLA and float8-cache GPU tests alone; mla-fp8: the MLA decode kernel over a bf16 and a float8 cache by tile, warps, stages; deepseek-fp8: all 27 layers with the float8 latent cache against bf16, alternating, twice), latency, overhead, profile, profile-mm,
 # prefix, skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts: the prefix cache's block registration at a real context), launch-ab (that host time with cached Triton launches against
@@ -120,6 +120,22 @@ for s in "${steps[@]}"; do
       for i in 1 2; do
         run_step "deepseek-full-reference-router-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --router reference
         run_step "deepseek-full-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none
+      done ;;
+    tests-mla)  # the MLA kernels (a float8 cache too) compiled, DeepSeek's bf16 conformance, graphs == eager, float8 engines
+      t0=$SECONDS
+      timeout 300 python3 -m pytest -q -n 4 --timeout 240 -p no:cacheprovider tests/models/layers/test_mla_decode.py \
+        tests/models/layers/test_mla_prefill.py tests/core_runner/attention/test_fp8_kv_cache.py \
+        "tests/conformance/test_decoders_gpu.py::test_bf16_matches_transformers_bf16[DeepseekV2ForCausalLM]" \
+        "tests/conformance/test_decoders_gpu.py::test_bf16_matches_transformers_bf16[DeepseekV3ForCausalLM]" \
+        tests/models/test_deepseek.py::test_cuda_graphs_equal_eager >"$out/tests_mla.log" 2>&1
+      summary+=("tests-mla: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests_mla.log")") ;;
+    mla-fp8)  # the MLA decode kernel over a bf16 and a float8 cache, by key tile, warps and stages
+      run_step mla-fp8-64 150 python3 benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 0 --cache-dtype bf16,fp8 --tile-n 16,32 --warps 4,8 --stages 2,3 --repeats 200
+      run_step mla-fp8-256 120 python3 benchmarks/mla_decode.py --rows 256 --seq-len 2048 --kernel-splits 0 --cache-dtype bf16,fp8 --tile-n 16,32 --warps 4,8 --repeats 100 ;;
+    deepseek-fp8)  # all 27 layers, slotrunner alone, the float8 latent cache against the bf16 one, alternating processes
+      for i in 1 2; do
+        run_step "deepseek-full-fp8-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --full-warm-up --kv-cache-dtype fp8
+        run_step "deepseek-full-bf16-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --full-warm-up
       done ;;
     profile-deepseek) run_step profile-deepseek 150 python3 benchmarks/profile_decode.py --shape deepseek-v2-lite --layers 27 --batch 64 --input-len 512 --rows 40 --prefill-kernels ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
