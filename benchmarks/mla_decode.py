@@ -91,10 +91,10 @@ def kernel_splits(
 ) -> None:
     """The decode kernel alone with bf16 queries at V2-Lite's attention shape, per cache dtype
     (bf16, or fp8: float8 e4m3), split count (0: the launch's own choice, `decode_splits`), key
-    tile (0: `decode_tile_n`), warps and pipeline stages: microseconds a launch and the latent
+    tile (0: the launch's default), warps and pipeline stages: microseconds a launch and the latent
     bytes read a second."""
     from slotrunner.core_runner.attention.backend import to_cache_dtype
-    from slotrunner.models.layers.mla_decode import decode_splits, decode_tile_n, mla_decode
+    from slotrunner.models.layers.mla_decode import decode_splits, mla_decode
 
     heads, rank, rope, block = 16, 512, 64, 16
     gen = torch.Generator().manual_seed(0)
@@ -108,7 +108,7 @@ def kernel_splits(
         cache = cache16 if name == "bf16" else to_cache_dtype(cache16, torch.float8_e4m3fn)
         want = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, splits=1)
         latent_bytes = rows * seq_len * (rank + rope) * cache.element_size()
-        tiles = dict(splits=n or None, tile_n=tile_n or None, num_warps=w, num_stages=st)
+        tiles = dict(splits=n or None, num_warps=w, num_stages=st, **({"tile_n": tile_n} if tile_n else {}))
         got = mla_decode(q_lat, q_pe, cache, block_tables, seq_lens, 0.07, **tiles)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         def launches() -> None:
@@ -130,7 +130,7 @@ def kernel_splits(
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / (20 * max(1, repeats // 20))
         label = f"{n}" if n else f"auto ({decode_splits(rows, 1, device)})"
-        tile_label = tile_n or f"auto ({decode_tile_n(cache.dtype)})"
+        tile_label = tile_n or "32 (default)"
         print(f"mla_decode kernel, {name} cache, {rows} rows x {seq_len} tokens, splits {label}, tile {tile_label}, "
               f"{w} warps, {st} stages: {seconds * 1e6:.1f} us, "
               f"{latent_bytes / seconds / 1e12:.2f} TB/s of latents")  # fmt: skip

@@ -23,9 +23,10 @@ and the caller maps `out_lat` back through W_UV. Each op sits above its torch sp
   takes a share of the row's tiles and the last to finish merges them, as the decoder's split-KV
   launch does (core_runner/attention/split_kv.py): a row's sums then run in an order that
   depends on the batch's row count. A row with seq_len 0 (a padding row) outputs zeros. No host
-  reads of device tensors: graph-safe. Over a float8 cache each tile is widened to the query's
-  dtype after loading (exact: every e4m3 value is a bf16 and an fp16 value), so the products
-  run as over a cache of the model's dtype, reading half its bytes.
+  reads of device tensors: graph-safe. Over a float8 cache each tile is widened after loading
+  (exact: every e4m3 value is an fp16 value): with 16-bit q to fp16, the query scaled by the
+  softmax scale first, as the decoder's attention does (`fp8_in_fp16`: one conversion
+  instruction a pair of values on Hopper, against five to bf16); with fp32 q to fp32.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import functools
 import torch
 
 from slotrunner.core_runner.attention.backend import to_cache_dtype
+from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16
 from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
@@ -103,6 +105,7 @@ if HAS_TRITON:
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         NUM_SPLITS: tl.constexpr,  # > 1: each row's key tiles split over programs (split_kv.py)
+        FP8_F16: tl.constexpr,  # a float8 cache with 16-bit q: products in fp16 (fp8_in_fp16)
     ):
         row = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,6 +131,9 @@ if HAS_TRITON:
             q_pe_ptr + row * stride_pr + heads[:, None] * stride_ph + p[None, :],
             mask=h_mask[:, None] & (p[None, :] < ROPE), other=0.0,
         )  # fmt: skip
+        if FP8_F16:  # q scaled first (fp16's range), so the scores need no scaling
+            q_lat = (q_lat.to(tl.float32) * scale).to(tl.float16)
+            q_pe = (q_pe.to(tl.float32) * scale).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -141,8 +147,10 @@ if HAS_TRITON:
             k_pe = tl.load(entry + RANK + p[None, :], mask=k_mask[:, None] & (p[None, :] < ROPE), other=0.0)
             c, k_pe = c.to(q_lat.dtype), k_pe.to(q_lat.dtype)  # a float8 cache widens exactly; else no-ops
             s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
-            s += tl.dot(q_pe.to(k_pe.dtype), tl.trans(k_pe), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
-            s = tl.where(k_mask[None, :], s * scale, float("-inf"))
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
+            if not FP8_F16:
+                s = s * scale
+            s = tl.where(k_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a key
             alpha = tl.exp2(m_i - m_new)
             prob = tl.exp2(s - m_new[:, None])
@@ -227,13 +235,6 @@ def decode_splits(num_rows: int, head_blocks: int, device: torch.device) -> int:
     return split_kv_splits(num_rows, head_blocks, _target_programs(torch.device(device)))
 
 
-def decode_tile_n(cache_dtype: torch.dtype) -> int:
-    """Cached tokens per key tile of the decode launch: 32 over a 16- or 32-bit cache; 16 over a
-    float8 one, whose tile is widened in registers (at DeepSeek's 512 + 64 channels, 4 warps, a
-    32-token float8 tile needs more than 255 registers a thread and spills; 16 takes 241)."""
-    return 16 if cache_dtype.itemsize == 1 else 32
-
-
 def mla_decode_ref(
     q_lat: torch.Tensor,  # [num_rows, num_heads, rank]
     q_pe: torch.Tensor,  # [num_rows, num_heads, rope]
@@ -267,7 +268,7 @@ def mla_decode(
     seq_lens: torch.Tensor,  # [num_rows] int32
     scale: float,
     block_h: int = 16,  # heads per program (tl.dot needs >= 16 rows)
-    tile_n: int | None = None,  # cached tokens per key tile; None: `decode_tile_n`
+    tile_n: int = 32,  # cached tokens per key tile
     splits: int | None = None,  # programs per (row, head block); None: `decode_splits`
     num_warps: int = 4,
     num_stages: int = 3,
@@ -286,7 +287,6 @@ def mla_decode(
     if num_rows == 0:
         return out
     head_blocks = triton.cdiv(num_heads, block_h)
-    tile_n = tile_n or decode_tile_n(cache.dtype)
     splits = splits or decode_splits(num_rows, head_blocks, q_lat.device)
     part_acc = part_ml = counters = out  # placeholders, never touched without splits
     if splits > 1:
@@ -303,6 +303,7 @@ def mla_decode(
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_P=max(16, triton.next_power_of_2(rope)), TILE_N=tile_n,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
+        FP8_F16=fp8_in_fp16(cache.dtype, q_lat.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -157,7 +157,7 @@ def test_compiled_mla_kernels_match_reference():
 def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits, cache):
     """The compiler, not the interpreter: the decode launch at DeepSeek-V2-Lite's shape, whole and
     split (the merge included), over a bf16 and a float8 cache, builds for sm_90 with its default
-    warps and no spill, its cache tiles loaded by asynchronous copies. The strides are multiples of 16 there (576 a cached
+    tile and warps, its cache tiles loaded by asynchronous copies, with no spill over bf16. The strides are multiples of 16 there (576 a cached
     token, 512 / 192 a head of q), as Triton specializes them."""
     from slotrunner.models.layers import mla_decode
 
@@ -166,10 +166,10 @@ def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits, cache):
         cache_ptr=f"*{cache}", stride_c="i32", out_ptr="*bf16", block_tables_ptr="*i32", stride_bt="i64", seq_lens_ptr="*i32",
         scale="fp32", part_acc_ptr="*fp32", part_ml_ptr="*fp32", counters_ptr="*i32",
     )  # fmt: skip
-    tile_n = mla_decode.decode_tile_n(torch.float8_e4m3fn if cache == "fp8e4nv" else torch.bfloat16)
-    constexprs = dict(NUM_HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_R=512, BLOCK_P=64, TILE_N=tile_n,
-                      DOT_PRECISION="tf32", NUM_SPLITS=splits)  # fmt: skip
+    constexprs = dict(NUM_HEADS=16, RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_R=512, BLOCK_P=64, TILE_N=32,
+                      DOT_PRECISION="tf32", NUM_SPLITS=splits, FP8_F16=cache == "fp8e4nv")  # fmt: skip
     strides = ("stride_lr", "stride_lh", "stride_pr", "stride_ph", "stride_c")
     usage = compile_for_hopper(mla_decode._mla_decode_kernel, signature, constexprs, divisible=strides)
-    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
+    if cache == "bf16":  # a float8 tile is widened in registers: 160 bytes spill, yet it is the fastest tile (RESULTS.md)
+        assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) > 0, f"the cache tiles' loads are not pipelined: {usage}"
