@@ -4,9 +4,14 @@ Everything a step does besides the model runs as usual: scheduling, slot bookkee
 staging and preparation, logits of a small vocabulary, sampling, the output copy and the update
 of the scheduler and the outputs. Requests are all in decode (short prompts, EOS ignored), so
 each step has exactly `batch` rows. Steps run eagerly: a CUDA-graph replay would replace the
-model call, which is what is cut out here. `--ngram K` turns on n-gram speculation with K drafts
-a step: the no-op forward makes greedy decoding repeat one token, so every draft is accepted and
-each step carries K + 1 tokens a row (the draft gate is told to keep drafts on).
+model call, which is what is cut out here. Prompt i has `--prompt-len` + (i mod block size)
+tokens, so that as in a real batch each step some rows fill a KV block -- grow, register it in
+the prefix cache, commit a block-table row -- and others do not (`--lockstep`: equal prompts, so
+every row crosses a block boundary in the same step, one step in block-size, and the median step
+crosses none: RESULTS.md's figures up to 2026-12-06 were taken so). `--ngram K` turns on n-gram
+speculation with K drafts a step: the no-op forward makes greedy decoding repeat one token, so
+every draft is accepted and each step carries K + 1 tokens a row (the draft gate is told to keep
+drafts on).
 
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000
@@ -156,6 +161,7 @@ def one_step(engine, runner, batch: int, part: Callable[[str], object], query_le
 def measure(
     model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None,
     count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0, ngram: int = 0, prompt_len: int = 8,
+    lockstep: bool = False,
 ) -> dict[str, float]:
     from slotrunner import LLM, SamplingParams
 
@@ -167,7 +173,7 @@ def measure(
     # Rows whose prompt is in decode while later prompts prefill (chunked, long prompts) take tokens then too.
     budget = max(2048, 8 * batch)
     max_tokens = (steps + count_steps + 50) * (1 + ngram) + 2 * -(-batch * prompt_len // budget)
-    max_model_len = max(1024, prompt_len + max_tokens)
+    max_model_len = max(1024, prompt_len + 16 + max_tokens)
     # Async scheduling on either device (a GPU's default), so that a CPU run takes the GPU's
     # scheduler path: synchronous scheduling also checks each row's token count in update().
     llm = LLM(model_dir, device=device, dtype="float32", load_format="dummy", max_model_len=max_model_len,
@@ -178,10 +184,12 @@ def measure(
         engine.scheduler.draft_gate.want_drafts = lambda: True
     hidden = torch.zeros(runner.config.max_num_batched_tokens, CONFIG["hidden_size"], device=device)
     runner.model.forward = lambda input_ids, positions, inputs_embeds=None, **kw: hidden[: input_ids.shape[0]]
+    block_size = llm.config.block_size
     for i in range(batch):  # temperature > 0: seeded sampling (Gumbel noise keyed on each request's seed)
         sp = SamplingParams(temperature=temperature, seed=i if temperature else None, ignore_eos=True,
                             max_tokens=max_tokens)
-        prompt = [0] * prompt_len if ngram else [1 + (i + j) % 1000 for j in range(prompt_len)]
+        n = prompt_len + (0 if lockstep else i % block_size)  # staggered: rows fill blocks in different steps
+        prompt = [0] * n if ngram else [1 + (i + j) % 1000 for j in range(n)]
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sched = engine.scheduler
@@ -243,7 +251,9 @@ def main() -> None:
     p.add_argument("--list-ops", action="store_true", help="with --count-ops: print one counted step's calls by name")
     p.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram speculation with K drafts a step, all accepted")
     p.add_argument("--prompt-len", type=int, default=8, metavar="N",
-                   help="tokens a prompt (long ones: the prefix cache hashes each row's block as it fills, at that context)")
+                   help="tokens a prompt, plus the row's index modulo the block size unless --lockstep")
+    p.add_argument("--lockstep", action="store_true",
+                   help="every prompt exactly --prompt-len tokens: all rows cross block boundaries in the same step")
     p.add_argument("--triton-dispatch", action="store_true", help="launch every Triton kernel through Triton's own dispatch (no CachedLaunch)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -259,7 +269,7 @@ def main() -> None:
         for b in sizes:
             profile = cProfile.Profile() if args.profile else None
             rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops,
-                                                args.temperature, args.ngram, args.prompt_len)))
+                                                args.temperature, args.ngram, args.prompt_len, args.lockstep)))
             if profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
@@ -270,8 +280,9 @@ def main() -> None:
         sampling += f", n-gram speculation with {args.ngram} drafts a step, all accepted"
     if args.triton_dispatch:
         sampling += ", Triton kernels through Triton's dispatch"
+    prompts = f"{args.prompt_len}-token prompts" if args.lockstep else f"prompts of {args.prompt_len} + (row mod block size) tokens"
     print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, "
-          f"{args.prompt_len}-token prompts, median of {args.steps} steps, ms")
+          f"{prompts}, median of {args.steps} steps, ms")
     print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:
         print(f"{r['batch']:>6} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "
