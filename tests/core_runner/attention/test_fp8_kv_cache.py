@@ -160,3 +160,49 @@ def test_mla_fp8_on_the_gpu(arch, tmp_path):
     eager = gpu(kv_cache_dtype="fp8", enforce_eager=True)
     graphs = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert graphs == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+# Runner features over the float8 latent cache: each against the same engine on a float32 cache
+# whose latents are rounded to e4m3 as they are written, so the two must agree exactly.
+FEATURES = {
+    "chunked prefill": dict(max_num_batched_tokens=8),
+    "prefix caching, shared prompt": dict(enable_prefix_caching=True),
+    "n-gram drafts": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+    "async scheduling": dict(async_scheduling=True),
+    "preemption": dict(kv_cache_memory_bytes=None),  # sized per engine below: fewer blocks than the batch needs
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_mla_fp8_equals_its_rounded_latents_under_runner_features(feature, mla_engines, monkeypatch):
+    """Guards against a runner feature reading the float8 latents differently from a plain step:
+    draft rows (several query tokens: the prefill path) and cached prefixes read them back,
+    chunks and preemption rewrite them, async scheduling overlaps the steps."""
+    full, _, directory = mla_engines
+    kwargs = dict(FEATURES[feature])
+    block_bytes = sum(c.numel() * c.element_size() for c in full.engine.runner.kv_caches) // full.config.num_kv_blocks
+    budget = 16 * block_bytes  # 64 float8 blocks: room for every request
+    if feature == "preemption":
+        budget = 12 * block_bytes // 4  # 12 float8 blocks of 4 tokens (one request of max_model_len); the batch needs 30
+    kwargs["kv_cache_memory_bytes"] = budget
+    prompts = PROMPTS + [{"prompt_token_ids": PROMPTS[3]["prompt_token_ids"][:20] + [9, 8, 7]}]  # shares 20 tokens
+    write = mla_decode.write_latent_ref
+
+    def rounded(cache, latent, k_pe, slot_mapping):
+        write(cache, *[to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype) for x in (latent, k_pe)], slot_mapping)
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)  # prompt logprobs would bar the cache
+    fp8 = engine(directory, kv_cache_dtype="fp8", **kwargs)
+    got = fp8.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(mla_decode, "write_latent_ref", rounded)
+    simulated_kwargs = dict(kwargs, kv_cache_memory_bytes=4 * budget)  # float32: as many blocks as float8 in `budget`
+    want = engine(directory, **simulated_kwargs).generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert w.outputs[0].token_ids == g.outputs[0].token_ids
+        assert w.outputs[0].logprobs == g.outputs[0].logprobs
+    if feature == "preemption":
+        assert fp8.engine.scheduler.num_preemptions > 0, "nothing was preempted: the budget is too large"
+    if feature.startswith("prefix"):
+        assert got[-1].num_cached_tokens > 0, "the shared prompt did not hit the prefix cache"
+    if feature.startswith("n-gram"):
+        assert sum(o.metrics.num_draft_tokens for o in got) > 0, "no draft was verified: the multi-token path did not run"
