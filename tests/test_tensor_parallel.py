@@ -422,3 +422,10 @@ def test_deepseek_shapes_it_cannot_run_are_refused_before_starting_ranks(tmp_pat
     monkeypatch.setattr("slotrunner.builder.join_tensor_parallel", no_ranks)
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         LLM(str(tmp_path), device="cpu", tensor_parallel_size=3)
+
+
+def test_deepseek_with_a_float8_latent_cache_on_two_ranks_equals_one(tmp_path):
+    """The float8 latent cache is whole on every rank, as the bf16 one: TP=2 gives TP=1's tokens."""
+    build_case(tiny_config("DeepseekV2ForCausalLM"), tmp_path)
+    prompts = [[5 + (7 * i + 3 * j) % 200 for j in range(n)] for i, n in enumerate((9, 17, 4))]
+    _two_ranks_equal_one(tmp_path, dict(ENGINE, kv_cache_dtype="fp8"), [{"prompt_token_ids": p} for p in prompts])
