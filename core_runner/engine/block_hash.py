@@ -44,11 +44,16 @@ def extend_block_hashes(
     if first >= last:
         return hashes
     assert start <= first * block_size, f"tokens from {start} on cannot hash block {first}"
+    parent = hashes[-1] if hashes else _ROOT
+    keyed = bool(key_spans) or salt is not None
+    if last == first + 1 and not keyed:  # a decode row filling its block: hash_block's bytes, no copy of them
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(array("q", token_ids[first * block_size - start : last * block_size - start]))
+        hashes.append(h.digest())
+        return hashes
     # int64 in the machine's byte order, as numpy's int64 (the hashes of earlier versions)
     data = memoryview(array("q", token_ids[first * block_size - start : last * block_size - start]).tobytes())
     width = block_size * 8
-    parent = hashes[-1] if hashes else _ROOT
-    keyed = bool(key_spans) or salt is not None
     for i in range(first, last):
         keys: list[str] = []
         if keyed:

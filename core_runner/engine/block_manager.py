@@ -122,20 +122,30 @@ class BlockManager:
         Callers check `can_grow` first: running out here is a scheduler bug, hence an assert.
         Never shrinks a request (a smaller `num_tokens` returns empty lists).
         """
-        num_new = self.num_blocks_to_grow(req_id, num_tokens)
-        if num_new == 0:
-            return self._no_blocks()
-        assert num_new <= len(self._free), (
-            f"request {req_id!r} needs {num_new} more blocks for {num_tokens} tokens but only "
-            f"{len(self._free)} are free; call can_grow() before grow()"
+        new_ids = self.try_grow(req_id, num_tokens)
+        assert new_ids is not None, (
+            f"request {req_id!r} needs {self.num_blocks_to_grow(req_id, num_tokens)} more blocks for {num_tokens} "
+            f"tokens but only {len(self._free)} are free; call can_grow() before grow()"
         )
-        if req_id not in self._req_blocks:
-            self._req_blocks[req_id] = self._no_blocks()
-            self._first_held[req_id] = [0] * self.num_groups
+        return new_ids
+
+    def try_grow(self, req_id: str, num_tokens: int) -> list[list[int]] | None:
+        """`grow`, or None (nothing taken) where the free blocks do not suffice: one call for
+        what `can_grow` then `grow` check (a decode row crossing a block boundary, every step
+        for ~1/16 of a batch's rows)."""
         needed = -(-num_tokens // self.block_size)
-        new_ids = []
-        for lst in self._req_blocks[req_id]:
-            new = [self._take_free() for _ in range(max(0, needed - len(lst)))]
+        num_new = needed - self.room.get(req_id, 0) // self.block_size
+        if num_new <= 0:
+            return self._no_blocks()
+        if num_new * self.num_groups > len(self._free):
+            return None
+        lists = self._req_blocks.get(req_id)
+        if lists is None:
+            lists = self._req_blocks[req_id] = self._no_blocks()
+            self._first_held[req_id] = [0] * self.num_groups
+        take, new_ids = self._take_free, []
+        for lst in lists:
+            new = [take() for _ in range(needed - len(lst))]
             lst.extend(new)
             new_ids.append(new)
         self.room[req_id] = needed * self.block_size
@@ -223,20 +233,21 @@ class BlockManager:
         self.room[req_id] = cached.num_blocks * self.block_size
         self.num_cached_hits += cached.num_blocks
 
-    def cache(self, req_id: str, block_hashes: list[bytes], start: int = 0) -> None:
-        """Register the request's first `len(block_hashes)` blocks (those it still holds) under
-        these hashes; blocks before `start` were registered by an earlier call. Called once
+    def cache(self, req_id: str, block_hashes: list[bytes], start: int = 0, stop: int | None = None) -> None:
+        """Register the request's first `stop` blocks (default `len(block_hashes)`; those it
+        still holds) under these hashes; blocks before `start` were registered by an earlier call. Called once
         their tokens are written by a step that ran or is about to run before any reader of
         them. A hash another block of the group already holds keeps that block (two requests
         computed the same prefix at once); this one stays unregistered."""
+        stop = len(block_hashes) if stop is None else stop
         lists = self._req_blocks.get(req_id)
         if lists is None:
-            assert not block_hashes, f"request {req_id!r} holds no blocks, not {len(block_hashes)}"
+            assert not stop, f"request {req_id!r} holds no blocks, not {stop}"
             return
         for g, (lst, first) in enumerate(zip(lists, self._first_held[req_id])):
-            assert len(block_hashes) <= len(lst), f"request {req_id!r} holds {len(lst)} blocks, not {len(block_hashes)}"
+            assert stop <= len(lst), f"request {req_id!r} holds {len(lst)} blocks, not {stop}"
             lo = max(first, start)
-            for block, h in zip(lst[lo : len(block_hashes)], block_hashes[lo:]):
+            for block, h in zip(lst[lo:stop], block_hashes[lo:stop]):
                 if block in self._hash_of or h in self._block_of[g]:
                     continue
                 self._hash_of[block] = (g, h)

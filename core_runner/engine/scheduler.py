@@ -412,7 +412,7 @@ class Scheduler:
         if not self.prefix_caching or num_full <= request.num_registered_blocks:
             return  # most decode steps: no block filled since the last call
         self._hash_blocks(request, num_tokens)
-        self.block_manager.cache(request.req_id, request.block_hashes[:num_full], request.num_registered_blocks)
+        self.block_manager.cache(request.req_id, request.block_hashes, request.num_registered_blocks, num_full)
         request.num_registered_blocks = num_full
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[list[int]] | None:
@@ -423,13 +423,13 @@ class Scheduler:
         Victims come from the tail, which this step has not scheduled yet (the loop in
         `schedule` walks from the head), so no scheduled request is ever preempted.
         """
-        while not self.block_manager.can_grow(request.req_id, num_tokens):
+        while (new_block_ids := self.block_manager.try_grow(request.req_id, num_tokens)) is None:
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_req_ids.add(victim.req_id)
             if victim is request:
                 return None
-        return self.block_manager.grow(request.req_id, num_tokens)
+        return new_block_ids
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: the request forgets its KV cache and waits at the front."""

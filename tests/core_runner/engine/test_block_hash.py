@@ -48,3 +48,17 @@ def test_same_prefix_same_hashes_and_a_changed_token_changes_the_rest():
     a = extend_block_hashes([], list(range(64)), 64, 16)
     b = extend_block_hashes([], list(range(40)) + [999] + list(range(41, 64)), 64, 16)
     assert len(a) == 4 and a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:]))
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_decode_rows_filling_one_block_at_a_time_hash_as_each_block(block_size):
+    """A decode row adds one block at a time, from its tail (the one-block path, without a key)."""
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(0, 200_000) for _ in range(5 * block_size + 2)]
+    ours, expected = [], []
+    for num_tokens in range(len(tokens) + 1):
+        start = len(ours) * block_size
+        extend_block_hashes(ours, tokens[start:], num_tokens, block_size, start=start)
+        _one_block_at_a_time(expected, tokens, num_tokens, block_size)
+        assert ours == expected
+    assert len(ours) == len(tokens) // block_size
