@@ -44,6 +44,7 @@ GPU_TESTS=(
   tests/model_states/test_multimodal_model_state.py::test_gpu_tower_inputs_do_not_wait_for_queued_kernels
   tests/model_states/test_tower_graphs.py
   tests/core_runner/runner/test_cuda_graphs.py
+  tests/core_runner/runner/test_block_table.py
   tests/core_runner/runner/test_features_gpu.py
   tests/core_runner/runner/test_input_kernels.py
   tests/core_runner/runner/test_sampled_token_kernels.py
