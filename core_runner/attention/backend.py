@@ -133,12 +133,18 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def copy_into_cache(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """flat[slots] = rows, converted to the cache's dtype as `to_cache_dtype` does (the torch
+    reference of every cache write: K/V here, MLA's latents in models/layers/mla_decode.py)."""
+    rows = to_cache_dtype(rows, flat.dtype)
+    if flat.dtype.itemsize == 1:  # index_copy_ has no float8 kernel: copy the bytes
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store K/V of `num_tokens` tokens at flat cache slots (block_id * block_size + offset)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
-    if kv_cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernel: copy the bytes
-        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    copy_into_cache(flat[0], slot_mapping, k)
+    copy_into_cache(flat[1], slot_mapping, v)

@@ -46,14 +46,14 @@ def extend_block_hashes(
     assert start <= first * block_size, f"tokens from {start} on cannot hash block {first}"
     parent = hashes[-1] if hashes else _ROOT
     keyed = bool(key_spans) or salt is not None
-    if last == first + 1 and not keyed:  # a decode row filling its block: hash_block's bytes, no copy of them
+    # int64 in the machine's byte order, as numpy's int64 (the hashes of earlier versions)
+    tokens = array("q", token_ids[first * block_size - start : last * block_size - start])
+    if last == first + 1 and not keyed:  # a decode row filling its block: hash_block's bytes, one call fewer
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("q", token_ids[first * block_size - start : last * block_size - start]))
+        h.update(tokens)
         hashes.append(h.digest())
         return hashes
-    # int64 in the machine's byte order, as numpy's int64 (the hashes of earlier versions)
-    data = memoryview(array("q", token_ids[first * block_size - start : last * block_size - start]).tobytes())
-    width = block_size * 8
+    data, width = memoryview(tokens).cast("B"), block_size * 8  # the blocks' bytes, not copied
     for i in range(first, last):
         keys: list[str] = []
         if keyed:

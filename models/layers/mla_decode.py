@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from slotrunner.core_runner.attention.backend import to_cache_dtype
+from slotrunner.core_runner.attention.backend import copy_into_cache
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16
 from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
 from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
@@ -177,12 +177,8 @@ def write_latent_ref(
     k_pe: torch.Tensor,  # [num_tokens, rope]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding token
 ) -> None:
-    flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
-    rows = to_cache_dtype(torch.cat([latent, k_pe], dim=-1)[keep], cache.dtype)
-    if cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernel: copy the bytes
-        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-    flat.index_copy_(0, slot_mapping[keep], rows)
+    copy_into_cache(cache.view(-1, cache.shape[-1]), slot_mapping[keep], torch.cat([latent, k_pe], dim=-1)[keep])
 
 
 def write_latent(
@@ -210,7 +206,7 @@ def write_latent(
 
 def read_latents(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Cache rows `slots` of a flat [slots, rank + rope] cache, in the cache's dtype: a float8
-    cache is gathered as bytes (not every device's gather takes float8)."""
+    cache is gathered as bytes, as `copy_into_cache` writes it."""
     if flat.dtype.itemsize == 1:
         return flat.view(torch.uint8)[slots].view(flat.dtype)
     return flat[slots]

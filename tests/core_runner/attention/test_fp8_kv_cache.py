@@ -75,6 +75,16 @@ def test_the_latent_cache_is_float8_and_holds_more_blocks(mla_engines):
     assert (full.config.num_kv_blocks, fp8.config.num_kv_blocks) == (16, 64)
 
 
+def _write_rounded_latents(monkeypatch) -> None:
+    """While patched, every engine on the CPU keeps its latents in its own dtype, rounded to e4m3 first."""
+    write = mla_decode.write_latent_ref
+
+    def rounded(cache, latent, k_pe, slot_mapping):
+        write(cache, *[to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype) for x in (latent, k_pe)], slot_mapping)
+
+    monkeypatch.setattr(mla_decode, "write_latent_ref", rounded)
+
+
 def test_mla_outputs_are_those_of_its_rounded_latents(mla_engines, monkeypatch):
     """Multi-head latent attention over a float8 cache gives exactly what a float32 cache holding
     the latents and rope keys rounded to e4m3 gives -- the prefill path's expansion and the
@@ -84,13 +94,7 @@ def test_mla_outputs_are_those_of_its_rounded_latents(mla_engines, monkeypatch):
     steep (one latent feeds every head's K and V): bounded at 0.5, far below what misread bytes
     give; the first greedy token is the same."""
     full, fp8, directory = mla_engines
-    write = mla_decode.write_latent_ref
-
-    def rounded(cache, latent, k_pe, slot_mapping):
-        as_fp8 = [to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype) for x in (latent, k_pe)]
-        write(cache, *as_fp8, slot_mapping)
-
-    monkeypatch.setattr(mla_decode, "write_latent_ref", rounded)
+    _write_rounded_latents(monkeypatch)
     simulated = engine(directory, kv_cache_memory_bytes=2**20).generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     got = fp8.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -186,15 +190,10 @@ def test_mla_fp8_equals_its_rounded_latents_under_runner_features(feature, mla_e
         budget = 12 * block_bytes // 4  # 12 float8 blocks of 4 tokens (one request of max_model_len); the batch needs 30
     kwargs["kv_cache_memory_bytes"] = budget
     prompts = PROMPTS + [{"prompt_token_ids": PROMPTS[3]["prompt_token_ids"][:20] + [9, 8, 7]}]  # shares 20 tokens
-    write = mla_decode.write_latent_ref
-
-    def rounded(cache, latent, k_pe, slot_mapping):
-        write(cache, *[to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype) for x in (latent, k_pe)], slot_mapping)
-
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)  # prompt logprobs would bar the cache
     fp8 = engine(directory, kv_cache_dtype="fp8", **kwargs)
     got = fp8.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setattr(mla_decode, "write_latent_ref", rounded)
+    _write_rounded_latents(monkeypatch)
     simulated_kwargs = dict(kwargs, kv_cache_memory_bytes=4 * budget)  # float32: as many blocks as float8 in `budget`
     want = engine(directory, **simulated_kwargs).generate(prompts, params, use_tqdm=False)
     for w, g in zip(want, got):
