@@ -79,12 +79,13 @@ def run_decode_steps_without_sync():
     (`torch.cuda.set_sync_debug_mode("error")`); returns how many ran."""
     import torch
 
-    def run(engine, steps: int) -> int:
-        """Run `steps` decode-only steps with any host-device sync raising; returns how many ran."""
+    def run(engine, steps: int, decode_only: bool = True) -> int:
+        """Run `steps` steps (decode-only ones, unless `decode_only` is False) with any host-device
+        sync raising; returns how many ran."""
         checked = 0
         for _ in range(steps):
             sched = engine.scheduler.schedule()
-            assert all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
+            assert not decode_only or all(n == 1 for n in sched.num_scheduled_tokens.values()), "expected a decode-only step"
             torch.cuda.set_sync_debug_mode("error")
             try:
                 engine.runner.execute_model(sched)
