@@ -27,6 +27,14 @@ def hash_block(parent: bytes, token_bytes: bytes | memoryview, extra_keys: Seque
     return h.digest()
 
 
+def append_block_hash(hashes: list[bytes], token_ids: Sequence[int]) -> None:
+    """Append the hash of the block after `hashes` -- `token_ids`, one full block, with no key
+    over it -- to them: `hash_block`'s bytes, without its calls (a decode row filling a block)."""
+    h = hashlib.blake2b(hashes[-1] if hashes else _ROOT, digest_size=16)
+    h.update(array("q", token_ids))  # int64 in the machine's byte order, as numpy's int64
+    hashes.append(h.digest())
+
+
 def extend_block_hashes(
     hashes: list[bytes],  # the request's hashes so far (full blocks), extended in place
     token_ids: Sequence[int],  # the request's known tokens (prompt + output) from position `start` on
@@ -44,15 +52,13 @@ def extend_block_hashes(
     if first >= last:
         return hashes
     assert start <= first * block_size, f"tokens from {start} on cannot hash block {first}"
-    parent = hashes[-1] if hashes else _ROOT
     keyed = bool(key_spans) or salt is not None
+    if last == first + 1 and not keyed:  # a decode row filling its block
+        append_block_hash(hashes, token_ids[first * block_size - start : last * block_size - start])
+        return hashes
+    parent = hashes[-1] if hashes else _ROOT
     # int64 in the machine's byte order, as numpy's int64 (the hashes of earlier versions)
     tokens = array("q", token_ids[first * block_size - start : last * block_size - start])
-    if last == first + 1 and not keyed:  # a decode row filling its block: hash_block's bytes, one call fewer
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(tokens)
-        hashes.append(h.digest())
-        return hashes
     data, width = memoryview(tokens).cast("B"), block_size * 8  # the blocks' bytes, not copied
     for i in range(first, last):
         keys: list[str] = []

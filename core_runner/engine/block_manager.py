@@ -248,10 +248,19 @@ class BlockManager:
             assert stop <= len(lst), f"request {req_id!r} holds {len(lst)} blocks, not {stop}"
             lo = max(first, start)
             for block, h in zip(lst[lo:stop], block_hashes[lo:stop]):
-                if block in self._hash_of or h in self._block_of[g]:
-                    continue
-                self._hash_of[block] = (g, h)
-                self._block_of[g][h] = block
+                self._register(g, block, h)
+
+    def cache_block(self, req_id: str, i: int, block_hash: bytes) -> None:
+        """`cache` of the request's block i alone (a decode row that filled it), in every group
+        that still holds it."""
+        for g, (lst, first) in enumerate(zip(self._req_blocks[req_id], self._first_held[req_id])):
+            if i >= first:
+                self._register(g, lst[i], block_hash)
+
+    def _register(self, g: int, block: int, block_hash: bytes) -> None:
+        if block not in self._hash_of and block_hash not in self._block_of[g]:
+            self._hash_of[block] = (g, block_hash)
+            self._block_of[g][block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (held blocks stay with their requests; nothing will hit them)."""

@@ -6,7 +6,7 @@ import time
 from collections import deque
 
 from slotrunner.core_runner.config import EngineConfig, blocks_to_hold
-from slotrunner.core_runner.engine.block_hash import extend_block_hashes
+from slotrunner.core_runner.engine.block_hash import append_block_hash, extend_block_hashes
 from slotrunner.core_runner.engine.block_manager import BlockManager, CachedPrefix
 from slotrunner.core_runner.engine.draft_gate import DraftGate
 from slotrunner.core_runner.engine.request import Request, RequestStatus
@@ -239,7 +239,7 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if checkpoints:
-                num_new = self._to_state_checkpoint(request, num_computed, num_new)
+                num_new = self.state_checkpoints.cut(num_computed, num_new, request.num_tokens)
             if num_new <= 0:  # nothing to compute until update() appends its sampled token
                 continue
             num_drafts = 0
@@ -272,8 +272,8 @@ class Scheduler:
             # (known tokens only: under async scheduling a row's last token is still pending).
             if prefix_caching and min(end, num_known) // block_size > request.num_registered_blocks:
                 self._cache_blocks(request, end)
-            if checkpoints:
-                self._checkpoint_state(request, num_computed, num_new, out)
+            if checkpoints:  # its blocks up to a checkpoint position are hashed by _cache_blocks
+                self.state_checkpoints.request_save(request, num_computed, num_new, out.state_checkpoints)
             request.num_computed_tokens = end  # _advance, inlined (every row)
             if async_scheduling and end >= num_known + request.num_inflight_drafts + num_pending:
                 request.num_pending = num_pending + 1
@@ -292,7 +292,8 @@ class Scheduler:
                 cached, state_checkpoint = hit
             num_computed = 0 if cached is None else cached.num_blocks * self.block_size
             num_new = min(request.num_tokens - num_computed, budget)  # chunked prefill: the rest comes later
-            num_new = self._to_state_checkpoint(request, num_computed, num_new)
+            if self.state_checkpoints is not None:
+                num_new = self.state_checkpoints.cut(num_computed, num_new, request.num_tokens)
             if not self.block_manager.can_grow(request.req_id, self._with_lookahead(num_computed + num_new), cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -323,7 +324,8 @@ class Scheduler:
             # Registered now, before the next waiting request looks: it may take these blocks in
             # this very step, since every layer writes the whole batch's K/V before it attends.
             self._cache_blocks(request, num_computed + num_new)
-            self._checkpoint_state(request, num_computed, num_new, out)
+            if self.state_checkpoints is not None:
+                self.state_checkpoints.request_save(request, num_computed, num_new, out.state_checkpoints)
             self._advance(request, num_computed + num_new)
             budget -= num_new
 
@@ -378,26 +380,6 @@ class Scheduler:
                 return self.block_manager.find_cached(request.block_hashes, 0), None
         return cached, entry
 
-    def _to_state_checkpoint(self, request: Request, start: int, num_new: int) -> int:
-        """Cut a chunk of `num_new` tokens from `start` at the request's next checkpoint
-        position: a recurrent state exists only at the end of a step's chunk."""
-        if self.state_checkpoints is None:
-            return num_new
-        position = self.state_checkpoints.next_position(start, request.num_tokens)
-        return num_new if position is None else min(num_new, position - start)
-
-    def _checkpoint_state(self, request: Request, start: int, num_new: int, out: SchedulerOutput) -> None:
-        """Have the runner save the slot's state after this step when its chunk ends at a
-        checkpoint position (its blocks up to there are hashed by `_cache_blocks`)."""
-        if self.state_checkpoints is None:
-            return
-        end = start + num_new
-        if self.state_checkpoints.next_position(start, request.num_tokens) != end:
-            return
-        entry = self.state_checkpoints.reserve(request.block_hashes[end // self.block_size - 1])
-        if entry is not None:
-            out.state_checkpoints[request.req_id] = entry
-
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
         start = len(request.block_hashes) * self.block_size  # the first block to hash: tokens before it are not copied
         spans = () if request.family_inputs is None else request.family_inputs.cache_key_spans()
@@ -409,10 +391,17 @@ class Scheduler:
         (async scheduling). The watermark stops at the last such block, so a block that holds
         drafts or pending tokens now is registered by a later step, once its tokens are known."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        if not self.prefix_caching or num_full <= request.num_registered_blocks:
+        registered = request.num_registered_blocks
+        if not self.prefix_caching or num_full <= registered:
             return  # most decode steps: no block filled since the last call
-        self._hash_blocks(request, num_tokens)
-        self.block_manager.cache(request.req_id, request.block_hashes, request.num_registered_blocks, num_full)
+        hashes = request.block_hashes
+        if num_full == registered + 1 and request.family_inputs is None:  # a decode row filled a block
+            if len(hashes) == registered:
+                append_block_hash(hashes, request.token_ids_from(registered * self.block_size)[: self.block_size])
+            self.block_manager.cache_block(request.req_id, registered, hashes[registered])
+        else:
+            self._hash_blocks(request, num_tokens)
+            self.block_manager.cache(request.req_id, hashes, registered, num_full)
         request.num_registered_blocks = num_full
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[list[int]] | None:

@@ -23,6 +23,10 @@ order, so a later step's restore reads it after it is written, with async schedu
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slotrunner.core_runner.engine.request import Request
 
 
 class StateCheckpoints:
@@ -47,6 +51,23 @@ class StateCheckpoints:
         if num_computed >= last:
             return None
         return min((num_computed // self.interval + 1) * self.interval, last)
+
+    def cut(self, start: int, num_new: int, num_tokens: int) -> int:
+        """A chunk of `num_new` tokens from `start`, cut at the next checkpoint position of a
+        request with `num_tokens` known tokens: a state exists only at the end of a chunk."""
+        position = self.next_position(start, num_tokens)
+        return num_new if position is None else min(num_new, position - start)
+
+    def request_save(self, request: Request, start: int, num_new: int, saves: dict[str, int]) -> None:
+        """Have the runner save `request`'s state after this step (`saves[req_id]`: an entry)
+        when its chunk of `num_new` tokens from `start` ends at a checkpoint position; its
+        blocks up to there must be hashed."""
+        end = start + num_new
+        if self.next_position(start, request.num_tokens) != end:
+            return
+        entry = self.reserve(request.block_hashes[end // self.block_size - 1])
+        if entry is not None:
+            saves[request.req_id] = entry
 
     def longest_hit(self, block_hashes: list[bytes], num_blocks: int) -> tuple[int, int | None, bool]:
         """Among the first `num_blocks` blocks (a cached chain), the longest prefix whose last

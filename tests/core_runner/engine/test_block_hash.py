@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from slotrunner.core_runner.engine.block_hash import _ROOT, extend_block_hashes, hash_block
+from slotrunner.core_runner.engine.block_hash import append_block_hash, _ROOT, extend_block_hashes, hash_block
 
 
 def _one_block_at_a_time(hashes, token_ids, num_tokens, block_size, key_spans=(), salt=None):
@@ -55,10 +55,12 @@ def test_decode_rows_filling_one_block_at_a_time_hash_as_each_block(block_size):
     """A decode row adds one block at a time, from its tail (the one-block path, without a key)."""
     rng = random.Random(block_size)
     tokens = [rng.randrange(0, 200_000) for _ in range(5 * block_size + 2)]
-    ours, expected = [], []
+    ours, expected, appended = [], [], []
     for num_tokens in range(len(tokens) + 1):
         start = len(ours) * block_size
         extend_block_hashes(ours, tokens[start:], num_tokens, block_size, start=start)
         _one_block_at_a_time(expected, tokens, num_tokens, block_size)
-        assert ours == expected
+        if num_tokens // block_size > len(appended):  # the scheduler's own call for such a row
+            append_block_hash(appended, tokens[len(appended) * block_size : num_tokens])
+        assert ours == expected == appended
     assert len(ours) == len(tokens) // block_size

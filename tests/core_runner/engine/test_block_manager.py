@@ -234,6 +234,56 @@ def test_random_admit_grow_free_with_the_prefix_cache(windows: tuple[int | None,
     bm.check_invariants()
 
 
+@pytest.mark.parametrize("windows", WINDOWS)
+def test_caching_one_block_at_a_time_equals_caching_the_range(windows):
+    """`cache_block` (a decode row that filled a block) registers exactly what `cache` of that
+    block's range does, in every group that holds it: two managers take the same random
+    requests, decode growth, window frees and finishes, one registering each filled block
+    alone; their caches must stay equal. Other requests' prompts repeat earlier outputs, so
+    blocks registered either way are hit."""
+    import random
+
+    rng = random.Random(len(windows))
+    twins = [BlockManager(NUM_BLOCKS * len(windows) + 1, BLOCK_SIZE, windows) for _ in range(2)]
+    live: dict[str, list[int]] = {}
+    for step in range(400):
+        op = rng.choice(["admit", "decode", "decode", "decode", "free"])
+        if op == "admit" or not live:
+            rid = f"r{step}"
+            donor = live.get(rng.choice(sorted(live))) if live and rng.random() < 0.7 else None
+            tokens = (donor[: rng.randint(1, len(donor))] if donor else []) + [rng.randrange(5) for _ in range(rng.randint(1, 6))]
+            hashes = _hashes(tokens)
+            hits = [bm.find_cached(hashes, (len(tokens) - 1) // BLOCK_SIZE) for bm in twins]
+            assert hits[0] == hits[1]
+            if not twins[0].can_grow(rid, len(tokens), hits[0]):
+                continue
+            for bm, hit in zip(twins, hits):
+                bm.take_cached(rid, hit)
+                bm.grow(rid, len(tokens))
+                bm.cache(rid, hashes)
+            live[rid] = tokens
+        elif op == "decode":
+            rid = rng.choice(sorted(live))
+            tokens = live[rid] + [rng.randrange(5)]
+            if not twins[0].can_grow(rid, len(tokens)):
+                continue
+            for bm in twins:
+                bm.free_outside_window(rid, len(live[rid]))
+                bm.grow(rid, len(tokens))
+            if len(tokens) % BLOCK_SIZE == 0:  # it filled block i
+                i, hashes = len(tokens) // BLOCK_SIZE - 1, _hashes(tokens)
+                twins[0].cache(rid, hashes, i, i + 1)
+                twins[1].cache_block(rid, i, hashes[i])
+            live[rid] = tokens
+        else:
+            rid = rng.choice(sorted(live))
+            for bm in twins:
+                bm.free(rid)
+            del live[rid]
+        assert twins[0]._hash_of == twins[1]._hash_of and twins[0]._block_of == twins[1]._block_of, f"step {step}"
+    assert any(twins[0]._block_of), "nothing was cached"
+
+
 def test_sliding_window_blocks_leave_exactly_when_no_query_sees_them():
     """Guards against an off-by-one in the window: a query at p reads keys p - W < k <= p, so with
     `num_computed` tokens done the first key still read is num_computed - W + 1. Freeing the block
