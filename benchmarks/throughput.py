@@ -19,7 +19,7 @@ measured wall time.
     python benchmarks/throughput.py --peers none         # slotrunner alone
     python benchmarks/throughput.py --num-requests 64 --peers generate
     python benchmarks/throughput.py --peers none --prefix-caching-ab 2   # caching's cost, off/on x2
-    python benchmarks/throughput.py --peers none --phases   # also the time by step shape
+    python benchmarks/throughput.py --peers none --phases   # also the time by step shape, and its GPU span
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -138,10 +138,30 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
     warm_up(llm, reqs, params if args.full_warm_up else None)
     steps = {"n": 0}
-    step, scheduler = llm.engine.step, llm.engine.scheduler
-    # (seconds since the last step's return, rows, tokens, tokens of KV context its rows read)
-    periods: list[tuple[float, int, int, int]] = []
+    step, scheduler, runner = llm.engine.step, llm.engine.scheduler, llm.engine.runner
+    # (seconds since the last step's return, rows, tokens, tokens of KV context its rows read,
+    # the step's GPU span: events before its execute_model and after its sample_tokens' launches)
+    periods: list[tuple[float, int, int, int, tuple | None]] = []
     last = {"t": None, "done": None}
+    spans: dict[int, list] = {}  # id(SchedulerOutput) -> [start event, end event]
+    if args.phases:
+        execute, sample = runner.execute_model, runner.sample_tokens
+
+        def timed_execute(sched):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            spans[id(sched)] = [start, None]
+            last["launched"] = sched
+            return execute(sched)
+
+        def timed_sample():
+            out = sample()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            spans[id(last["launched"])][1] = end
+            return out
+
+        runner.execute_model, runner.sample_tokens = timed_execute, timed_sample
 
     def counted_step(*a, **kw):
         steps["n"] += 1
@@ -153,12 +173,13 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
             if done is not None and done is not last["done"] and last["t"] is not None:
                 sizes, tokens = done.num_scheduled_tokens, sum(done.num_scheduled_tokens.values())
                 context = sum(done.cached_reqs.num_computed_tokens) + sum(r.num_computed_tokens for r in done.new_reqs) + tokens
-                periods.append((now - last["t"], len(sizes), tokens, context))
+                periods.append((now - last["t"], len(sizes), tokens, context, spans.pop(id(done), None)))
             last["t"], last["done"] = now, done
         return out
 
     llm.engine.step = counted_step
     torch.cuda.synchronize()
+    spans.clear()
     keys: list[str] = []
     with compiles_counted(keys):  # kernel variants this process met first inside the timed run
         t = time.perf_counter()
@@ -169,6 +190,7 @@ def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool
         print(f"  variant first launched inside the timed run: {key}"[:1200], flush=True)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(out_lens), f"generated {n_out} tokens, requested {sum(out_lens)}"
+    periods = [p[:4] + ((p[4][0].elapsed_time(p[4][1]) / 1e3 if p[4] and p[4][1] else 0.0),) for p in periods]
     del llm
     gc.collect()  # the engine's reference cycles hold its GPU memory until collected
     torch.cuda.empty_cache()
@@ -180,25 +202,31 @@ PHASES = (("prefill or mixed", None), ("decode 1-4 rows", 4), ("decode 5-16", 16
           ("decode 65-128", 128), ("decode 129-256", 256), ("decode > 256", None))  # fmt: skip
 
 
-def print_phases(periods: list[tuple[float, int, int, int]], wall: float, cfg: dict, kv_bytes: int) -> None:
+def print_phases(periods: list[tuple[float, int, int, int, float]], wall: float, cfg: dict, kv_bytes: int) -> None:
     """Where the run's time went, by the shape of the step each period completed; for decode
-    steps also the bytes they must read (the weights once, each row's KV context) over the time."""
+    steps also the bytes they must read (the weights once, each row's KV context) over the time.
+    `GPU ms/step`: from the start of a step's execute_model to the end of its sample_tokens'
+    launches on the GPU -- its kernels plus any wait for the host between them; below the
+    period, the GPU idled between steps (waiting for the host's next launch)."""
     weight_bytes, kv_per_token = model_bytes(cfg, kv_bytes)
-    table = {name: [0, 0.0, 0, 0] for name, _ in PHASES}
-    for seconds, rows, tokens, context in periods:
+    table = {name: [0, 0.0, 0, 0, 0.0] for name, _ in PHASES}
+    for seconds, rows, tokens, context, gpu in periods:
         if tokens > rows:
             name = PHASES[0][0]
         else:
             name = next((n for n, top in PHASES[1:-1] if rows <= top), PHASES[-1][0])
         entry = table[name]
-        entry[0], entry[1], entry[2], entry[3] = entry[0] + 1, entry[1] + seconds, entry[2] + rows, entry[3] + context
+        entry[0], entry[1], entry[2], entry[3], entry[4] = (
+            entry[0] + 1, entry[1] + seconds, entry[2] + rows, entry[3] + context, entry[4] + gpu
+        )
     print(f"time between step returns by the completed step's shape ({len(periods)} steps, "
           f"{sum(p[0] for p in periods):.2f} s of the {wall:.2f} s wall; decode: weights + KV context read once, over the time):")
-    print(f"  {'step':<18} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'rows/step':>9} {'context/row':>11} {'GB/step':>8} {'TB/s':>6}")
-    for name, (n, seconds, rows, context) in table.items():
+    print(f"  {'step':<18} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'GPU ms/step':>11} {'rows/step':>9} {'context/row':>11} "
+          f"{'GB/step':>8} {'TB/s':>6}")  # fmt: skip
+    for name, (n, seconds, rows, context, gpu) in table.items():
         if not n:
             continue
-        line = f"  {name:<18} {n:>6} {seconds:>8.3f} {1e3 * seconds / n:>8.3f} {rows / n:>9.1f}"
+        line = f"  {name:<18} {n:>6} {seconds:>8.3f} {1e3 * seconds / n:>8.3f} {1e3 * gpu / n:>11.3f} {rows / n:>9.1f}"
         if name != PHASES[0][0]:
             moved = n * weight_bytes + context * kv_per_token
             line += f" {context / rows:>11.0f} {moved / n / 1e9:>8.2f} {moved / seconds / 1e12:>6.2f}"
@@ -282,7 +310,7 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--full-warm-up", action="store_true", help="warm up on the whole run, not two tokens a request")
-    p.add_argument("--phases", action="store_true", help="also the run's time by step shape (prefill, decode batch sizes)")
+    p.add_argument("--phases", action="store_true", help="also the run's time by step shape (prefill, decode batch sizes), with each step's GPU span")
     p.add_argument("--prefix-caching-ab", type=int, default=0, metavar="N",
                    help="N pairs of runs with prefix caching off, then on (nothing is shared: its cost alone)")
     args = p.parse_args()
