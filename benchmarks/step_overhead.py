@@ -131,8 +131,18 @@ def kernels_counted_by(counter: OpCounter) -> Iterator[None]:
         except (ImportError, AttributeError):
             continue
         run = launcher.run
-        launcher.run = lambda fn, *a, _run=run, **kw: counter.kernel(fn.__name__, lambda: _run(fn, *a, **kw))()
+        launcher.run = lambda fn, *a, _run=run, **kw: (
+            _run(fn, *a, **kw) if counter._inside_kernel else counter.kernel(fn.__name__, lambda: _run(fn, *a, **kw))()
+        )
         launchers.append((launcher, run))
+    # A kernel launched again through CachedLaunch's compiled path never reaches JITFunction.run:
+    # count it here (its first launch, through Triton's dispatch, counts once too).
+    from slotrunner.core_runner.triton_utils import CachedLaunch
+
+    cached_launch = CachedLaunch._launch
+    CachedLaunch._launch = lambda self, grid, args, kwargs: counter.kernel(
+        self.fn.__name__, lambda: cached_launch(self, grid, args, kwargs)
+    )()
     try:
         yield
     finally:
@@ -140,6 +150,7 @@ def kernels_counted_by(counter: OpCounter) -> Iterator[None]:
             setattr(mod, name, fn)
         for launcher, run in launchers:
             launcher.run = run
+        CachedLaunch._launch = cached_launch
 
 
 PARTS = ("schedule", "prepare+forward", "sample+copy", "update")
