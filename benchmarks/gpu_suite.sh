@@ -82,11 +82,11 @@ for s in "${steps[@]}"; do
   case $s in
     tests)
       t0=$SECONDS
-      timeout 420 python3 -m pytest -q -n 6 --timeout 300 -p no:cacheprovider "${GPU_TESTS[@]}" >"$out/tests.log" 2>&1
+      timeout 420 python3 -m pytest -n 6 --timeout 300 -p no:cacheprovider "${GPU_TESTS[@]}" >"$out/tests.log" 2>&1
       summary+=("tests: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests.log")") ;;
     suite)
       t0=$SECONDS
-      OMP_NUM_THREADS=1 timeout 400 python3 -m pytest -q -n 14 --timeout 300 -p no:cacheprovider tests >"$out/suite.log" 2>&1
+      OMP_NUM_THREADS=1 timeout 400 python3 -m pytest -n 14 --timeout 300 -p no:cacheprovider tests >"$out/suite.log" 2>&1
       summary+=("suite: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/suite.log")") ;;
     throughput) run_step throughput 150 python3 benchmarks/throughput.py --peers none ;;
     throughput-phases) run_step throughput-phases 150 python3 benchmarks/throughput.py --peers none --phases ;;
@@ -128,7 +128,7 @@ for s in "${steps[@]}"; do
       done ;;
     tests-mla)  # the MLA kernels (a float8 cache too) compiled, DeepSeek's bf16 conformance, graphs == eager, float8 engines
       t0=$SECONDS
-      timeout 300 python3 -m pytest -q -n 4 --timeout 240 -p no:cacheprovider tests/models/layers/test_mla_decode.py \
+      timeout 300 python3 -m pytest -n 4 --timeout 240 -p no:cacheprovider tests/models/layers/test_mla_decode.py \
         tests/models/layers/test_mla_prefill.py tests/core_runner/attention/test_fp8_kv_cache.py \
         "tests/conformance/test_decoders_gpu.py::test_bf16_matches_transformers_bf16[DeepseekV2ForCausalLM]" \
         "tests/conformance/test_decoders_gpu.py::test_bf16_matches_transformers_bf16[DeepseekV3ForCausalLM]" \
