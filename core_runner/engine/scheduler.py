@@ -395,7 +395,10 @@ class Scheduler:
         if not self.prefix_caching or num_full <= registered:
             return  # most decode steps: no block filled since the last call
         hashes = request.block_hashes
-        if num_full == registered + 1 and request.family_inputs is None:  # a decode row filled a block
+        # A decode row filled one block with no key over it (no family inputs: `_hash_blocks`'s
+        # spans are empty): its hash and registration alone, without the general paths' calls
+        # (~1.5 us a row each step that fills a block; -8 to -10% of schedule() at 256 rows).
+        if num_full == registered + 1 and request.family_inputs is None:
             if len(hashes) == registered:
                 append_block_hash(hashes, request.token_ids_from(registered * self.block_size)[: self.block_size])
             self.block_manager.cache_block(request.req_id, registered, hashes[registered])
