@@ -126,8 +126,10 @@ def compiled_since(before: dict[str, list[str]]) -> list[str]:
 
 def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool = True) -> dict:
     from slotrunner import LLM, SamplingParams
+    from slotrunner.core_runner import triton_utils
     from slotrunner.core_runner.triton_utils import compiles_counted
 
+    triton_utils.PDL = not args.no_pdl
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2100,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -305,6 +307,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch: triton_utils.pdl_launch)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (float8 e4m3 KV cache)")
     p.add_argument("--peers", default="generate,generate_batch", help="comma list of generate, generate_batch; or none")
     p.add_argument("--hf-batch", type=int, default=256)

@@ -19,11 +19,13 @@ from torch import Tensor
 
 FORCE_TRITON = os.environ.get("SLOTRUNNER_FORCE_TRITON", "0") == "1"
 CACHED_LAUNCH = True  # CachedLaunch's own path; benchmarks turn it off to time Triton's dispatch (read per launch)
+PDL = True  # programmatic dependent launch where the GPU has it (`pdl_launch`); benchmarks turn it off (read per launch)
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_*, for `pdl_enter`)
 
     HAS_TRITON = True
 except ImportError:  # e.g. macOS wheels of torch without triton
@@ -38,6 +40,29 @@ def use_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return FORCE_TRITON and TRITON_INTERPRET and device.type == "cpu"
+
+
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_PDL_OFF: dict = {}
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options of a kernel that takes `PDL: tl.constexpr` and calls `pdl_enter(PDL)` before
+    it touches memory: programmatic dependent launch on a GPU that has it (compute capability 9 or
+    more), nothing elsewhere. Launched so, the kernel's programs may start while the kernel before
+    it on the stream still runs (once that one's programs have all called `pdl_enter` or ended);
+    each then waits, in `pdl_enter`, until that kernel has ended and its writes are visible. A
+    small step's launches sit at their latency floor one after another (the batch-1 profile: ~200
+    launches of 1-5 us); started early, a launch's own start-up overlaps its predecessor's tail.
+    CUDA graphs keep the launches' programmatic edges."""
+    if not PDL or device.type != "cuda":
+        return _PDL_OFF
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(index)
+    if ok is None:
+        ok = _PDL_DEVICES[index] = HAS_TRITON and torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_ON if ok else _PDL_OFF
 
 
 def jit_per_step(*varying: str):
@@ -119,6 +144,19 @@ class CachedLaunch:
             return compiled
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, stream=torch._C._cuda_getCurrentRawStream(device))
         return compiled
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A kernel launched with `pdl_launch`'s options calls this in every program before its
+        first load or store of anything another kernel writes (weights may come before): it waits
+        for the kernel before it to end, then lets the next one start (`pdl_launch`). Nothing
+        without PDL."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @contextlib.contextmanager

@@ -162,8 +162,10 @@ def compile_for_hopper():
     and each constexpr's value, and returns the cuobjdump resource line (registers, local
     memory), `DYNAMIC_SHARED:<bytes>` (the shared memory a launch asks for; an H100 / H200
     gives a program at most 232,448), `ASYNC_COPIES:<n>` (loads issued as asynchronous
-    copies to shared memory: those the software pipeliner took) and `SHARED_BYTE_LOADS:<n>`
-    (reads of shared memory one byte an instruction, in the PTX). Skips where Triton or its NVIDIA backend is missing.
+    copies to shared memory: those the software pipeliner took), `SHARED_BYTE_LOADS:<n>`
+    (reads of shared memory one byte an instruction, in the PTX), `GDC_WAITS:<n>` and
+    `L2_PREFETCHES:<n>` (PTX instructions). Constexprs the kernel gives a default take it unless
+    given. Skips where Triton or its NVIDIA backend is missing.
 
     Every pointer is compiled as 16-byte aligned, as the JIT specializes a launch whose tensors
     are (torch's allocations and the staged fields are): without that hint Triton can prove no
@@ -186,6 +188,8 @@ def compile_for_hopper():
     def compile(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3, divisible=()) -> str:
         jit = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else kernel.fn  # CachedLaunch wraps one
         params = list(inspect.signature(jit.fn).parameters)
+        defaults = {n: q.default for n, q in inspect.signature(jit.fn).parameters.items() if q.default is not q.empty}
+        constexprs = {**{n: v for n, v in defaults.items() if n not in signature}, **constexprs}  # defaults unless given
         assert set(params) == set(signature) | set(constexprs), f"arguments {set(params) ^ (set(signature) | set(constexprs))}"
         assert set(divisible) <= set(signature), f"divisible {set(divisible) - set(signature)} are not runtime arguments"
         sig = {p: "constexpr" if p in constexprs else signature[p] for p in params}
@@ -200,7 +204,11 @@ def compile_for_hopper():
             out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
         usage = " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
         copies = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")  # loads the pipeliner made asynchronous
-        byte_loads = compiled.asm["ptx"].count("ld.shared.b8")  # shared-memory reads of one byte each
-        return f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies} SHARED_BYTE_LOADS:{byte_loads}"
+        ptx = compiled.asm["ptx"]
+        byte_loads = ptx.count("ld.shared.b8")  # shared-memory reads of one byte each
+        gdc = ptx.count("griddepcontrol.wait")  # programmatic dependent launch's waits (triton_utils.pdl_enter)
+        prefetches = ptx.count("prefetch.global.L2")
+        return (f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies} SHARED_BYTE_LOADS:{byte_loads}"
+                f" GDC_WAITS:{gdc} L2_PREFETCHES:{prefetches}")
 
     return compile

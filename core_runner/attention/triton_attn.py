@@ -44,12 +44,13 @@ from slotrunner.core_runner.attention.backend import AttentionBackend, Attention
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
 from slotrunner.core_runner.attention.split_kv import attention_splits, split_kv_counters, split_kv_state
 from slotrunner.core_runner.attention.tile_config import TileConfig
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 
 if HAS_TRITON:
     from slotrunner.core_runner.attention.float8 import round_to_e4m3
     from slotrunner.core_runner.attention.shared_prefix import attention_q, head_halves
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
+    from slotrunner.core_runner.triton_utils import pdl_enter
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
@@ -77,7 +78,9 @@ if HAS_TRITON:
         BLOCK_OUT: tl.constexpr,
         ZERO_OUT: tl.constexpr,
         KV_FP8: tl.constexpr,  # float8 e4m3 cache: round as backend.to_cache_dtype does
+        PDL: tl.constexpr = False,  # triton_utils.pdl_launch
     ):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         if slot < 0:
@@ -146,7 +149,9 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr = 1,  # decode launch: > 1 splits each row's key tiles (split_kv.py)
         OFFSETS_I32: tl.constexpr = False,  # the cache's element offsets fit in int32 (TileConfig.int32_offsets)
         HALVES: tl.constexpr = False,  # products over the head dim's two halves (TileConfig.decode_head_halves)
+        PDL: tl.constexpr = False,  # triton_utils.pdl_launch
     ):
+        pdl_enter(PDL)
         kv_head = tl.program_id(1)
         if DECODE:
             row = tl.program_id(0)
@@ -339,6 +344,7 @@ def write_kv_triton(
         BLOCK_OUT=triton.next_power_of_2(out_row),
         ZERO_OUT=out is not None,
         KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        **pdl_launch(k.device),
     )
 
 
@@ -418,6 +424,7 @@ def paged_attention(
         FP8_F16=fp8_f16,
         OFFSETS_I32=tiles.int32_offsets and kv_cache.numel() < 2**32,  # each of K and V under 2^31 elements
         num_warps=tiles.num_warps,
+        **pdl_launch(q.device),
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on
     # whether prefill rows share its batch.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 
 _MAX_BLOCK = 32768  # one row must fit one program's registers; wider rows take the reference
 
@@ -40,6 +40,7 @@ def rms_norm_ref(
 
 
 if HAS_TRITON:
+    from slotrunner.core_runner.triton_utils import pdl_enter
 
     @triton.jit
     def _rms_norm_kernel(
@@ -56,7 +57,9 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         UNIT_OFFSET: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,  # triton_utils.pdl_launch
     ):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden
@@ -128,6 +131,7 @@ def rms_norm(
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
         enable_fp_fusion=False,  # no fma: round each product like torch's separate kernels
+        **pdl_launch(x.device),
     )
     return out if residual is None else (out, res_out)
 

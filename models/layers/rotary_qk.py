@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native, rotary_qk_native
-from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 from slotrunner.models.layers.norm import rms_norm_ref
 
 
@@ -54,6 +54,7 @@ def rotary_qk_ref(
 
 
 if HAS_TRITON:
+    from slotrunner.core_runner.triton_utils import pdl_enter
 
     @triton.jit
     def _rope_heads(
@@ -127,7 +128,9 @@ if HAS_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_REST: tl.constexpr,
+        PDL: tl.constexpr = False,  # triton_utils.pdl_launch
     ):
+        pdl_enter(PDL)
         token = tl.program_id(0).to(tl.int64)
         head0 = tl.program_id(1) * BLOCK_H
         pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -213,6 +216,7 @@ def rotary_qk(
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        **pdl_launch(q.device),
         enable_fp_fusion=False,  # x1 * cos - x2 * sin with each product rounded, as torch computes it
     )
     return q, k

@@ -3,7 +3,8 @@
 Guards against: a change to the decode loop that makes the launch spill registers to local
 memory, or that stops the software pipeliner from issuing the key and value loads as
 asynchronous copies (their addresses come from the block table: an indirect load the pipeliner
-must still take), over either cache, with one product per tile or one per half of the head dim
+must still take), over either cache, launched as a Hopper launches it (programmatic dependent
+launch), with one product per tile or one per half of the head dim
 (the float8 launch's; over bf16 the halves spill at head dim 256, so that cache keeps one product). The interpreter, which checks the outputs, sees neither.
 """
 
@@ -38,8 +39,9 @@ def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cach
         signature[name] = "i32"
     signature.update(scale="fp32", soft_cap="fp32", sliding_window="i32")
     constexprs = dict(SHAPE, **FLAGS, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, TILE_N=tiles.decode_tile_n, DOT_PRECISION="ieee",
-                      KV_FP8=fp8, FP8_F16=fp8, OFFSETS_I32=tiles.int32_offsets, HALVES=halves)
+                      KV_FP8=fp8, FP8_F16=fp8, OFFSETS_I32=tiles.int32_offsets, HALVES=halves, PDL=True)
     usage = compile_for_hopper(triton_attn._paged_attention_kernel, signature, constexprs, num_warps=tiles.num_warps,
                                num_stages=tiles.decode_num_stages, divisible=("stride_qt", "stride_qh", "stride_ot", "stride_oh"))
     assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
+    assert "GDC_WAITS:1" in usage, f"a Hopper launches it dependent (triton_utils.pdl_launch): one wait: {usage}"

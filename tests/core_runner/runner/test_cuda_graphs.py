@@ -47,6 +47,29 @@ def test_graphs_equal_eager(qwen3_dir, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dependent_launches_change_no_bit(qwen3_dir, dtype, monkeypatch):
+    """Programmatic dependent launch (triton_utils.pdl_launch; on a Hopper or newer) against
+    plain launches, graphs and eager: the same tokens and the same logprobs, bitwise. Guards
+    against a kernel launched dependent that touches memory before its wait."""
+    from slotrunner.core_runner import triton_utils
+
+    def run(pdl: bool, eager: bool):
+        monkeypatch.setattr(triton_utils, "PDL", pdl)
+        llm = LLM(str(qwen3_dir), device="cuda", dtype=dtype, enforce_eager=eager, max_model_len=128, max_num_seqs=16)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [{"prompt_token_ids": torch.randint(0, 200, (n,), generator=gen).tolist()} for n in PROMPT_LENS]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=1) for m in OUTPUT_LENS]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(o.token_ids, o.cumulative_logprob) for o in outs]
+
+    for eager in (False, True):
+        assert run(True, eager) == run(False, eager), f"eager={eager}"
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert triton_utils.pdl_launch(torch.device("cuda")), "a Hopper launches the decode path's kernels dependent"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_request_prefill_graphs_equal_eager(qwen3_dir, dtype):
     """Prompts served one at a time (each prefill a step of one row, padded to a captured token
     count; one chunked in two): the tokens of eager steps, and each prefill replayed a graph."""
