@@ -4,8 +4,8 @@ One request, `--input-len` prompt tokens, `--output-len` new tokens, greedy, EOS
 decode time per token excludes the first token (prefill): (wall - time to first token) /
 (output_len - 1). The weights-only floor is the time to read the weights once at the card's peak HBM bandwidth.
 Engines in turn (`--modes`): CUDA graphs; graphs with plain launches (no programmatic dependent
-launch: `core_runner/triton_utils.pdl_launch`); graphs with dependent launches but no weight
-prefetch (`models/layers/skinny_gemm.py`'s PREFETCH_BYTES); graphs with every product through
+launch: `core_runner/triton_utils.pdl_launch`); graphs with the K/V write in a launch
+of its own (`triton_attn.FUSED_KV_WRITE` off: not in the rotary launch); graphs with every product through
 cuBLAS (the skinny GEMM kernel off, and with it the norms and activations it fuses); eager.
 `--rounds` runs the list that many times, alternating, and keeps each mode's best.
 
@@ -29,22 +29,23 @@ import torch
 from throughput import hbm_bandwidth, qwen3_06b_config
 
 
-# mode: (enforce_eager, skinny GEMM on, dependent launches, weight prefetch bytes)
+# mode: (enforce_eager, skinny GEMM on, dependent launches, K/V written by the rotary launch)
 MODES = {
-    "graphs": (False, True, True, 8192),
-    "no-pdl": (False, True, False, 0),
-    "no-prefetch": (False, True, True, 0),
-    "cublas": (False, False, True, 8192),
-    "eager": (True, True, True, 8192),
+    "graphs": (False, True, True, True),
+    "no-pdl": (False, True, False, True),
+    "own-kv-write": (False, True, True, False),
+    "cublas": (False, False, True, True),
+    "eager": (True, True, True, True),
 }
 
 
 def measure(model_dir: str, args: argparse.Namespace, mode: str) -> tuple[float, float]:
     from slotrunner import LLM, SamplingParams
     from slotrunner.core_runner import triton_utils
+    from slotrunner.core_runner.attention import triton_attn
     from slotrunner.models.layers import skinny_gemm
 
-    enforce_eager, skinny_gemm.ENABLED, triton_utils.PDL, skinny_gemm.PREFETCH_BYTES = MODES[mode]
+    enforce_eager, skinny_gemm.ENABLED, triton_utils.PDL, triton_attn.FUSED_KV_WRITE = MODES[mode]
 
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=4096,
               max_num_seqs=8, enforce_eager=enforce_eager)

@@ -145,7 +145,7 @@ for s in "${steps[@]}"; do
     profile-deepseek) run_step profile-deepseek 150 python3 benchmarks/profile_decode.py --shape deepseek-v2-lite --layers 27 --batch 64 --input-len 512 --rows 40 --prefill-kernels ;;
     latency) run_step latency 120 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 ;;
     pdl-ab)  # programmatic dependent launch against plain launches: batch-1 latency alternating in one process, then the bench workload (float8) in alternating processes (PDL_AB_PAIRS pairs, default 2)
-      run_step pdl-ab-latency 240 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 --modes graphs,no-pdl,no-prefetch --rounds 2
+      run_step pdl-ab-latency 240 python3 benchmarks/decode_latency.py --output-len 256 --repeats 2 --modes graphs,no-pdl,own-kv-write --rounds 2
       for i in $(seq "${PDL_AB_PAIRS:-2}"); do
         run_step "pdl-ab-fp8-$i" 120 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8
         run_step "pdl-ab-fp8-no-pdl-$i" 120 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --no-pdl

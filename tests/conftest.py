@@ -107,9 +107,11 @@ class RealRowsAttention:
     def __init__(self, inner, meta) -> None:
         self.inner, self.meta = inner, meta
 
-    def forward(self, spec, q, k, v, kv_cache, meta, **kwargs):
+    def forward(self, spec, q, k, v, kv_cache, meta, rotate=None, **kwargs):
         import torch
 
+        if rotate is not None:  # the layer's rotary embedding, over every token as a replay runs it
+            q, k = rotate(q, k, None)
         r = self.meta.num_tokens
         out = torch.zeros_like(q)
         out[:r] = self.inner.forward(spec, q[:r], k[:r], v[:r], kv_cache, self.meta, **kwargs)
@@ -163,8 +165,8 @@ def compile_for_hopper():
     memory), `DYNAMIC_SHARED:<bytes>` (the shared memory a launch asks for; an H100 / H200
     gives a program at most 232,448), `ASYNC_COPIES:<n>` (loads issued as asynchronous
     copies to shared memory: those the software pipeliner took), `SHARED_BYTE_LOADS:<n>`
-    (reads of shared memory one byte an instruction, in the PTX), `GDC_WAITS:<n>` and
-    `L2_PREFETCHES:<n>` (PTX instructions). Constexprs the kernel gives a default take it unless
+    (reads of shared memory one byte an instruction, in the PTX), `GDC_WAITS:<n>` (programmatic
+    dependent launch's waits, in the PTX). Constexprs the kernel gives a default take it unless
     given. Skips where Triton or its NVIDIA backend is missing.
 
     Every pointer is compiled as 16-byte aligned, as the JIT specializes a launch whose tensors
@@ -207,8 +209,7 @@ def compile_for_hopper():
         ptx = compiled.asm["ptx"]
         byte_loads = ptx.count("ld.shared.b8")  # shared-memory reads of one byte each
         gdc = ptx.count("griddepcontrol.wait")  # programmatic dependent launch's waits (triton_utils.pdl_enter)
-        prefetches = ptx.count("prefetch.global.L2")
         return (f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies} SHARED_BYTE_LOADS:{byte_loads}"
-                f" GDC_WAITS:{gdc} L2_PREFETCHES:{prefetches}")
+                f" GDC_WAITS:{gdc}")
 
     return compile

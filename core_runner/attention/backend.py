@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,6 +91,13 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
+# A layer's rotary embedding (with its per-head norms), handed to the backend with q and k before
+# it: rotate(q, k, kv) -> (q, k). `kv`, when not None, is the backend's K/V write of the step
+# (TritonBackend's `KVWrite`, kv_write.py), which rotate must perform -- with its own launch's stores where it
+# can (models/layers/rotary_qk.py), else by calling `kv.write(k)` on the rotated k.
+Rotate = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+
+
 class AttentionBackend(abc.ABC):
     """Causal self-attention over a paged KV cache for varlen batches mixing prefill and decode."""
 
@@ -109,9 +118,13 @@ class AttentionBackend(abc.ABC):
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,  # [num_heads, num_distances]
         sinks: torch.Tensor | None = None,  # [num_heads]
+        rotate: Rotate | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's K/V into the cache at `meta.slot_mapping`, then attend each query
         token to its request's keys at positions <= its own (within the sliding window).
+
+        `rotate`, when given, means q and k come before the layer's rotary embedding: the backend
+        applies it first (`Rotate`), handing it the K/V write where it has a launch to fuse it into.
 
         `position_bias`, when given, is added to the scaled score of a query at q_pos and a key
         at k_pos: `position_bias[:, min(q_pos - k_pos, num_distances - 1)]` (relative-position

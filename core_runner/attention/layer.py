@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.attention.backend import AttentionSpec, Rotate
 from slotrunner.core_runner.attention.cache_spec import KVCacheSpec, PagedCacheLayer
 from slotrunner.core_runner.attention.forward_context import get_forward_context
 
@@ -31,6 +31,7 @@ class Attention(PagedCacheLayer):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         sinks: torch.Tensor | None = None,  # [num_heads] attention-sink logits (see AttentionBackend)
+        rotate: Rotate | None = None,  # q and k before their rotary embedding: the backend applies it (`Rotate`)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         assert self.kv_cache is not None, f"layer {self.layer_idx}: KV cache not bound before the forward"
         ctx = get_forward_context()
@@ -43,5 +44,6 @@ class Attention(PagedCacheLayer):
             self.kv_cache,
             ctx.attn_of(self.kv_group),
             sinks=sinks,
+            rotate=rotate,
         )
         return out.reshape(-1, s.num_heads * s.head_dim)

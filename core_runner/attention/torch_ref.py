@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec, write_kv
+from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec, Rotate, write_kv
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,9 @@ class TorchRefBackend(AttentionBackend):
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        rotate: Rotate | None = None,
     ) -> torch.Tensor:
+        if rotate is not None:
+            q, k = rotate(q, k, None)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention_ref(spec, q, kv_cache, meta, position_bias, sinks=sinks)

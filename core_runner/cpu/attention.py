@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, write_kv
+from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, Rotate, write_kv
 from slotrunner.core_runner.attention.torch_ref import TorchRefBackend, paged_attention_ref, step_plan
 from slotrunner.core_runner.cpu.layer_ops import write_kv_native
 from slotrunner.core_runner.cpu.native import load_library
@@ -61,7 +61,10 @@ class CpuBackend(TorchRefBackend):
         meta: AttentionMetadata,
         position_bias: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        rotate: Rotate | None = None,
     ) -> torch.Tensor:
+        if rotate is not None:
+            q, k = rotate(q, k, None)
         lib = load_library()
         if q.device.type != "cpu" or not write_kv_native(lib, kv_cache, k, v, meta.slot_mapping):
             write_kv(kv_cache, k, v, meta.slot_mapping)

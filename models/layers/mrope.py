@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.models.layers.rotary import RopeConfig, RotaryEmbedding, _rotate
+from slotrunner.models.layers.rotary import KVWrite, RopeConfig, RotaryEmbedding, _rotate
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -35,12 +35,16 @@ class MRotaryEmbedding(RotaryEmbedding):
         positions: torch.Tensor,  # [3, num_tokens] or [num_tokens]
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv: KVWrite | None = None,  # the attention backend's K/V write (`rotary_qk`)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
-            return super().forward(positions, q, k)
+            return super().forward(positions, q, k, kv)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # each [3, num_tokens, rotary_dim // 2]
         cos, sin = _select_axes(cos, self.mrope_section), _select_axes(sin, self.mrope_section)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        q, k = _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        if kv is not None:
+            kv.write(k)
+        return q, k
 
 
 def _select_axes(freqs: torch.Tensor, sections: tuple[int, ...]) -> torch.Tensor:

@@ -9,6 +9,8 @@ follow the checkpoints (`qkv_proj` is merged from q/k/v_proj by the loader).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -59,10 +61,14 @@ class QKVAttention(nn.Module):
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:  # [num_tokens, q + 2 kv]
         """The layer after its q/k/v projection."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.qk_norm:  # one kernel for both norms and RoPE where Triton runs
-            q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        # The attention backend applies the rotary embedding (`Rotate`): the Triton one hands it
+        # the K/V cache write, which the rotary launch then makes too.
+        rotate = functools.partial(self._rotate, positions)
+        return self.o_proj(self.attn(q, k, v, rotate=rotate))
+
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads, head_dim] and k [.., num_kv_heads, ..] rotated (after their
+        per-head norms; one kernel for both norms and RoPE where Triton runs), `kv` written."""
+        if self.qk_norm:
+            return self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm, kv)
+        return self.rotary_emb(positions, q, k, kv)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from slotrunner.models.layers.norm import RMSNorm
-from slotrunner.models.layers.rotary_qk import QKNorm, _rotate, rotary_qk  # noqa: F401 (_rotate: M-RoPE, vision)
+from slotrunner.models.layers.rotary_qk import KVWrite, QKNorm, _rotate, rotary_qk  # noqa: F401 (_rotate: M-RoPE, vision)
 
 
 @dataclass(frozen=True)
@@ -176,9 +176,10 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv: KVWrite | None = None,  # the attention backend's K/V write (`rotary_qk`)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """May write q and k in place (see `rotary_qk`): use the returned tensors."""
-        return rotary_qk(positions, q, k, self.cos_sin)
+        return rotary_qk(positions, q, k, self.cos_sin, kv=kv)
 
     def norm_and_rotate(
         self,
@@ -187,12 +188,13 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         q_norm: RMSNorm,
         k_norm: RMSNorm,
+        kv: KVWrite | None = None,  # the attention backend's K/V write (`rotary_qk`)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`self(positions, q_norm(q), k_norm(k))` (Qwen3), in one kernel for 1-D positions.
         Subclasses whose forward differs for 1-D positions must override this too; M-RoPE's
         does not (its 1-D case is plain RoPE) and its 3-axis case takes the unfused path."""
         if positions.dim() != 1:
-            return self(positions, q_norm(q), k_norm(k))
+            return self(positions, q_norm(q), k_norm(k), kv)
         assert q_norm.unit_offset == k_norm.unit_offset, "q_norm and k_norm differ in unit_offset"
         norms = QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, q_norm.unit_offset)
-        return rotary_qk(positions, q, k, self.cos_sin, norms)
+        return rotary_qk(positions, q, k, self.cos_sin, norms, kv)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from slotrunner.core_runner.attention.kv_write import KVWrite
 from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native, rotary_qk_native
 from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 from slotrunner.models.layers.norm import rms_norm_ref
@@ -54,7 +55,15 @@ def rotary_qk_ref(
 
 
 if HAS_TRITON:
+    from slotrunner.core_runner.attention.float8 import round_to_e4m3
     from slotrunner.core_runner.triton_utils import pdl_enter
+
+    @triton.jit
+    def _cache_store(ptrs, x, mask, KV_FP8: tl.constexpr):
+        """x (q's dtype) into the KV cache, rounded as triton_attn's K/V write rounds."""
+        if KV_FP8:
+            x = round_to_e4m3(x.to(tl.float32))
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_heads(
@@ -74,6 +83,10 @@ if HAS_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_REST: tl.constexpr,
+        cache_ptr=None,  # this token's K row of the cache ([heads, head_dim] contiguous; CACHE only)
+        cache_heads=0,  # heads whose rotated K goes to the cache too: num_heads, or 0 for a padding token
+        CACHE: tl.constexpr = False,
+        KV_FP8: tl.constexpr = False,
     ):
         dtype = x_ptr.dtype.element_ty
         heads = head0 + tl.arange(0, BLOCK_H)
@@ -101,8 +114,19 @@ if HAS_TRITON:
                 x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
                 xr = (xr * inv).to(dtype).to(tl.float32) * wr
             tl.store(row + offs_r[None, :], xr.to(dtype), mask=mask_r)
-        tl.store(row + offs[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
-        tl.store(row + half + offs[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        y1 = (x1 * cos - x2 * sin).to(dtype)
+        y2 = (x2 * cos + x1 * sin).to(dtype)
+        tl.store(row + offs[None, :], y1, mask=mask)
+        tl.store(row + half + offs[None, :], y2, mask=mask)
+        if CACHE:
+            c_row = cache_ptr + heads[:, None] * head_dim
+            c_mask = (heads < cache_heads)[:, None] & (offs < half)[None, :]
+            _cache_store(c_row + offs[None, :], y1, c_mask, KV_FP8)
+            _cache_store(c_row + half + offs[None, :], y2, c_mask, KV_FP8)
+            offs_r = 2 * half + tl.arange(0, BLOCK_REST)
+            if not HAS_NORM:  # the channels past rotary_dim, as they are
+                xr = tl.load(row + offs_r[None, :], mask=(heads < num_heads)[:, None] & (offs_r < head_dim)[None, :], other=0.0)
+            _cache_store(c_row + offs_r[None, :], xr.to(dtype), (heads < cache_heads)[:, None] & (offs_r < head_dim)[None, :], KV_FP8)
 
     @triton.jit
     def _rotary_qk_kernel(
@@ -123,11 +147,23 @@ if HAS_TRITON:
         head_dim,
         half,
         inv_head_dim,
+        v_ptr,  # [num_tokens, num_kv_heads, head_dim], strides v_token_stride, v_head_stride, 1 (CACHE only)
+        v_token_stride,
+        v_head_stride,
+        k_cache_ptr,  # [slots, num_kv_heads, head_dim] contiguous (CACHE only)
+        v_cache_ptr,
+        slot_mapping_ptr,  # [num_tokens] int64, -1 = padding token (CACHE only)
+        out_ptr,  # [num_tokens, OUT_ROW] the attention's output, zeroed at padding tokens (CACHE only)
         HAS_NORM: tl.constexpr,
         UNIT_OFFSET: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_REST: tl.constexpr,
+        CACHE: tl.constexpr,  # also write_kv_triton's work: K (rotated) and V into the cache
+        KV_FP8: tl.constexpr,
+        BLOCK_D: tl.constexpr,  # power of two >= head_dim (CACHE)
+        OUT_ROW: tl.constexpr,
+        BLOCK_OUT: tl.constexpr,
         PDL: tl.constexpr = False,  # triton_utils.pdl_launch
     ):
         pdl_enter(PDL)
@@ -140,8 +176,24 @@ if HAS_TRITON:
         sin = tl.load(cs_row + half + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
         _rope_heads(q_ptr + token * q_token_stride, q_head_stride, num_heads, head0, cos, sin, q_w_ptr, q_eps,
                     head_dim, half, inv_head_dim, HAS_NORM, UNIT_OFFSET, BLOCK_H, BLOCK_HALF, BLOCK_REST)
-        _rope_heads(k_ptr + token * k_token_stride, k_head_stride, num_kv_heads, head0, cos, sin, k_w_ptr, k_eps,
-                    head_dim, half, inv_head_dim, HAS_NORM, UNIT_OFFSET, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+        if CACHE:  # kv_write.py's _write_kv_kernel, for this program's KV heads
+            raw = tl.load(slot_mapping_ptr + token).to(tl.int64)
+            cache_heads = tl.where(raw >= 0, num_kv_heads, 0)  # a padding token writes nothing
+            slot = tl.maximum(raw, 0)
+            _rope_heads(k_ptr + token * k_token_stride, k_head_stride, num_kv_heads, head0, cos, sin, k_w_ptr, k_eps,
+                        head_dim, half, inv_head_dim, HAS_NORM, UNIT_OFFSET, BLOCK_H, BLOCK_HALF, BLOCK_REST,
+                        k_cache_ptr + slot * (num_kv_heads * head_dim), cache_heads, True, KV_FP8)
+            heads = head0 + tl.arange(0, BLOCK_H)[:, None]
+            d = tl.arange(0, BLOCK_D)[None, :]
+            v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + d, mask=(heads < num_kv_heads) & (d < head_dim))
+            v_dst = v_cache_ptr + slot * (num_kv_heads * head_dim) + heads * head_dim + d
+            _cache_store(v_dst, v, (heads < cache_heads) & (d < head_dim), KV_FP8)
+            if tl.program_id(1) == 0:  # a padding token's output row stays zero (the attention skips it)
+                o = tl.arange(0, BLOCK_OUT)
+                tl.store(out_ptr + token * OUT_ROW + o, tl.zeros([BLOCK_OUT], out_ptr.dtype.element_ty), mask=o < tl.where(raw < 0, OUT_ROW, 0))
+        else:
+            _rope_heads(k_ptr + token * k_token_stride, k_head_stride, num_kv_heads, head0, cos, sin, k_w_ptr, k_eps,
+                        head_dim, half, inv_head_dim, HAS_NORM, UNIT_OFFSET, BLOCK_H, BLOCK_HALF, BLOCK_REST)
 
 
 def rotary_qk(
@@ -150,12 +202,17 @@ def rotary_qk(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], unit channel stride
     cos_sin: torch.Tensor,  # [max_position, rotary_dim]: cos half | sin half
     qk_norm: QKNorm | None = None,
+    kv: KVWrite | None = None,  # this step's K/V write, handed over by the attention backend
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the first rotary_dim channels of each head of q and k, after a per-head RMSNorm
     when `qk_norm` is given. Where Triton runs: one launch that writes q and k in place and
     returns them; for float32 on a CPU, native calls (core_runner/cpu/layer_ops.py) that do the
     same; elsewhere the reference, which returns new tensors. Callers use the returned
-    tensors and must not read q or k afterwards."""
+    tensors and must not read q or k afterwards.
+
+    With `kv` (the Triton attention backend's `rotate` hook), the rotated K and V also go into
+    the KV cache, as `kv.write(k)` would put them: in the same launch where the kernel runs (a
+    launch a layer fewer), by `kv.write` after the rotation elsewhere."""
     num_tokens, num_heads, head_dim = q.shape
     rotary_dim = cos_sin.shape[-1]
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, f"q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -177,6 +234,10 @@ def rotary_qk(
             or all(torch.promote_types(w.dtype, q.dtype) == q.dtype for w in qk_norm[:2])
         )
     )
+    if kv is not None and not (fusable and _writes_cache(q, k, kv)):
+        q, k = rotary_qk(positions, q, k, cos_sin, qk_norm)
+        kv.write(k)
+        return q, k
     if not fusable:
         lib = None
         if q.device.type == "cpu" and num_tokens > 0 and q.stride(-1) == k.stride(-1) == 1:
@@ -193,6 +254,11 @@ def rotary_qk(
     has_norm = qk_norm is not None
     q_w, k_w, q_eps, k_eps = qk_norm[:4] if has_norm else (cos_sin, cos_sin, 0.0, 0.0)
     grid = (num_tokens, triton.cdiv(max(num_heads, k.shape[1]), block_h))
+    if kv is None:
+        cache = (k, 0, 0, k, k, positions, k)  # unused
+    else:
+        cache = (kv.v, kv.v.stride(0), kv.v.stride(1), kv.kv_cache[0], kv.kv_cache[1], kv.slot_mapping, kv.out)
+    out_row = kv.out[0].numel() if kv is not None else 1
     _rotary_qk_kernel[grid](
         positions.contiguous(),
         q,
@@ -211,12 +277,34 @@ def rotary_qk(
         head_dim,
         half,
         1.0 / head_dim,
+        *cache,
         HAS_NORM=has_norm,
         UNIT_OFFSET=has_norm and qk_norm.unit_offset,
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        CACHE=kv is not None,
+        KV_FP8=kv is not None and kv.kv_cache.dtype == torch.float8_e4m3fn,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        OUT_ROW=out_row,
+        BLOCK_OUT=triton.next_power_of_2(out_row),
         **pdl_launch(q.device),
         enable_fp_fusion=False,  # x1 * cos - x2 * sin with each product rounded, as torch computes it
     )
     return q, k
+
+
+def _writes_cache(q: torch.Tensor, k: torch.Tensor, kv: KVWrite) -> bool:
+    """Whether the kernel can take `kv`'s write: the layout write_kv_triton takes, q's dtype."""
+    cache = kv.kv_cache
+    return (
+        cache.is_contiguous()
+        and cache.shape[3:] == k.shape[1:]
+        and kv.v.shape == k.shape
+        and kv.v.stride(-1) == 1
+        and kv.v.dtype == q.dtype
+        and (cache.dtype == q.dtype or cache.dtype == torch.float8_e4m3fn)
+        and kv.slot_mapping.shape == (k.shape[0],)
+        and kv.out.is_contiguous()
+        and kv.out.shape[0] == k.shape[0]
+    )

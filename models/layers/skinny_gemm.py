@@ -46,10 +46,6 @@ MAX_ROWS = 8  # x rows the kernel takes
 # two (7% in sum), and loses from four rows on: each extra row adds a reduction per K chunk.
 LINEAR_MAX_ROWS = 2
 ENABLED = True  # benchmarks turn it off to compare with cuBLAS alone (read when a product runs)
-# Under programmatic dependent launch, each program asks for its W rows (the first PREFETCH_BYTES
-# of each) into L2 before it waits for the kernel before it: W is never written, so the read
-# overlaps the previous launch. Benchmarks set it to 0 (read when a product runs).
-PREFETCH_BYTES = 8192
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -93,7 +89,6 @@ if HAS_TRITON:
         ROWS: tl.constexpr,  # power of two >= M
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PREFETCH_LINES: tl.constexpr = 0,  # 128-byte lines of each W row to prefetch (PDL only), a power of two
         PDL: tl.constexpr = False,  # triton_utils.pdl_launch
     ):
         pid = tl.program_id(0)
@@ -102,12 +97,6 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         row_ids = tl.arange(0, ROWS)
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
-        if PREFETCH_LINES > 0:  # W into L2 while the kernel before still runs (its rows' first lines)
-            lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * 64, K - 1)  # 64 half-precision values a line
-            rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * w_stride
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];", "=r,l", [rows + lines[None, :]], dtype=tl.int32, is_pure=False, pack=1
-            )
         pdl_enter(PDL)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         rstd = tl.zeros((ROWS,), dtype=tl.float32)
@@ -233,8 +222,6 @@ def _launch(x, weight, bias, tiles, code: int, m: int, k: int, norm: tuple | Non
     block_n, block_k, warps, stages = skinny_tiles(k) if tiles is None else tiles
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, res_out, eps, norm_code = (x, x, x, 0.0, 0) if norm is None else norm
-    pdl = pdl_launch(x.device)
-    lines = min(triton.cdiv(k, 64), PREFETCH_BYTES // 128) if pdl else 0
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), out if bias is None else bias, out,
         residual, residual.stride(0), norm_weight, res_out, m, n, k, 1.0 / k, eps,
@@ -242,6 +229,6 @@ def _launch(x, weight, bias, tiles, code: int, m: int, k: int, norm: tuple | Non
         LIBDEVICE=not TRITON_INTERPRET, ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
         enable_fp_fusion=False,  # no fma: each product rounded, as the norm's and activation's own kernels do
-        PREFETCH_LINES=triton.next_power_of_2(lines) if lines > 0 else 0, **pdl,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out

@@ -8,7 +8,10 @@ table read from the wrong row, q/k as strided views of the fused qkv buffer (v m
 untouched), q and k swapping norm weights or eps, rounding points that differ from
 `rms_norm_ref` + `_rotate` (bf16 results would drift from transformers; Gemma3's unit-offset
 norm rounds once, after 1 + w), and the CPU path of `norm_and_rotate` drifting from today's
-`q_norm(q)` then RoPE.
+`q_norm(q)` then RoPE. With the attention backend's K/V write in the same launch (`KVWrite`):
+the cache must hold exactly what the rotation then `write_kv` would store (float8 rounding
+included, the pass-through tail included), padding tokens (slot -1) write nothing and zero their
+output row, KV heads past the first program's block still written, nothing else touched.
 """
 
 from __future__ import annotations
@@ -98,6 +101,49 @@ def _check_against_reference(device: str = "cpu", dtypes: tuple[torch.dtype, ...
                 assert torch.equal(buf[:, q_size + kv_size :], qkv[:, q_size + kv_size :]), f"{tag}: v was written"
 
 
+def _check_cache_write(device: str = "cpu", dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16)):
+    """rotary_qk with the backend's K/V write (one launch) against rotary_qk, then write_kv."""
+    from slotrunner.core_runner.attention.backend import write_kv
+    from slotrunner.core_runner.attention.kv_write import KVWrite
+    from slotrunner.models.layers.rotary_qk import QKNorm, rotary_qk
+
+    gen = torch.Generator().manual_seed(5)
+    # (q heads, kv heads, head_dim, rotary_dim): 16 KV heads take two programs' blocks
+    cases = [(4, 2, 64, 64), (12, 4, 80, 40), (16, 16, 32, 32)]
+    slots = torch.tensor([9, -1, 0, 30, -1], device=device)  # two padding tokens
+    num_tokens, num_blocks, block_size = slots.shape[0], 4, 8
+    for dtype in dtypes:
+        for cache_dtype in (dtype, torch.float8_e4m3fn):
+            for num_heads, num_kv_heads, head_dim, rotary_dim in cases:
+                tag = f"{dtype} cache {cache_dtype} heads={num_heads}/{num_kv_heads} head_dim={head_dim} rotary={rotary_dim}"
+                q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+                qkv = (3 * torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)).to(device, dtype)
+                positions = torch.tensor([5, 77, 0, 299, 3], device=device)
+                angles = torch.rand(MAX_POSITION, rotary_dim // 2, generator=gen) * 6.3
+                cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+                w = (1 + 0.5 * torch.randn(head_dim, generator=gen)).to(device, dtype)
+                for qk_norm in (None, QKNorm(w, w.flip(0), 1e-6, 1e-5)):
+                    views = []
+                    for buf in (qkv.clone(), qkv.clone()):
+                        views.append((buf[:, :q_size].view(num_tokens, num_heads, head_dim),
+                                      buf[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+                                      buf[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)))  # fmt: skip
+                    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+                    start = torch.randn(shape, generator=gen).to(device, dtype).to(cache_dtype)
+                    got_cache, want_cache = start.clone(), start.clone()
+                    got_out = torch.full((num_tokens, num_heads, head_dim), 7.0, dtype=dtype, device=device)
+                    (q, k, v), (q2, k2, v2) = views
+                    got_q, got_k = rotary_qk(positions, q, k, cos_sin, qk_norm, KVWrite(got_cache, v, slots, got_out))
+                    want_q, want_k = rotary_qk(positions, q2, k2, cos_sin, qk_norm)
+                    real = slots >= 0
+                    write_kv(want_cache, want_k[real], v2[real], slots[real])
+                    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), f"{tag}: q/k moved"
+                    u8 = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+                    assert torch.equal(u8(got_cache), u8(want_cache)), f"{tag} norm={qk_norm is not None}: cache"
+                    assert torch.equal(got_out[~real], torch.zeros_like(got_out[~real])), f"{tag}: padding output not zeroed"
+                    assert bool((got_out[real] == 7.0).all()), f"{tag}: a real token's output row was written"
+
+
 def _check_layer_calls(device: str = "cpu"):
     """The layer entry points llama.py calls, against the unfused composition of the references."""
     from slotrunner.models.layers.mrope import MRotaryEmbedding
@@ -133,6 +179,7 @@ def _check_layer_calls(device: str = "cpu"):
 
 def _check_all_interpreted():
     _check_against_reference()
+    _check_cache_write()
     _check_layer_calls()
 
 
@@ -160,6 +207,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 def test_compiled_rotary_matches_reference():
     _check_against_reference("cuda", (torch.float32, torch.float16, torch.bfloat16))
+    _check_cache_write("cuda", (torch.float32, torch.float16, torch.bfloat16))
     _check_layer_calls("cuda")
 
 
