@@ -145,10 +145,8 @@ class FalconH1Attention(LlamaAttention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(q.shape[0], -1, self.head_dim)
-        k = k.view(k.shape[0], -1, self.head_dim) * self.key_multiplier
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        k = k * self.key_multiplier
+        return self.o_proj(self.attn(q, k, v, rotate=self.rotation(positions)))
 
 
 class FalconH1MLP(nn.Module):

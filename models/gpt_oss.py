@@ -49,10 +49,7 @@ class GptOssAttention(LlamaAttention, ShardedWeights):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v, sinks=self.sinks))
+        return self.o_proj(self.attn(q, k, v, sinks=self.sinks, rotate=self.rotation(positions)))
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] (g0 u0 g1 u1 ...) -> [gate | up]

@@ -44,12 +44,7 @@ class GraniteAttention(LlamaAttention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.use_rope:
-            q = q.view(q.shape[0], -1, self.head_dim)  # [num_tokens, num_heads, head_dim]
-            k = k.view(k.shape[0], -1, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-            q, k = self.rotary_emb(positions, q, k)
-            q, k = q.flatten(1), k.flatten(1)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rotate=self.rotation(positions) if self.use_rope else None))
 
 
 class SharedMLP(nn.Module):

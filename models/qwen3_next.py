@@ -74,10 +74,11 @@ class GatedAttention(nn.Module):
         n = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = q_gate.view(n, -1, 2 * self.head_dim).chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim]
-        q, k = self.rotary_emb.norm_and_rotate(
-            positions, q.contiguous(), k.reshape(n, -1, self.head_dim), self.q_norm, self.k_norm
-        )
-        out = self.attn(q.flatten(1), k.flatten(1), v)
+
+        def rotate(q: torch.Tensor, k: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:  # backend.Rotate
+            return self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm, kv)
+
+        out = self.attn(q.contiguous(), k, v, rotate=rotate)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 

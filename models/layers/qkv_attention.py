@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import nn
 
-from slotrunner.core_runner.attention.backend import AttentionSpec
+from slotrunner.core_runner.attention.backend import AttentionSpec, Rotate
 from slotrunner.core_runner.attention.layer import Attention
 from slotrunner.models.layers.parallel_linear import qkv_linear, rank_spec, row_linear
 
@@ -61,10 +61,13 @@ class QKVAttention(nn.Module):
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:  # [num_tokens, q + 2 kv]
         """The layer after its q/k/v projection."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # The attention backend applies the rotary embedding (`Rotate`): the Triton one hands it
-        # the K/V cache write, which the rotary launch then makes too.
-        rotate = functools.partial(self._rotate, positions)
-        return self.o_proj(self.attn(q, k, v, rotate=rotate))
+        return self.o_proj(self.attn(q, k, v, rotate=self.rotation(positions)))
+
+    def rotation(self, positions: torch.Tensor) -> Rotate:
+        """This layer's rotary embedding at `positions`, for the attention backend to apply
+        (`Attention.forward(..., rotate=)`): the Triton backend hands it the K/V cache write, which
+        the rotary launch then makes too (a launch a layer fewer)."""
+        return functools.partial(self._rotate, positions)
 
     def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim] and k [.., num_kv_heads, ..] rotated (after their
