@@ -32,6 +32,8 @@ ARCHS += ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ARCHS += ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 # Recurrent hybrids: the compiled Mamba2 scan / state update and gated delta-net kernels.
 ARCHS += ("BambaForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
+# Hybrids whose attention layers are QKVAttention's subclasses: their rotary launch writes the K/V.
+ARCHS += ("FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM")
 # Routed experts: both sides score the experts from bf16 hidden states that differ by rounding,
 # so where two experts' scores nearly tie a position may route to other experts (seen on one
 # H200: DeepSeek-V3, one position of 27, 33 of its 1000 logits off by up to 0.21; DeepSeek-V2,
@@ -40,7 +42,7 @@ ARCHS += ("BambaForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM", "Q
 # prompt that is not such a tie is allowed besides (a flipped position's keys reach later
 # ones). Every other position is held to the tolerance, and the greedy check is unchanged.
 ROUTED = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
-          "DeepseekV2ForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM"}  # fmt: skip
+          "DeepseekV2ForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM"}  # fmt: skip
 TIE_SCALE = 0.02  # router logits moved by this times their RMS at a position: bf16 hidden states' rounding, a few layers deep
 
 
