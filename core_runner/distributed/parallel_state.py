@@ -15,6 +15,7 @@ collective is the identity.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # A forward's collective that waits longer than this fails: a rank died or hangs.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -170,7 +173,32 @@ def init_tensor_parallel(
     return TensorParallelGroup(rank, world_size, dist.group.WORLD, cpu_group)
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the process group (if any); the process may join another afterwards."""
-    if dist.is_initialized():
+LEAVE_WAIT = timedelta(seconds=10)  # rank 0's wait for the other ranks to leave (destroy_tensor_parallel)
+
+
+def destroy_tensor_parallel(wait_for_others: bool = True) -> None:
+    """Leave the process group (if any); the process may join another afterwards.
+
+    Rank 0 leaves last. It hosts the group's store (the env:// and tcp:// rendezvous of a
+    torchrun-style launch), and a rank still tearing its groups down when that store went away
+    aborted at exit now and then (gloo: "terminate called without an active exception"). So each
+    other rank marks its departure in the store once it has left, and rank 0, when
+    `wait_for_others` (it told them to leave and they heard), waits for those marks -- at most
+    LEAVE_WAIT -- before it leaves."""
+    if not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()  # kept alive past the groups by this reference
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
         dist.destroy_process_group()
+        try:
+            store.set(f"slotrunner/left/{rank}", "1")
+        except Exception:  # rank 0 gone already: nobody waits for the mark
+            pass
+        return
+    if wait_for_others and world_size > 1:
+        try:
+            store.wait([f"slotrunner/left/{r}" for r in range(1, world_size)], LEAVE_WAIT)
+        except Exception as e:  # a rank that died or hangs: leave without it
+            logger.warning("tensor-parallel shutdown: not every rank left within %s: %s", LEAVE_WAIT, e)
+    dist.destroy_process_group()
