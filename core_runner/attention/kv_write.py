@@ -19,8 +19,8 @@ if HAS_TRITON:
     from slotrunner.core_runner.attention.float8 import round_to_e4m3
     from slotrunner.core_runner.triton_utils import pdl_enter
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # of q, k and v
+CACHE_DTYPES = (*DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 
 
 if HAS_TRITON:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec, Rotate
-from slotrunner.core_runner.attention.kv_write import CACHE_DTYPES, KVWrite
+from slotrunner.core_runner.attention.kv_write import CACHE_DTYPES, DTYPES, KVWrite
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
 from slotrunner.core_runner.attention.split_kv import attention_splits, split_kv_counters, split_kv_state
 from slotrunner.core_runner.attention.tile_config import TileConfig
@@ -51,7 +51,6 @@ if HAS_TRITON:
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
     from slotrunner.core_runner.triton_utils import pdl_enter
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FUSED_KV_WRITE = True  # a layer's rotary launch writes its K/V (`KVWrite`); benchmarks turn it off (read per forward)
 
 
@@ -279,7 +278,7 @@ def paged_attention(
     )
     assert q.shape == (num_tokens, num_heads, head_dim) and q.stride(-1) == 1, f"q {tuple(q.shape)} {q.stride()}"
     assert kv_cache.is_contiguous(), "the paged KV cache must be contiguous"
-    assert q.dtype in _DTYPES and kv_cache.dtype in CACHE_DTYPES, f"dtypes q {q.dtype}, cache {kv_cache.dtype}"
+    assert q.dtype in DTYPES and kv_cache.dtype in CACHE_DTYPES, f"dtypes q {q.dtype}, cache {kv_cache.dtype}"
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     compute_dtype = q.dtype if kv_fp8 else kv_cache.dtype
     fp8_f16 = fp8_in_fp16(kv_cache.dtype, q.dtype)
