@@ -26,6 +26,14 @@ CACHE_DTYPES = (*DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 if HAS_TRITON:
 
     @triton.jit
+    def store_to_cache(ptrs, x, mask, KV_FP8: tl.constexpr):
+        """x into the K/V cache at `ptrs`: over a float8 cache rounded first as
+        backend.to_cache_dtype rounds (every Triton K/V writer stores through this)."""
+        if KV_FP8:
+            x = round_to_e4m3(x.to(tl.float32))
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr,  # [num_tokens, num_kv_heads, head_dim]
         stride_kt,
@@ -62,11 +70,8 @@ if HAS_TRITON:
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-        if KV_FP8:
-            k = round_to_e4m3(k.to(tl.float32))
-            v = round_to_e4m3(v.to(tl.float32))
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        store_to_cache(k_cache_ptr + dst, k, mask, KV_FP8)
+        store_to_cache(v_cache_ptr + dst, v, mask, KV_FP8)
 
 
 class KVWrite(NamedTuple):

@@ -55,15 +55,8 @@ def rotary_qk_ref(
 
 
 if HAS_TRITON:
-    from slotrunner.core_runner.attention.float8 import round_to_e4m3
+    from slotrunner.core_runner.attention.kv_write import store_to_cache
     from slotrunner.core_runner.triton_utils import pdl_enter
-
-    @triton.jit
-    def _cache_store(ptrs, x, mask, KV_FP8: tl.constexpr):
-        """x (q's dtype) into the KV cache, rounded as triton_attn's K/V write rounds."""
-        if KV_FP8:
-            x = round_to_e4m3(x.to(tl.float32))
-        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_heads(
@@ -121,12 +114,12 @@ if HAS_TRITON:
         if CACHE:
             c_row = cache_ptr + heads[:, None] * head_dim
             c_mask = (heads < cache_heads)[:, None] & (offs < half)[None, :]
-            _cache_store(c_row + offs[None, :], y1, c_mask, KV_FP8)
-            _cache_store(c_row + half + offs[None, :], y2, c_mask, KV_FP8)
+            store_to_cache(c_row + offs[None, :], y1, c_mask, KV_FP8)
+            store_to_cache(c_row + half + offs[None, :], y2, c_mask, KV_FP8)
             offs_r = 2 * half + tl.arange(0, BLOCK_REST)
             if not HAS_NORM:  # the channels past rotary_dim, as they are
                 xr = tl.load(row + offs_r[None, :], mask=(heads < num_heads)[:, None] & (offs_r < head_dim)[None, :], other=0.0)
-            _cache_store(c_row + offs_r[None, :], xr.to(dtype), (heads < cache_heads)[:, None] & (offs_r < head_dim)[None, :], KV_FP8)
+            store_to_cache(c_row + offs_r[None, :], xr.to(dtype), (heads < cache_heads)[:, None] & (offs_r < head_dim)[None, :], KV_FP8)
 
     @triton.jit
     def _rotary_qk_kernel(
@@ -187,7 +180,7 @@ if HAS_TRITON:
             d = tl.arange(0, BLOCK_D)[None, :]
             v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + d, mask=(heads < num_kv_heads) & (d < head_dim))
             v_dst = v_cache_ptr + slot * (num_kv_heads * head_dim) + heads * head_dim + d
-            _cache_store(v_dst, v, (heads < cache_heads) & (d < head_dim), KV_FP8)
+            store_to_cache(v_dst, v, (heads < cache_heads) & (d < head_dim), KV_FP8)
             if tl.program_id(1) == 0:  # a padding token's output row stays zero (the attention skips it)
                 o = tl.arange(0, BLOCK_OUT)
                 tl.store(out_ptr + token * OUT_ROW + o, tl.zeros([BLOCK_OUT], out_ptr.dtype.element_ty), mask=o < tl.where(raw < 0, OUT_ROW, 0))
