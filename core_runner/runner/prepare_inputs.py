@@ -72,17 +72,13 @@ def prepare_inputs(
         back_np = by_slot.numpy()[idx_mapping_np[:num_back_rows]]
         num_computed_np[:num_back_rows] -= back_np
         seq_lens_np[:num_back_rows] -= back_np
-    ik.prepare_input_ids_positions(
+    # Token ids, positions, and each KV-cache group's slots and table rows: one launch.
+    max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
+    ik.build_step_inputs(
         rows.idx_mapping, b.query_start_loc, rows.num_computed, state.token_ids, b.input_ids, b.positions, num_tokens_padded,
+        block_tables.tables, block_tables.block_size, b.group_slot_mapping, b.group_block_tables, num_reqs_padded, max_blocks,
         by_slot, rows.seq_lens, num_back_rows,
     )  # fmt: skip
-    max_blocks = -(-int(seq_lens_np.max()) // block_tables.block_size) if num_reqs else 0
-    for g in range(block_tables.num_groups):  # each KV-cache group's slots and table rows
-        ik.compute_slot_mapping(
-            rows.idx_mapping, b.query_start_loc, b.positions, block_tables.table_of[g], block_tables.block_size,
-            b.slot_mapping_of[g], num_tokens_padded,
-        )  # fmt: skip
-        ik.gather_block_tables(rows.idx_mapping, block_tables.table_of[g], b.block_tables_of[g], num_reqs_padded, max_blocks)
     cu_num_logits_np, cu_num_logits = None, None
     logits_indices = rows.logits_indices
     if speculative and not carries_drafts:

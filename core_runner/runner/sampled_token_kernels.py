@@ -421,7 +421,7 @@ def verify_and_update(
     samples * (num_draft - accepted), num_known [num_reqs] int64 = the history's new length, and
     hist_len [num_reqs] int64 = num_known where `allowed`, else 0). token_ids and last_sampled are updated as `post_update` does.
     With `rejected_by_slot`, each row's num_rejected is also written at its slot there (the next
-    overlapped step's inputs move back by it: `prepare_input_ids_positions`); other slots keep theirs.
+    overlapped step's inputs move back by it: `build_step_inputs`); other slots keep theirs.
     With `out`, the five outputs are views of its buffers (on the GPU; the reference allocates)."""
     num_reqs = idx_mapping.shape[0]
     if not use_triton(token_ids.device):

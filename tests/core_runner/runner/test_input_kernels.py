@@ -135,8 +135,9 @@ def _batch(slots, query_lens, num_computed, idx_dtype):
 
 def _tables(gen):
     token_ids = torch.randint(1, 1000, (MAX_SLOTS, MAX_MODEL_LEN), generator=gen)
-    block_table = torch.randperm(MAX_SLOTS * MAX_BLOCKS, generator=gen).view(MAX_SLOTS, MAX_BLOCKS).to(I32)
-    return token_ids, block_table
+    # three KV-cache groups' tables, each its own permutation of the block ids
+    block_tables = torch.stack([torch.randperm(MAX_SLOTS * MAX_BLOCKS, generator=gen) for _ in range(3)])
+    return token_ids, block_tables.view(3, MAX_SLOTS, MAX_BLOCKS).to(I32)
 
 
 # Where the wrapper runs: the CPU under the interpreter, or a GPU (compiled kernels).
@@ -164,53 +165,36 @@ def _check_kernels_match_references():
 
     assert use_triton(KERNEL_DEVICE), "the interpreter switch did not take"
     gen = torch.Generator().manual_seed(0)
-    token_ids, block_table = _tables(gen)
+    token_ids, block_tables = _tables(gen)
     for slots, qlens, computed, pad_tokens, pad_rows, idx_dtype in _cases():
         idx, qsl, nc = _batch(slots, qlens, computed, idx_dtype)
         n_tok, n_req = sum(qlens), len(slots)
         case = f"case {slots} {qlens} {computed}"
 
-        got, want = _both(
-            ik.prepare_input_ids_positions,
-            ik.prepare_input_ids_positions_ref,
-            [filled(MAX_TOKENS), filled(MAX_TOKENS)],
-            lambda o: (idx, qsl, nc, token_ids, o[0], o[1], n_tok + pad_tokens),
-        )
-        _assert_same(f"input ids/positions, {case}", got, want)
-        input_ids, positions = want
-
-        # rows moved back first by the drafts their slot's last step rejected (overlapped steps)
-        # (each row counted 2 more tokens than it keeps at most: no position goes negative)
-        rejected = torch.randint(0, 3, (MAX_SLOTS,), generator=gen)
-        for num_back in sorted({0, n_req // 2, n_req}):
-            ahead = nc + 2
-            back_lens = ahead.long() + torch.tensor(qlens, dtype=torch.int64)
-            got, want = _both(
-                ik.prepare_input_ids_positions,
-                ik.prepare_input_ids_positions_ref,
-                [filled(MAX_TOKENS), filled(MAX_TOKENS), ahead, back_lens.to(idx_dtype)],
-                lambda o: (idx, qsl, o[2], token_ids, o[0], o[1], n_tok + pad_tokens, rejected, o[3], num_back),
-            )
-            _assert_same(f"input ids/positions, {num_back} rows moved back, {case}", got, want)
-
         seq_lens = (nc.long() + torch.tensor(qlens, dtype=torch.int64)).to(I32)
-
-        got, want = _both(
-            ik.compute_slot_mapping,
-            ik.compute_slot_mapping_ref,
-            [filled(MAX_TOKENS)],
-            lambda o: (idx, qsl, positions, block_table, KV_BLOCK, o[0], n_tok + pad_tokens),
-        )
-        _assert_same(f"slot mapping, {case}", got, want)
-
-        for needed in (None, 2):
+        # ids, positions, each group's slots and table rows in one launch; rows moved back
+        # first by the drafts their slot's last step rejected (overlapped steps: each row counted
+        # 2 more tokens than it keeps at most, so no position goes negative)
+        rejected = torch.randint(0, 3, (MAX_SLOTS,), generator=gen)
+        for groups, needed, num_back in ((1, None, 0), (1, 2, n_req // 2), (3, 3, n_req), (2, None, 0)):
+            ahead = nc + 2 if num_back else nc.clone()
+            lens = ahead.long() + torch.tensor(qlens, dtype=torch.int64)
             got, want = _both(
-                ik.gather_block_tables,
-                ik.gather_block_tables_ref,
-                [torch.full((MAX_REQS, MAX_BLOCKS), SENTINEL, dtype=I32)],
-                lambda o: (idx, block_table, o[0], n_req + pad_rows, needed),
-            )
-            _assert_same(f"block tables (columns {needed}), {case}", got, want)
+                ik.build_step_inputs,
+                ik.build_step_inputs_ref,
+                [
+                    filled(MAX_TOKENS), filled(MAX_TOKENS), ahead, lens.to(idx_dtype),
+                    torch.full((groups, MAX_TOKENS), SENTINEL, dtype=I64),
+                    torch.full((groups, MAX_REQS, MAX_BLOCKS), SENTINEL, dtype=I32),
+                ],
+                lambda o: (
+                    idx, qsl, o[2], token_ids, o[0], o[1], n_tok + pad_tokens, block_tables[:groups], KV_BLOCK, o[4], o[5],
+                    n_req + pad_rows, needed, rejected if num_back else None, o[3] if num_back else None, num_back,
+                ),
+            )  # fmt: skip
+            _assert_same(f"step inputs ({groups} groups, columns {needed}, {num_back} rows moved back), {case}", got, want)
+            if groups == 1 and not num_back:
+                input_ids = want[0]
 
         # combine: drafts only where the row's query holds them; empty rows are not scheduled
         if n_req and min(qlens) > 0:
@@ -298,19 +282,17 @@ def test_wrappers_agree_with_host_prepare_inputs():
     qsl = batch.query_start_loc
     nc = torch.from_numpy(batch.num_computed_tokens_np).to(I32)
     pad = 3
-    ids, pos, slot_mapping = filled(16), filled(16), filled(16)
-    ik.prepare_input_ids_positions(idx, qsl, nc, state.token_ids, ids, pos, batch.num_tokens + pad)
+    ids, pos, slot_mapping = filled(16), filled(16), torch.full((1, 16), SENTINEL, dtype=I64)
+    gathered = torch.full((1, 4, 8), SENTINEL, dtype=I32)
+    ik.build_step_inputs(idx, qsl, nc, state.token_ids, ids, pos, batch.num_tokens + pad, tables.tables, BLOCK, slot_mapping, gathered, 4)
     assert ids[: batch.num_tokens].tolist() == batch.input_ids.tolist()
     assert pos[: batch.num_tokens].tolist() == batch.positions.tolist()
     assert batch.seq_lens.tolist() == (batch.num_computed_tokens_np + sched).tolist()  # staged by the host
-    ik.compute_slot_mapping(idx, qsl, pos, tables.table, BLOCK, slot_mapping, batch.num_tokens + pad)
-    assert slot_mapping[: batch.num_tokens].tolist() == batch.slot_mapping.tolist()
-    assert slot_mapping[batch.num_tokens : batch.num_tokens + pad].tolist() == [-1] * pad
-    gathered = torch.full((4, 8), SENTINEL, dtype=I32)
-    ik.gather_block_tables(idx, tables.table, gathered, 4)
+    assert slot_mapping[0, : batch.num_tokens].tolist() == batch.slot_mapping.tolist()
+    assert slot_mapping[0, batch.num_tokens : batch.num_tokens + pad].tolist() == [-1] * pad
     # prepare_inputs copies only the columns this step's longest row reads.
     needed = -(-batch.max_seq_len // BLOCK)
-    assert torch.equal(gathered[: batch.num_reqs, :needed], batch.block_tables[:, :needed])
+    assert torch.equal(gathered[0, : batch.num_reqs, :needed], batch.block_tables[:, :needed])
 
     # Without drafts the logits are each row's last token, and a decode row's input is its last
     # sampled token -- which the host path read from the history, where post_update put it.
@@ -318,7 +300,10 @@ def test_wrappers_agree_with_host_prepare_inputs():
     state.num_computed_tokens_np[slot["b"]] = 3  # the scheduler's update: b now decodes 777
     batch = prepare_inputs(["b"], idx_np[:1], np.array([1]), state, tables)
     ids = filled(4)
-    ik.prepare_input_ids_positions(idx[:1], batch.query_start_loc, t([3], I32), state.token_ids, ids, filled(4), 1)
+    ik.build_step_inputs(
+        idx[:1], batch.query_start_loc, t([3], I32), state.token_ids, ids, filled(4), 1, tables.tables, BLOCK,
+        torch.zeros(1, 4, dtype=I64), torch.zeros(1, 4, 8, dtype=I32), 1,
+    )  # fmt: skip
     before = ids.clone()
     prefill_len = torch.from_numpy(state.prefill_len_np)
     logits = filled(4)
