@@ -331,3 +331,19 @@ def test_post_update_agrees_with_host_post_update():
     )
     assert torch.equal(device.token_ids, host.token_ids)
     assert torch.equal(device.last_sampled, host.last_sampled)
+
+
+@pytest.mark.parametrize("groups, has_back", [(1, False), (3, True)])
+def test_step_inputs_kernel_compiles_for_hopper(compile_for_hopper, groups, has_back):
+    """The one input launch compiles for sm_90 (what the interpreter never checks), as launched:
+    int32 or int64 row tables, one or several KV-cache groups, rows moved back or not."""
+    signature = dict(
+        idx_mapping_ptr="*i32", query_start_loc_ptr="*i32", num_computed_ptr="*i32", token_ids_ptr="*i64",
+        token_ids_stride="i32", input_ids_ptr="*i64", positions_ptr="*i64", table_ptr="*i32", table_group_stride="i32",
+        table_stride="i32", slot_mapping_ptr="*i64", slot_mapping_group_stride="i32", tables_out_ptr="*i32",
+        tables_out_group_stride="i32", tables_out_stride="i32", num_reqs="i32", num_tokens_padded="i32",
+        num_reqs_padded="i32", num_cols="i32", rejected_ptr="*i32", seq_lens_ptr="*i32", num_back_rows="i32",
+    )  # fmt: skip
+    constexprs = dict(NUM_GROUPS=groups, KV_BLOCK_SIZE=16, BLOCK=1024, HAS_BACK=has_back)
+    usage = compile_for_hopper(ik._build_step_inputs_kernel, signature, constexprs, num_warps=4)
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
