@@ -226,7 +226,7 @@ if HAS_TRITON:
                         mask=in_query,
                     )
         if row == num_reqs:
-            num_tokens = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32) if num_reqs > 0 else 0
+            num_tokens = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32)  # 0 when num_reqs is 0
             for start in range(num_tokens, num_tokens_padded, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 pad = offs < num_tokens_padded
@@ -236,14 +236,14 @@ if HAS_TRITON:
                     tl.store(slot_mapping_ptr + g * slot_mapping_group_stride + offs, tl.full([BLOCK], -1, tl.int64), mask=pad)
         if row < num_reqs_padded:
             real = row < num_reqs
-            slot = tl.load(idx_mapping_ptr + row, mask=real, other=0).to(tl.int64)
+            row_slot = tl.load(idx_mapping_ptr + row, mask=real, other=0).to(tl.int64)
             # A padded row reads nothing (limit 0) and so stores zeros. (A scalar limit rather than
             # `in_cols & real`: the interpreter rejects block & scalar masks.)
             read_cols = tl.where(real, num_cols, 0)
             for start in range(0, num_cols, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 for g in tl.static_range(NUM_GROUPS):
-                    ids = tl.load(table_ptr + g * table_group_stride + slot * table_stride + cols, mask=cols < read_cols, other=0)
+                    ids = tl.load(table_ptr + g * table_group_stride + row_slot * table_stride + cols, mask=cols < read_cols, other=0)
                     tl.store(tables_out_ptr + g * tables_out_group_stride + row * tables_out_stride + cols, ids, mask=cols < num_cols)
 
 
