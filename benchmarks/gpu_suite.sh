@@ -25,7 +25,7 @@
 # draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone, after serving the run once untimed; deepseek-hf: all 27 layers against transformers in the same process, after that untimed run; qwen3moe-hf: the Qwen3-30B-A3B shape against transformers alike; deepseek-cold: after two tokens a request, with Triton's kernel cache empty; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count; tests-mla: the MLA and float8-cache GPU tests alone; mla-fp8: the MLA decode kernel over a bf16 and a float8 cache by tile, warps, stages; deepseek-fp8: all 27 layers with the float8 latent cache against bf16, alternating, twice), latency, overhead, profile, profile-mm,
 # prefix, pdl-ab (programmatic dependent launch against plain launches: batch-1 latency, the bench workload), skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
-# with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts), overhead-lockstep (overhead with equal prompts: every row crosses a block boundary in the same step, as the figures up to 2026-12-06), launch-ab (that host time with cached Triton launches against
+# with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts), overhead-probe (that with the garbage collector off and on, and where inference_mode's entry spends its time under cProfile), overhead-lockstep (overhead with equal prompts: every row crosses a block boundary in the same step, as the figures up to 2026-12-06), launch-ab (that host time with cached Triton launches against
 # Triton's dispatch, three alternating pairs), small-batch (the bench workload's shape at max_num_seqs=6, both caches),
 # split-graphs (the decode attention by split count at 1-32 rows, from CUDA graphs), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
@@ -157,6 +157,9 @@ for s in "${steps[@]}"; do
       run_step split-graphs 150 python3 benchmarks/attention_kernel.py --graph-split-rows 1,2,4,6,8,16,32 --min-len 1000 --max-len 1700 ;;
     overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
     overhead-long) run_step overhead-long 180 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000 ;;
+    overhead-probe)  # that host time with the garbage collector off and on, and a cumulative profile with inference_mode's entry broken down
+      run_step overhead-probe 180 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000 --gc-ab \
+        --profile 30 --profile-sort cumulative --profile-callees 'grad_mode.*__enter__' ;;
     overhead-lockstep) run_step overhead-lockstep 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 --lockstep ;;
     overhead-spec)
       run_step overhead-spec 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,16 --ngram 4 --count-ops 5

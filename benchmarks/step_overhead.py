@@ -24,6 +24,11 @@ machine other work then moves the figures less (on a GPU it hides time spent wai
 `--profile N` prints the N functions with the most own time over the timed steps (cProfile;
 its overhead inflates the step times printed beside it).
 
+`--gc-ab` measures each batch size twice more, Python's garbage collector off and then on (its
+collections run inside whatever step allocates past the threshold; cProfile charges them to the
+function that allocated). `--profile-sort cumulative` and `--profile-callees REGEX` show where a
+function's time goes below it.
+
 `--count-ops N` counts, over N more steps after the timed ones, what the host dispatches per step
 (median), by the step's parts: `calls`, torch calls made from Python (functions and tensor
 methods; reads of shape, dtype, strides and the like left out), each costing host time on any
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import importlib
 import json
 import pstats
@@ -257,6 +263,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="thread: CPU time of the main thread")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N functions with the most own time, per batch size")
+    p.add_argument("--profile-sort", default="tottime", help="with --profile: pstats sort key (tottime, cumulative, ...)")
+    p.add_argument("--profile-callees", metavar="REGEX", default="",
+                   help="with --profile: also list what the functions matching REGEX call, and who calls them")
+    p.add_argument("--gc-ab", action="store_true",
+                   help="each batch size twice more: Python's garbage collector off (gc.disable after a collect), then on")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling at this temperature (default greedy)")
     p.add_argument("--count-ops", type=int, default=0, metavar="N", help="count torch calls, aten ops and kernels over N more steps")
     p.add_argument("--list-ops", action="store_true", help="with --count-ops: print one counted step's calls by name")
@@ -283,7 +294,21 @@ def main() -> None:
                                                 args.temperature, args.ngram, args.prompt_len, args.lockstep)))
             if profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
-                pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+                stats = pstats.Stats(profile).sort_stats(args.profile_sort)
+                stats.print_stats(args.profile)
+                if args.profile_callees:
+                    stats.print_callees(args.profile_callees)
+                    stats.print_callers(args.profile_callees)
+            for collector in ("off", "on") if args.gc_ab else ():
+                if collector == "off":
+                    gc.collect()
+                    gc.disable()
+                try:
+                    r = measure(d, args.device, b, args.steps, clock, None, 0, False, args.temperature, args.ngram,
+                                args.prompt_len, args.lockstep)
+                finally:
+                    gc.enable()
+                rows.append(dict(batch=f"{b} gc {collector}", **r))
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     what = "CPU time of the main thread" if args.clock == "thread" else "wall time"
     sampling = f"seeded sampling at temperature {args.temperature}" if args.temperature else "greedy"
@@ -294,14 +319,14 @@ def main() -> None:
     prompts = f"{args.prompt_len}-token prompts" if args.lockstep else f"prompts of {args.prompt_len} + (row mod block size) tokens"
     print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, "
           f"{prompts}, median of {args.steps} steps, ms")
-    print(f"{'batch':>6} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
+    print(f"{'batch':>10} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
     for r in rows:
-        print(f"{r['batch']:>6} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "
+        print(f"{r['batch']:>10} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "
               f"{r['sample+copy']:>8.3f} {r['update']:>8.3f}")
     if args.count_ops:
         print(f"per decode step, median of {args.count_ops} steps: torch calls / aten ops / kernels")
         print(f"{'batch':>6} {'total':>14} {'schedule':>14} {'prepare':>14} {'sample':>14} {'update':>14}")
-        for r in rows:
+        for r in (r for r in rows if "total ops" in r):
             print(f"{r['batch']:>6}" + "".join(f" {'/'.join(map(str, r[k + ' ops'])):>14}" for k in ("total",) + PARTS))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
