@@ -45,7 +45,7 @@ _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
 _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
-    from slotrunner.core_runner.attention.float8 import round_to_e4m3
+    from slotrunner.core_runner.attention.kv_write import store_to_cache
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
     @triton.jit
@@ -71,11 +71,8 @@ if HAS_TRITON:
         c = tl.load(latent_ptr + t * stride_lt + r, mask=r < RANK)
         p = tl.arange(0, BLOCK_P)
         k = tl.load(k_pe_ptr + t * stride_kt + p, mask=p < ROPE)
-        if FP8:
-            c = round_to_e4m3(c.to(tl.float32))
-            k = round_to_e4m3(k.to(tl.float32))
-        tl.store(row + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
-        tl.store(row + RANK + p, k.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+        store_to_cache(row + r, c, r < RANK, FP8)  # the K/V writers' store, float8 rounding included
+        store_to_cache(row + RANK + p, k, p < ROPE, FP8)
 
     @triton.jit
     def _mla_decode_kernel(

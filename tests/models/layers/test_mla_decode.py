@@ -173,3 +173,15 @@ def test_decode_kernel_compiles_for_hopper(compile_for_hopper, splits, cache):
     if cache == "bf16":  # a float8 tile is widened in registers: 160 bytes spill, yet it is the fastest tile (RESULTS.md)
         assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) > 0, f"the cache tiles' loads are not pipelined: {usage}"
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_latent_write_compiles_for_hopper(compile_for_hopper, cache):
+    """The latent write (through the K/V writers' store_to_cache) builds for sm_90 over both caches."""
+    from slotrunner.models.layers import mla_decode
+
+    signature = dict(latent_ptr="*bf16", stride_lt="i32", k_pe_ptr="*bf16", stride_kt="i32", cache_ptr=f"*{cache}",
+                     slot_mapping_ptr="*i64")  # fmt: skip
+    constexprs = dict(RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, FP8=cache != "bf16")
+    usage = compile_for_hopper(mla_decode._write_latent_kernel, signature, constexprs)
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
