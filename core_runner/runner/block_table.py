@@ -22,7 +22,6 @@ class BlockTables:
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)  # [slots], the same in every group
         self.tables = torch.zeros(shape, dtype=torch.int32, device=device)  # [groups, slots, max_blocks]
         self.table_np, self.table = self.tables_np[0], self.tables[0]
-        self.table_of = tuple(self.tables)  # per group, [slots, max_blocks]
         self._dirty: set[int] = set()
         self._resets = 0  # bumped when a slot's table starts over (a new request in the slot)
         # The last shared_prefix_blocks answer: (rows' bytes, resets, limit, blocks).

@@ -117,8 +117,6 @@ class InputBuffers:
         # slice is host time, ~15 a step).
         self.rows = functools.lru_cache(maxsize=None)(self._rows)  # at most max_num_reqs + 1 sizes
         self.tokens = functools.lru_cache(maxsize=_CACHED_TOKEN_COUNTS)(self._tokens)
-        self.block_tables_of = tuple(self.group_block_tables)  # per KV-cache group, [max_num_reqs, max_blocks]
-        self.slot_mapping_of = tuple(self.group_slot_mapping)  # per KV-cache group, [max_num_tokens]
 
     @torch.inference_mode(False)  # plain views, whoever asks first: they may be written later
     def _rows(self, n: int) -> RowViews:
