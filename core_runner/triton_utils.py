@@ -80,10 +80,11 @@ def jit_per_step(*varying: str):
 
 def launch_key(args: tuple, by_class: tuple[bool, ...]) -> tuple:
     """What a compiled Triton kernel was specialized on, for one launch's arguments, at least as
-    finely as Triton keys it: per tensor its dtype and 16-byte alignment; an int Triton does not
-    specialize (`by_class`: jit_per_step's varying ones) by its classes (equal to 1, a multiple
-    of 16, 32-bit), any other int -- a constexpr among them -- by its value; other values
-    (constexprs, flags, None) as they are. (Per launch on the host: kept to one pass.)"""
+    finely as Triton keys it: per tensor its dtype and 16-byte alignment; an int that is not a
+    constexpr (`by_class`) by its classes (equal to 1, a multiple of 16, 32-bit): Triton keys it
+    by those or, unspecialized (jit_per_step's varying ones), by its width alone; a constexpr int
+    by its value; other values (constexprs, flags, None) as they are. So a launch whose token
+    count is new takes the cached path too. (Per launch on the host: kept to one pass.)"""
     key = []
     add = key.append
     for a, cls in zip(args, by_class):
@@ -114,7 +115,7 @@ class CachedLaunch:
         self._names = None if params is None or TRITON_INTERPRET else [p.name for p in params]
         self._name_set = frozenset(self._names or ())
         self._defaults = {p.name: p.default for p in params or () if p.default is not inspect.Parameter.empty}
-        self._by_class = tuple(bool(getattr(p, "do_not_specialize", False)) for p in params or ())
+        self._by_class = tuple(not p.is_constexpr for p in params or ())
         self._compiled: dict[tuple, object] = {}
 
     def __getattr__(self, name: str):  # the JITFunction's own attributes

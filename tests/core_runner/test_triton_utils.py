@@ -22,8 +22,9 @@ from slotrunner.core_runner.triton_utils import CachedLaunch, launch_key
 
 
 class _Param:
-    def __init__(self, name: str, default=inspect.Parameter.empty, do_not_specialize: bool = False) -> None:
-        self.name, self.default, self.do_not_specialize = name, default, do_not_specialize
+    def __init__(self, name: str, default=inspect.Parameter.empty, do_not_specialize: bool = False,
+                 is_constexpr: bool = False) -> None:
+        self.name, self.default, self.do_not_specialize, self.is_constexpr = name, default, do_not_specialize, is_constexpr
 
 
 class _Compiled:
@@ -40,9 +41,9 @@ class _Jit:
     """A JITFunction stand-in: `params`, and fn[grid](*args, **kwargs) -> a compiled kernel."""
 
     def __init__(self) -> None:
-        # n varies from step to step (jit_per_step), stride does not, BLOCK is a constexpr
+        # n varies from step to step (jit_per_step), stride is specialized, BLOCK is a constexpr
         self.params = [_Param("x_ptr"), _Param("n", do_not_specialize=True), _Param("stride", 4), _Param("flag", False),
-                       _Param("BLOCK", 64)]  # fmt: skip
+                       _Param("BLOCK", 64, is_constexpr=True)]  # fmt: skip
         self.log: list = []
         self.compiled = _Compiled(self.log)
         self.some_attribute = "kept"
@@ -94,8 +95,8 @@ def test_a_launch_triton_would_specialize_otherwise_takes_its_path(kernel, chang
         args[0] = x.to(torch.int32)
     elif change == "other BLOCK":  # both multiples of 16: a constexpr is keyed by its value
         kwargs["BLOCK"] = 256
-    elif change == "other stride":  # an int Triton may specialize: by its value
-        kwargs["stride"] = 7
+    elif change == "other stride":  # an int Triton specializes: now a multiple of 16
+        kwargs["stride"] = 16
     elif change == "flag":
         kwargs["flag"] = True
     else:
@@ -106,6 +107,17 @@ def test_a_launch_triton_would_specialize_otherwise_takes_its_path(kernel, chang
     assert kernel.log[-1][0] == "cached"
     if change == "num_warps":  # a launch option, not a kernel argument: passed to Triton only
         assert kernel.log[1][3] == {"num_warps": 8} and len(kernel.log[2][2]) == 5
+
+
+def test_new_values_of_the_same_classes_take_the_cached_path(kernel):
+    """A prefill launch's token count and strides change from step to step: the compiled kernel
+    serves every value of the class it was compiled for, specialized ints included."""
+    x = torch.zeros(64, dtype=torch.int64)
+    kernel[(3,)](x, 5, stride=7, BLOCK=128)
+    kernel[(9,)](x, 37, stride=9, BLOCK=128)
+    kernel[(2,)](x, 3, stride=2**20 + 3, BLOCK=128)
+    assert [entry[0] for entry in kernel.log] == ["triton", "cached", "cached"]
+    assert kernel.log[1][2] == (x, 37, 9, False, 128) and kernel.log[2][2] == (x, 3, 2**20 + 3, False, 128)
 
 
 def test_interpreted_or_callable_grid_always_takes_tritons_path(kernel, monkeypatch):
@@ -126,6 +138,6 @@ def test_launch_key_classes():
     assert launch_key((x, 5, 0.5, None, True), varying) == launch_key((x.clone(), 7, 1.5, None, True), varying)
     assert launch_key((x, 5), varying) != launch_key((x, 1), varying) != launch_key((x, 16), varying)
     assert launch_key((x, 16), varying) == launch_key((x, 48), varying)
-    assert launch_key((16,), (False,)) != launch_key((48,), (False,))  # not varying: by value
+    assert launch_key((16,), (False,)) != launch_key((48,), (False,))  # a constexpr: by value
     assert launch_key((x,), varying) != launch_key((x[1:],), varying)  # 4 bytes past: not 16-byte aligned
     assert launch_key((True,), (False,)) != launch_key((1,), (False,)) != launch_key((False,), (False,))
