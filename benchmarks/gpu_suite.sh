@@ -18,7 +18,7 @@
 # runs (benchmarks/RESULTS.md, 2026-12-01 fourth sitting): keep `tests` (or a throwaway run) first
 # before figures that are compared across processes.
 #
-# Steps: tests, throughput (throughput-phases: its time by step shape), fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
+# Steps: tests, throughput (throughput-phases: its time by step shape; eager-forward: an eager 8,192-token prefill step's host and GPU time), fp8, scan, hybrid (hybrid-fast: without the peer), multimodal
 # (multimodal-profile: host and GPU profile of its runs; multimodal-intake: media read by worker
 # processes while the engine steps against threads that read first, and the media read beforehand; multimodal-processes: the first of those alone; multimodal-tower: the vision tower replayed as CUDA graphs against launched eagerly, in one engine; multimodal-spy: a py-spy profile of the engine's thread, by phase; multimodal-spy-gil: the same counting only samples that hold the GIL; multimodal-workers: the multimodal engine alone with 4 and 8 intake processes; multimodal-alternate: one LLaVA engine alternating 2, 4 and 8 intake processes and the text prompts; multimodal-alternate-8: 8 against the text prompts only, 7 repeats), attention-fp8-sweep (the decode launch's tiles over a float8 cache), attention-split-sweep (each row's keys split over 1, 2, 4 programs at batch 256, both caches), attention-halves-ab (the decode launch's one product against the head dim's halves, both caches), attention-maxnreg-ab (the decode launch with its registers capped at 128 and 96 against the compiler's choice, both caches), spec (spec-long: n-gram at
 # 512 tokens a request; spec-draft-other: its never-accepted draft model alone; spec-draft-phases: that one at batch 1 with drafts on every step, the engine's phases timed; spec-draft-steady: that one with the gate the untimed run trained; spec-draft-long: the never-accepted draft model at 512; spec-draft-small: a never-accepted
@@ -90,6 +90,7 @@ for s in "${steps[@]}"; do
       summary+=("suite: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/suite.log")") ;;
     throughput) run_step throughput 150 python3 benchmarks/throughput.py --peers none ;;
     throughput-phases) run_step throughput-phases 150 python3 benchmarks/throughput.py --peers none --phases ;;
+    eager-forward) run_step eager-forward 120 python3 benchmarks/eager_forward.py --profile 30 ;;
     fp8) run_step fp8 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 ;;
     scan) run_step scan 90 python3 benchmarks/mamba_scan_kernel.py ;;
     moe-kernel) run_step moe-kernel 90 python3 benchmarks/moe_kernel.py ;;

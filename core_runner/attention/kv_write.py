@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, pdl_launch, tl, triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton
 
 if HAS_TRITON:
     from slotrunner.core_runner.attention.float8 import round_to_e4m3
@@ -33,7 +33,7 @@ if HAS_TRITON:
             x = round_to_e4m3(x.to(tl.float32))
         tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
-    @jit_per_step()
+    @triton.jit
     def _write_kv_kernel(
         k_ptr,  # [num_tokens, num_kv_heads, head_dim]
         stride_kt,

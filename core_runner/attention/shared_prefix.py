@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton
 
 
 def fp8_in_fp16(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
@@ -49,7 +49,7 @@ if HAS_TRITON:
         """[M, D] -> its columns [:D // 2] and [D // 2:], each [M, D // 2] (registers only)."""
         return tl.split(tl.permute(tl.reshape(x, [M, 2, D // 2]), [0, 2, 1]))
 
-    @jit_per_step()
+    @triton.jit
     def _shared_prefix_kernel(
         q_ptr,  # [num_tokens, num_heads, head_dim]
         stride_qt,

@@ -44,7 +44,7 @@ from slotrunner.core_runner.attention.kv_write import CACHE_DTYPES, DTYPES, KVWr
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16, shared_prefix_applies, shared_prefix_state
 from slotrunner.core_runner.attention.split_kv import attention_splits, split_kv_counters, split_kv_state
 from slotrunner.core_runner.attention.tile_config import TileConfig
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, pdl_launch, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 
 if HAS_TRITON:
     from slotrunner.core_runner.attention.shared_prefix import attention_q, head_halves
@@ -56,7 +56,7 @@ FUSED_KV_WRITE = True  # a layer's rotary launch writes its K/V (`KVWrite`); ben
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,  # [num_tokens, num_heads, head_dim]
         stride_qt,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
 from slotrunner.models.layers.hf_act import gelu_tanh, hf_activation
 
 if HAS_TRITON:
@@ -60,7 +60,7 @@ if HAS_TRITON:
             a = 0.5 * g * (1.0 + tanh)
         return a.to(DTYPE).to(tl.float32) * u
 
-    @jit_per_step()
+    @triton.jit
     def _gated_act_kernel(
         x_ptr,  # [num_tokens, 2 * d], row stride x_stride, unit column stride
         x_stride,

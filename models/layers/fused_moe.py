@@ -174,7 +174,7 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-    @jit_per_step()
+    @triton.jit
     def _moe_sum_kernel(
         y_ptr,  # [num_tokens, TOP_K, hidden] float32 contiguous: each routed row's weighted output
         add_ptr,  # [num_tokens, hidden] contiguous (read only with HAS_ADD)

@@ -38,7 +38,7 @@ import torch
 from slotrunner.core_runner.attention.backend import copy_into_cache
 from slotrunner.core_runner.attention.shared_prefix import fp8_in_fp16
 from slotrunner.core_runner.attention.split_kv import split_kv_counters, split_kv_splits, split_kv_state
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = (*_DTYPES, torch.float8_e4m3fn)  # float8: kv_cache_dtype="fp8"
@@ -48,7 +48,7 @@ if HAS_TRITON:
     from slotrunner.core_runner.attention.kv_write import store_to_cache
     from slotrunner.core_runner.attention.split_kv import merge_when_last, split_tiles
 
-    @jit_per_step()
+    @triton.jit
     def _write_latent_kernel(
         latent_ptr,  # [num_tokens, rank]
         stride_lt,
@@ -74,7 +74,7 @@ if HAS_TRITON:
         store_to_cache(row + r, c, r < RANK, FP8)  # the K/V writers' store, float8 rounding included
         store_to_cache(row + RANK + p, k, p < ROPE, FP8)
 
-    @jit_per_step()
+    @triton.jit
     def _mla_decode_kernel(
         q_lat_ptr,  # [num_rows, num_heads, rank]
         stride_lr,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, pdl_launch, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 
 _MAX_BLOCK = 32768  # one row must fit one program's registers; wider rows take the reference
 
@@ -42,7 +42,7 @@ def rms_norm_ref(
 if HAS_TRITON:
     from slotrunner.core_runner.triton_utils import pdl_enter
 
-    @jit_per_step()
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,  # [num_tokens, hidden], row stride x_stride
         x_stride,

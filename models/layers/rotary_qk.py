@@ -16,7 +16,7 @@ import torch
 
 from slotrunner.core_runner.attention.kv_write import KVWrite
 from slotrunner.core_runner.cpu.layer_ops import native_for, rms_norm_native, rotary_qk_native
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, pdl_launch, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, pdl_launch, tl, triton, use_triton
 from slotrunner.models.layers.norm import rms_norm_ref
 
 
@@ -121,7 +121,7 @@ if HAS_TRITON:
                 xr = tl.load(row + offs_r[None, :], mask=(heads < num_heads)[:, None] & (offs_r < head_dim)[None, :], other=0.0)
             store_to_cache(c_row + offs_r[None, :], xr.to(dtype), (heads < cache_heads)[:, None] & (offs_r < head_dim)[None, :], KV_FP8)
 
-    @jit_per_step()
+    @triton.jit
     def _rotary_qk_kernel(
         positions_ptr,  # [num_tokens]
         q_ptr,  # [num_tokens, num_heads, head_dim], strides q_token_stride, q_head_stride, 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 CHUNK = 16  # tokens per chunk in the kernel: tl.dot's smallest tile; the reference uses transformers' 64
 REF_CHUNK = 64
@@ -29,7 +29,7 @@ L2NORM_EPS = 1e-6
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _chunk_gated_delta_rule_kernel(
         q_ptr,  # [num_tokens, num_k_heads, K], strides (stride_qt, stride_qh, 1)
         k_ptr,  # [num_tokens, num_k_heads, K], strides (stride_kt, stride_kh, 1)

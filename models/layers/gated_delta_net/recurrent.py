@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 from slotrunner.models.layers.gated_delta_net.chunk import l2norm
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _recurrent_gated_delta_rule_kernel(
         q_ptr,  # [num_reqs, num_k_heads, K], strides (stride_qt, stride_qh, 1)
         k_ptr,  # [num_reqs, num_k_heads, K]

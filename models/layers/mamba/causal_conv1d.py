@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 ACTIVATIONS = (None, "silu", "swish")
 
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _causal_conv1d_varlen_kernel(
         x_ptr,  # [num_tokens, dim], token stride stride_x
         w_ptr,  # [dim, K] contiguous
@@ -84,7 +84,7 @@ if HAS_TRITON:
         tl.store(state_row + offs_k[None, :], new_state.to(state_ptr.dtype.element_ty), mask=mask_d[:, None] & keep[None, :])
 
 
-    @jit_per_step()
+    @triton.jit
     def _causal_conv1d_update_kernel(
         x_ptr,  # [num_reqs, dim], row stride stride_x
         w_ptr,  # [dim, K] contiguous

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, TRITON_INTERPRET, tl, triton, use_triton
 
 if HAS_TRITON:
     from triton.language.extra import libdevice
@@ -39,7 +39,7 @@ def gated_rms_norm_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _gated_rms_norm_kernel(
         x_ptr,  # [num_tokens, hidden], row stride x_stride, unit column stride
         x_stride,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 
 def discretize_dt_ref(
     dt: torch.Tensor,  # [..., num_heads]
@@ -33,7 +33,7 @@ def discretize_dt_ref(
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _selective_state_update_kernel(
         state_ptr,  # [num_slots, num_heads, head_dim, state_size]
         x_ptr,  # [num_reqs, num_heads, head_dim], row stride stride_x

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from slotrunner.core_runner.triton_utils import HAS_TRITON, jit_per_step, tl, triton, use_triton
+from slotrunner.core_runner.triton_utils import HAS_TRITON, tl, triton, use_triton
 from slotrunner.models.layers.mamba.selective_state_update import discretize_dt_ref
 
 MAX_KERNEL_CHUNK = 64  # the Triton kernel's tile: [chunk, chunk] scores stay in registers
@@ -27,7 +27,7 @@ MAX_KERNEL_CHUNK = 64  # the Triton kernel's tile: [chunk, chunk] scores stay in
 
 if HAS_TRITON:
 
-    @jit_per_step()
+    @triton.jit
     def _ssd_chunk_scan_kernel(
         x_ptr,  # [num_tokens, num_heads, head_dim], token stride stride_x
         dt_ptr,  # [num_tokens, num_heads], token stride stride_dt
