@@ -55,6 +55,8 @@ def test_generation_stops_at_max_model_len(llm):
         ({"prompt_token_ids": []}, "empty"),
         (ids(5, 1000), "outside the vocabulary"),
         (ids(5, -1), "outside the vocabulary"),
+        ({"prompt_token_ids": [5, True]}, "list of ints"),  # a bool is an int subclass, not a token
+        ({"prompt_token_ids": [5, 6.0]}, "list of ints"),
         ("some text", "no tokenizer"),
         ({"prompt_token_ids": [1], "multi_modal_data": {}}, "unsupported field"),
         (42, "string or a dict"),
