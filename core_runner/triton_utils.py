@@ -81,10 +81,11 @@ def jit_per_step(*varying: str):
 def launch_key(args: tuple, by_class: tuple[bool, ...]) -> tuple:
     """What a compiled Triton kernel was specialized on, for one launch's arguments, at least as
     finely as Triton keys it: per tensor its dtype and 16-byte alignment; an int that is not a
-    constexpr (`by_class`) by its classes (equal to 1, a multiple of 16, 32-bit): Triton keys it
-    by those or, unspecialized (jit_per_step's varying ones), by its width alone; a constexpr int
-    by its value; other values (constexprs, flags, None) as they are. So a launch whose token
-    count is new takes the cached path too. (Per launch on the host: kept to one pass.)"""
+    constexpr (`by_class`) by its classes (equal to 1, a multiple of 16, i32 / i64 / u64 range):
+    Triton keys it by those or, unspecialized (jit_per_step's varying ones), by its range alone;
+    a constexpr int by its value; other values (constexprs, flags, None) as they are. So a
+    launch whose token count is new takes the cached path too. (Per launch on the host: kept to
+    one pass.)"""
     key = []
     add = key.append
     for a, cls in zip(args, by_class):
@@ -92,7 +93,7 @@ def launch_key(args: tuple, by_class: tuple[bool, ...]) -> tuple:
         if kind is Tensor or isinstance(a, Tensor):
             add((a.dtype, not a.data_ptr() & 15))
         elif kind is int:
-            add((a == 1, not a & 15, -2147483648 <= a < 2147483648) if cls else (int, a))
+            add((a == 1, not a & 15, -2147483648 <= a < 2147483648, a < 9223372036854775808) if cls else (int, a))
         elif kind is float:
             add(float)
         else:

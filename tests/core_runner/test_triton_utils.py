@@ -76,8 +76,8 @@ def test_second_launch_takes_the_compiled_kernel_with_every_argument_in_order(ke
 
 @pytest.mark.parametrize(
     "change",
-    ["n is 1", "n is a multiple of 16", "n past 32 bits", "misaligned tensor", "other dtype", "other BLOCK", "other stride",
-     "flag", "num_warps"],  # fmt: skip
+    ["n is 1", "n is a multiple of 16", "n past 32 bits", "n past 63 bits", "misaligned tensor", "other dtype", "other BLOCK",
+     "other stride", "flag", "num_warps"],  # fmt: skip
 )
 def test_a_launch_triton_would_specialize_otherwise_takes_its_path(kernel, change):
     x = torch.zeros(64, dtype=torch.int64)
@@ -89,6 +89,10 @@ def test_a_launch_triton_would_specialize_otherwise_takes_its_path(kernel, chang
         args[1] = 32
     elif change == "n past 32 bits":
         args[1] = 2**31 + 5
+    elif change == "n past 63 bits":  # Triton's u64, where 2**31 + 5 is an i64
+        kernel[(3,)](x, 2**31 + 5, **kwargs)
+        kernel.log.pop()
+        args[1] = 2**63 + 5
     elif change == "misaligned tensor":
         args[0] = x.view(torch.int8)[1:]  # one byte past an aligned address
     elif change == "other dtype":
