@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
@@ -72,7 +73,7 @@ def main() -> None:
 
         model.forward = timed_forward
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        serial = iter(range(10**9))
+        serial = itertools.count()  # each step's prompts are new: no prefix-cache hit, a full prefill
 
         def step(profile: cProfile.Profile | None = None) -> tuple[float, float, float]:
             """One prefill step of fresh prompts: (forward host ms, forward GPU ms, step wall ms)."""
