@@ -13,6 +13,11 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --ab int32_offsets       # int64 against int32 cache offsets, both caches
     python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
     python benchmarks/attention_kernel.py --graph-split-rows 8,16,32,64,128 --min-len 1000 --max-len 1700
+    python benchmarks/attention_kernel.py --prefill-sweep   # the prefill launch's tiles, warps, stages
+
+`--prefill-sweep` times the prefill launch alone (16 rows of 512 new tokens over 0-500 cached
+keys: 8,192 query tokens, a bench workload's mixed step) over its query block, key tile, warps and
+pipeline stages, both caches: ms, and how far each output is from the default tiles'.
 
 With `--fp8` the default tiles only, over the bf16 cache and the same keys and values rounded
 to a float8 e4m3 cache (kv_cache_dtype="fp8"): time, bytes read per second, and how far the
@@ -37,7 +42,7 @@ import torch
 
 from slotrunner.core_runner.attention.backend import AttentionMetadata, AttentionSpec, kv_cache_shape, to_cache_dtype
 from slotrunner.core_runner.attention.tile_config import TileConfig
-from slotrunner.core_runner.attention.triton_attn import TritonBackend
+from slotrunner.core_runner.attention.triton_attn import TritonBackend, paged_attention
 
 
 def main() -> None:
@@ -54,11 +59,15 @@ def main() -> None:
     p.add_argument("--offsets-ab", action="store_const", dest="ab", const="int32_offsets", help="--ab int32_offsets")
     p.add_argument("--split-sweep", action="store_true",
                    help="each row's keys split over 1, 2, 4 programs, both caches, two tile widths")
+    p.add_argument("--prefill-sweep", action="store_true", help="the prefill launch's tiles, warps and stages, both caches")
     p.add_argument("--graph-split-rows", metavar="ROWS", default="",
                    help="comma-separated batch sizes: 1-16 splits timed from CUDA graphs, both caches")
     args = p.parse_args()
     if args.graph_split_rows:
         graph_split_rows(args)
+        return
+    if args.prefill_sweep:
+        prefill_sweep(args.iters)
         return
     spec, q, k, v, cache, meta, lens = decode_batch(args.batch, args.min_len, args.max_len, args.shared_prefix)
     B, Hq, Hk, D = args.batch, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -176,6 +185,51 @@ def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, see
     q = torch.randn(B, Hq, D, dtype=dt, device=dev)
     k, v = torch.randn(B, Hk, D, dtype=dt, device=dev), torch.randn(B, Hk, D, dtype=dt, device=dev)
     return spec, q, k, v, cache, meta, lens
+
+
+def prefill_batch(rows: int = 16, new: int = 512, max_cached: int = 500, seed: int = 1):
+    """`rows` rows of `new` query tokens each after 0..max_cached cached keys, over a random paged
+    bf16 cache (Qwen3-0.6B's attention shape): a prefill step's attention."""
+    Hq, Hk, D, bs = 16, 8, 128, 16
+    lens = np.random.default_rng(seed).integers(0, max_cached, rows) + new
+    max_blocks = -(-int(lens.max()) // bs)
+    dev = "cuda"
+    cache = torch.randn(kv_cache_shape(rows * max_blocks, bs, Hk, D), dtype=torch.bfloat16, device=dev)
+    tables = torch.randperm(rows * max_blocks, device=dev).view(rows, max_blocks).int()
+    qsl = np.arange(rows + 1) * new
+    meta = AttentionMetadata(rows, rows * new, torch.tensor(qsl, dtype=torch.int32, device=dev), qsl,
+                             torch.tensor(lens, dtype=torch.int32, device=dev), lens, new, int(lens.max()), tables,
+                             torch.zeros(rows * new, dtype=torch.int64, device=dev))  # fmt: skip
+    q = torch.randn(rows * new, Hq, D, dtype=torch.bfloat16, device=dev)
+    return AttentionSpec(Hq, Hk, D, D**-0.5), q, cache, meta
+
+
+def prefill_sweep(iters: int) -> None:
+    """The prefill launch (no K/V write) at each query block, key tile, warp count and stage count."""
+    spec, q, cache, meta = prefill_batch()
+    print(f"prefill launch, 16 rows x 512 new tokens over 0-500 cached, {torch.cuda.get_device_name()}")
+    for name, c, _ in both_caches(cache):
+        base = paged_attention(spec, q, c, meta).float()
+        configs = [TileConfig()] + [
+            TileConfig(prefill_block_m=m, prefill_tile_n=n, prefill_num_warps=w, prefill_num_stages=st)
+            for m, n, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+        ]  # fmt: skip
+        for tiles in configs:
+            try:
+                out = paged_attention(spec, q, c, meta, tiles=tiles).float()
+                for _ in range(3):
+                    paged_attention(spec, q, c, meta, tiles=tiles)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    paged_attention(spec, q, c, meta, tiles=tiles)
+                torch.cuda.synchronize()
+                dt = (time.perf_counter() - t) / iters
+                figure = f"{dt * 1e3:.3f} ms (apart from the default by {(out - base).abs().max():.1e})"
+            except Exception as e:  # a configuration that does not fit (shared memory, registers)
+                figure = f"failed: {type(e).__name__}: {str(e)[:80]}"
+            print(f"{name} cache, block_m {tiles.prefill_block_m:>3} tile {tiles.prefill_tile_n:>3} warps "
+                  f"{tiles.prefill_warps(spec.head_dim)} stages {tiles.prefill_num_stages}: {figure}", flush=True)  # fmt: skip
 
 
 def graph_split_rows(args) -> None:

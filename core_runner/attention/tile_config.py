@@ -20,6 +20,11 @@ class TileConfig:
     prefill_block_m: int = 64  # M rows (query tokens x group heads) per prefill program
     prefill_tile_n: int = 64  # keys per tile, prefill launch
     num_warps: int = 4
+    # The prefill launch's warps (`num_warps` is the decode and shared-prefix launches'); 0: 4, or 8
+    # where the head dim (padded to a power of two) exceeds 128. Compiled for sm_90 at 4 warps and
+    # 64 M rows, a 256-wide accumulator (Gemma's heads; MLA's prefill, 192 padded) takes 255
+    # registers and spills 48 bytes; at 8 warps 196, no spill (tests/core_runner/attention/test_triton_attn_compile.py).
+    prefill_num_warps: int = 0
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
     shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
@@ -58,6 +63,10 @@ class TileConfig:
     # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
 
+    def prefill_warps(self, head_dim_p2: int) -> int:
+        """The prefill launch's warps at a head dim padded to a power of two (`prefill_num_warps`)."""
+        return self.prefill_num_warps or (8 if head_dim_p2 > 128 else 4)
+
     def __post_init__(self) -> None:
         for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
             value = getattr(self, name)
@@ -67,6 +76,8 @@ class TileConfig:
             raise ValueError(f"split_kv_max must be a power of two <= {MAX_SPLITS}, got {self.split_kv_max}")
         if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1) or self.decode_splits > MAX_SPLITS:
             raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
+        if self.prefill_num_warps not in (0, 1, 2, 4, 8, 16):
+            raise ValueError(f"prefill_num_warps must be 0 (by head dim) or a power of two up to 16, got {self.prefill_num_warps}")
         if self.decode_maxnreg and not 32 <= self.decode_maxnreg <= 255:
             raise ValueError(f"decode_maxnreg must be 0 (the compiler's choice) or 32-255 registers, got {self.decode_maxnreg}")
 

@@ -364,7 +364,7 @@ def paged_attention(
             TILE_N=tiles.prefill_tile_n,
             DECODE=False,
             num_stages=tiles.prefill_num_stages,
-            **common,
+            **{**common, "num_warps": tiles.prefill_warps(common["HEAD_DIM_P2"])},
         )
     return out
 

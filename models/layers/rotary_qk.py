@@ -54,6 +54,8 @@ def rotary_qk_ref(
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
 
 
+MAX_BLOCK_H = 8  # heads of q (and of k) one program rotates: grid (tokens, cdiv(heads, MAX_BLOCK_H))
+
 if HAS_TRITON:
     from slotrunner.core_runner.attention.kv_write import store_to_cache
     from slotrunner.core_runner.triton_utils import pdl_enter
@@ -243,7 +245,7 @@ def rotary_qk(
         rotary_qk_native(lib, positions, q, k, cos_sin)
         return q, k
     half = rotary_dim // 2
-    block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), 8)
+    block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), MAX_BLOCK_H)
     has_norm = qk_norm is not None
     q_w, k_w, q_eps, k_eps = qk_norm[:4] if has_norm else (cos_sin, cos_sin, 0.0, 0.0)
     grid = (num_tokens, triton.cdiv(max(num_heads, k.shape[1]), block_h))

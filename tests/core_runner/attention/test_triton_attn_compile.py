@@ -27,6 +27,31 @@ FLAGS = dict(DECODE=True, USE_WINDOW=False, USE_SOFT_CAP=False, HAS_BIAS=False, 
     ids=["bf16", "bf16 dim 256", "fp8 one product", "fp8 head halves", "fp8 head halves dim 256"],
 )
 def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim, halves):
+    tiles = TileConfig()
+    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, HALVES=halves)
+    usage = _compile(compile_for_hopper, cache, head_dim, constexprs, tiles.num_warps, tiles.decode_num_stages)
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
+    assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
+    assert "GDC_WAITS:1" in usage, f"a Hopper launches it dependent (triton_utils.pdl_launch): one wait: {usage}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("cache, head_dim", [("bf16", 128), ("fp8e4nv", 128), ("bf16", 256), ("fp8e4nv", 256)],
+                         ids=["bf16", "fp8", "bf16 dim 256", "fp8 dim 256"])  # fmt: skip
+def test_prefill_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim):
+    """The prefill launch at the default tiles (TileConfig's prefill_* fields), as a prefill or mixed
+    step runs it; at head dim 256 (Gemma; MLA's prefill pads 192 to it) its 8 warps."""
+    tiles = TileConfig()
+    block_q = max(1, tiles.prefill_block_m // SHAPE["GROUP"])
+    constexprs = {**SHAPE, **FLAGS, "DECODE": False, "BLOCK_Q": block_q, "BLOCK_M": max(16, block_q * SHAPE["GROUP"]),
+                  "TILE_N": tiles.prefill_tile_n, "HALVES": False}  # fmt: skip
+    usage = _compile(compile_for_hopper, cache, head_dim, constexprs, tiles.prefill_warps(head_dim), tiles.prefill_num_stages)
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
+    assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
+
+
+def _compile(compile_for_hopper, cache: str, head_dim: int, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """The paged-attention kernel compiled for sm_90 with Qwen3-0.6B's runtime arguments."""
     from slotrunner.core_runner.attention import triton_attn
 
     tiles = TileConfig()
@@ -38,10 +63,7 @@ def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cach
     for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_bh", "stride_bd", "num_distances", "num_reqs"):
         signature[name] = "i32"
     signature.update(scale="fp32", soft_cap="fp32", sliding_window="i32")
-    constexprs = dict(SHAPE, **FLAGS, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, TILE_N=tiles.decode_tile_n, DOT_PRECISION="ieee",
-                      KV_FP8=fp8, FP8_F16=fp8, OFFSETS_I32=tiles.int32_offsets, HALVES=halves, PDL=True)
-    usage = compile_for_hopper(triton_attn._paged_attention_kernel, signature, constexprs, num_warps=tiles.num_warps,
-                               num_stages=tiles.decode_num_stages, divisible=("stride_qt", "stride_qh", "stride_ot", "stride_oh"))
-    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
-    assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
-    assert "GDC_WAITS:1" in usage, f"a Hopper launches it dependent (triton_utils.pdl_launch): one wait: {usage}"
+    constexprs = dict(constexprs, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, DOT_PRECISION="ieee", KV_FP8=fp8, FP8_F16=fp8,
+                      OFFSETS_I32=tiles.int32_offsets, PDL=True)  # fmt: skip
+    return compile_for_hopper(triton_attn._paged_attention_kernel, signature, constexprs, num_warps=num_warps,
+                              num_stages=num_stages, divisible=("stride_qt", "stride_qh", "stride_ot", "stride_oh"))
