@@ -379,6 +379,9 @@ def gpu_rows(batch: int, decode_frac: float, seed: int) -> list[tuple[int, int]]
         dataclasses.replace(qwen3_case("fp16, dim 80, group 4", gpu_rows(32, 0.5, 4)),
                             num_heads=8, num_kv_heads=2, head_dim=80, dtype=torch.float16),
         dataclasses.replace(qwen3_case("fp32, dim 96", gpu_rows(16, 0.5, 5)), head_dim=96, dtype=torch.float32),
+        # Gemma's head dim: the prefill launch at 8 warps (TileConfig.prefill_warps), soft cap
+        dataclasses.replace(qwen3_case("mixed, dim 256, soft cap 50", gpu_rows(32, 0.5, 8), soft_cap=50.0), num_heads=8,
+                            num_kv_heads=4, head_dim=256),
         dataclasses.replace(qwen3_case("fp8 cache, mixed", gpu_rows(64, 0.7, 7), pad_tokens=3), cache_dtype=torch.float8_e4m3fn),
         qwen3_case("decode, batch 1, split", [(3000, 1)]),
         qwen3_case("decode, batch 3, split, window 256, sinks", [(700, 1), (90, 1), (2000, 1)], window=256, sinks=True),
