@@ -120,3 +120,21 @@ def test_validate_is_idempotent_and_clone_is_independent():
     q.allowed_token_ids.append(7)
     q.logit_bias[4] = 1.0
     assert p.allowed_token_ids == [1, 2] and p.logit_bias == {3: 2.0}
+
+
+def test_clone_shares_no_container_and_equals_a_deep_copy():
+    import copy
+    import dataclasses
+
+    p = SamplingParams(stop=["a", "b"], logit_bias={3: 2.0}, allowed_token_ids=[1, 2], bad_words=["w"], stop_token_ids=[5],
+                       temperature=0.5, seed=7, logprobs=2)  # fmt: skip
+    q = p.clone()
+    assert q == copy.deepcopy(p) and type(q) is SamplingParams
+    for f in dataclasses.fields(p):  # every field that is not an immutable scalar is its own object
+        value = getattr(p, f.name)
+        if not isinstance(value, (int, float, str, type(None))):
+            assert getattr(q, f.name) is not value, f"{f.name} is shared with the clone"
+    q.stop.append("c")
+    q.bad_words.append("v")
+    q.stop_token_ids.append(6)
+    assert (p.stop, p.bad_words, p.stop_token_ids) == (["a", "b"], ["w"], [5])
