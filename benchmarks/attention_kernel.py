@@ -110,14 +110,7 @@ def main() -> None:
         print("float8 e4m3 cache")
     for tile, warps, stages in sweep:
         backend = TritonBackend(TileConfig(decode_tile_n=tile, num_warps=warps, decode_num_stages=stages))
-        for _ in range(3):
-            backend.forward(spec, q, k, v, cache, meta)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(args.iters):
-            backend.forward(spec, q, k, v, cache, meta)
-        torch.cuda.synchronize()
-        dt_s = (time.perf_counter() - t) / args.iters
+        dt_s = timed(backend, spec, q, k, v, cache, meta, args.iters)
         print(f"tile {tile:>3} warps {warps} stages {stages}: {dt_s * 1e3:.3f} ms  {kv_bytes / dt_s / 1e12:.2f} TB/s", flush=True)
 
 
@@ -217,14 +210,7 @@ def prefill_sweep(iters: int) -> None:
         for tiles in configs:
             try:
                 out = paged_attention(spec, q, c, meta, tiles=tiles).float()
-                for _ in range(3):
-                    paged_attention(spec, q, c, meta, tiles=tiles)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(iters):
-                    paged_attention(spec, q, c, meta, tiles=tiles)
-                torch.cuda.synchronize()
-                dt = (time.perf_counter() - t) / iters
+                dt = seconds_per_call(lambda: paged_attention(spec, q, c, meta, tiles=tiles), iters)  # noqa: B023
                 figure = f"{dt * 1e3:.3f} ms (apart from the default by {(out - base).abs().max():.1e})"
             except Exception as e:  # a configuration that does not fit (shared memory, registers)
                 figure = f"failed: {type(e).__name__}: {str(e)[:80]}"
@@ -273,15 +259,20 @@ def timed_graph(backend, spec, q, k, v, cache, meta, iters: int) -> float:
     return best
 
 
-def timed(backend, spec, q, k, v, cache, meta, iters: int) -> float:
+def seconds_per_call(fn, iters: int) -> float:
+    """Seconds a call of `fn` over `iters` back-to-back calls, after three untimed ones."""
     for _ in range(3):
-        backend.forward(spec, q, k, v, cache, meta)
+        fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(iters):
-        backend.forward(spec, q, k, v, cache, meta)
+        fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / iters
+
+
+def timed(backend, spec, q, k, v, cache, meta, iters: int) -> float:
+    return seconds_per_call(lambda: backend.forward(spec, q, k, v, cache, meta), iters)
 
 
 if __name__ == "__main__":

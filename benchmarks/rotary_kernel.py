@@ -12,11 +12,11 @@ This is a benchmark, not a test: it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import slotrunner.models.layers.rotary_qk as rq
+from attention_kernel import seconds_per_call
 from slotrunner.core_runner.attention.backend import kv_cache_shape
 from slotrunner.core_runner.attention.kv_write import KVWrite
 
@@ -46,14 +46,7 @@ def main() -> None:
             for r in range(3):
                 for block_h in (8, 16, 32):
                     rq.MAX_BLOCK_H = block_h
-                    for _ in range(3):
-                        rq.rotary_qk(positions, q, k, cos_sin, norm, kv)
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    for _ in range(args.iters):
-                        rq.rotary_qk(positions, q, k, cos_sin, norm, kv)
-                    torch.cuda.synchronize()
-                    dt = (time.perf_counter() - t) / args.iters
+                    dt = seconds_per_call(lambda: rq.rotary_qk(positions, q, k, cos_sin, norm, kv), args.iters)  # noqa: B023
                     print(f"{cache_dtype} cache, round {r + 1}, MAX_BLOCK_H {block_h}: {dt * 1e6:.1f} us "
                           f"(~{moved / dt / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
     finally:
