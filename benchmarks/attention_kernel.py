@@ -210,7 +210,7 @@ def prefill_sweep(iters: int) -> None:
         for tiles in configs:
             try:
                 out = paged_attention(spec, q, c, meta, tiles=tiles).float()
-                dt = seconds_per_call(lambda: paged_attention(spec, q, c, meta, tiles=tiles), iters)  # noqa: B023
+                dt = seconds_per_call(lambda: paged_attention(spec, q, c, meta, tiles=tiles), iters)
                 figure = f"{dt * 1e3:.3f} ms (apart from the default by {(out - base).abs().max():.1e})"
             except Exception as e:  # a configuration that does not fit (shared memory, registers)
                 figure = f"failed: {type(e).__name__}: {str(e)[:80]}"

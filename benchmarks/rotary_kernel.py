@@ -46,7 +46,7 @@ def main() -> None:
             for r in range(3):
                 for block_h in (8, 16, 32):
                     rq.MAX_BLOCK_H = block_h
-                    dt = seconds_per_call(lambda: rq.rotary_qk(positions, q, k, cos_sin, norm, kv), args.iters)  # noqa: B023
+                    dt = seconds_per_call(lambda: rq.rotary_qk(positions, q, k, cos_sin, norm, kv), args.iters)
                     print(f"{cache_dtype} cache, round {r + 1}, MAX_BLOCK_H {block_h}: {dt * 1e6:.1f} us "
                           f"(~{moved / dt / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
     finally:
