@@ -55,6 +55,7 @@ def rotary_qk_ref(
 
 
 MAX_BLOCK_H = 8  # heads of q (and of k) one program rotates: grid (tokens, cdiv(heads, MAX_BLOCK_H))
+NUM_WARPS = 4  # the launch's warps (benchmarks/rotary_kernel.py varies both)
 
 if HAS_TRITON:
     from slotrunner.core_runner.attention.kv_write import store_to_cache
@@ -284,6 +285,7 @@ def rotary_qk(
         OUT_ROW=out_row,
         BLOCK_OUT=triton.next_power_of_2(out_row),
         **pdl_launch(q.device),
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # x1 * cos - x2 * sin with each product rounded, as torch computes it
     )
     return q, k
