@@ -22,8 +22,8 @@ class TileConfig:
     num_warps: int = 4
     # The prefill launch's warps (`num_warps` is the decode and shared-prefix launches'); 0: 4, or 8
     # where the head dim (padded to a power of two) exceeds 128. Compiled for sm_90 at 4 warps and
-    # 64 M rows, a 256-wide accumulator (Gemma's heads; MLA's prefill, 192 padded) takes 255
-    # registers and spills 48 bytes; at 8 warps 196, no spill (tests/core_runner/attention/test_triton_attn_compile.py).
+    # 64 M rows, a 256-wide accumulator (head dims 129-256) takes 255 registers and spills 48
+    # bytes; at 8 warps 196, no spill (tests/core_runner/attention/test_triton_attn_compile.py).
     prefill_num_warps: int = 0
     decode_num_stages: int = 2
     prefill_num_stages: int = 2
