@@ -92,10 +92,6 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return bias
 
 
-# The fields `validate()` leaves as a list or dict (of immutable values): what `clone` copies.
-_CONTAINER_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "stop", "stop_token_ids")
-
-
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping parameters.
@@ -194,13 +190,12 @@ class SamplingParams:
         """A copy sharing nothing mutable with this one: the engine keeps its own, so later
         changes to the user's object cannot reach a running request. After `validate()` every
         container field is a list or dict of ints, floats or strings, so copying those
-        containers is a deep copy (~6 us a request on a 2-core CPU machine, against ~20 for
-        `copy.deepcopy`; the engine clones every request's params). A subclass with other
-        mutable fields extends this."""
+        containers is a deep copy (~5 us a request on a 2-core CPU machine, against ~15 for
+        `copy.deepcopy`; the engine clones every request's params). A subclass with mutable
+        fields of other types extends this."""
         new = copy.copy(self)
-        for name in _CONTAINER_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
+        for name, value in vars(self).items():
+            if type(value) in (list, dict):
                 setattr(new, name, copy.copy(value))
         return new
 
