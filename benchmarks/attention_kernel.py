@@ -14,6 +14,7 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
     python benchmarks/attention_kernel.py --graph-split-rows 8,16,32,64,128 --min-len 1000 --max-len 1700
     python benchmarks/attention_kernel.py --prefill-sweep   # the prefill launch's tiles, warps, stages
+    python benchmarks/attention_kernel.py --row-order-ab    # the same rows in random order, longest first, shortest first
 
 `--prefill-sweep` times the prefill launch alone (16 rows of 512 new tokens over 0-500 cached
 keys: 8,192 query tokens, a bench workload's mixed step) over its query block, key tile, warps and
@@ -68,6 +69,9 @@ def main() -> None:
         return
     if args.prefill_sweep:
         prefill_sweep(args.iters)
+        return
+    if args.row_order_ab:
+        row_order_ab(args)
         return
     spec, q, k, v, cache, meta, lens = decode_batch(args.batch, args.min_len, args.max_len, args.shared_prefix)
     B, Hq, Hk, D = args.batch, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -155,15 +159,41 @@ def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
                   f"(apart from the first by {(out - ref).abs().max():.2e})", flush=True)
 
 
+def row_order_ab(args) -> None:
+    """Whether the order of a decode batch's rows moves the launch's time: programs start in
+    row order (each KV head's rows in turn), and a row's program runs its keys' tiles one after
+    another, so a long row started last leaves the card idle but for it. The same lengths
+    (--min-len to --max-len) in random order, longest first and shortest first; three
+    alternating rounds, both caches; the outputs are the same rows' in each order."""
+    lens = np.random.default_rng(0).integers(args.min_len, args.max_len, args.batch)
+    orders = {"random": lens, "longest first": np.sort(lens)[::-1].copy(), "shortest first": np.sort(lens)}
+    batches = {name: decode_batch(args.batch, args.min_len, args.max_len, lens=order) for name, order in orders.items()}
+    print(f"decode batch {args.batch}, lengths {args.min_len}-{args.max_len}, {torch.cuda.get_device_name()}")
+    backend = TritonBackend()
+    for cache_name in ("bf16", "fp8"):
+        if cache_name == "fp8":
+            batches = {n: (*b[:4], to_cache_dtype(b[4], torch.float8_e4m3fn), *b[5:]) for n, b in batches.items()}
+        best: dict[str, float] = {}
+        for round_ in range(3):
+            for name, (spec, q, k, v, c, meta, _) in batches.items():
+                t = timed(backend, spec, q, k, v, c, meta, args.iters)
+                best[name] = min(best.get(name, t), t)
+                read = int(lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * (2 if cache_name == "bf16" else 1)
+                print(f"{cache_name} cache, {name}, round {round_ + 1}: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
+        print(f"{cache_name} cache, best of 3: " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in best.items()), flush=True)
+
+
 def both_caches(cache: torch.Tensor):
     """(name, cache, bytes an element) of the bf16 cache and its float8 e4m3 copy."""
     return (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1))
 
 
-def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, seed: int = 0):
-    """A decode batch of B rows over a random paged bf16 cache (Qwen3-0.6B's attention shape)."""
+def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, seed: int = 0, lens: np.ndarray | None = None):
+    """A decode batch of B rows over a random paged bf16 cache (Qwen3-0.6B's attention shape);
+    `lens`: the rows' lengths, else random in [min_len, max_len)."""
     Hq, Hk, D, bs = 16, 8, 128, 16
-    lens = np.random.default_rng(seed).integers(min_len, max_len, B)
+    if lens is None:
+        lens = np.random.default_rng(seed).integers(min_len, max_len, B)
     max_blocks = -(-int(lens.max()) // bs)
     num_blocks = B * max_blocks
     dev, dt = "cuda", torch.bfloat16
