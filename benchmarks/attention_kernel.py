@@ -14,7 +14,7 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
     python benchmarks/attention_kernel.py --graph-split-rows 8,16,32,64,128 --min-len 1000 --max-len 1700
     python benchmarks/attention_kernel.py --prefill-sweep   # the prefill launch's tiles, warps, stages
-    python benchmarks/attention_kernel.py --row-order-ab    # the same rows in random order, longest first, shortest first
+    python benchmarks/attention_kernel.py --row-order-ab    # rows in batch order against longest first
 
 `--prefill-sweep` times the prefill launch alone (16 rows of 512 new tokens over 0-500 cached
 keys: 8,192 query tokens, a bench workload's mixed step) over its query block, key tile, warps and
@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--split-sweep", action="store_true",
                    help="each row's keys split over 1, 2, 4 programs, both caches, two tile widths")
     p.add_argument("--prefill-sweep", action="store_true", help="the prefill launch's tiles, warps and stages, both caches")
+    p.add_argument("--row-order-ab", action="store_true",
+                   help="the decode launch in batch order against longest first (and shortest first), both caches")
     p.add_argument("--graph-split-rows", metavar="ROWS", default="",
                    help="comma-separated batch sizes: 1-16 splits timed from CUDA graphs, both caches")
     args = p.parse_args()
@@ -160,27 +162,33 @@ def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:
 
 
 def row_order_ab(args) -> None:
-    """Whether the order of a decode batch's rows moves the launch's time: programs start in
-    row order (each KV head's rows in turn), and a row's program runs its keys' tiles one after
-    another, so a long row started last leaves the card idle but for it. The same lengths
-    (--min-len to --max-len) in random order, longest first and shortest first; three
-    alternating rounds, both caches; the outputs are the same rows' in each order."""
-    lens = np.random.default_rng(0).integers(args.min_len, args.max_len, args.batch)
-    orders = {"random": lens, "longest first": np.sort(lens)[::-1].copy(), "shortest first": np.sort(lens)}
-    batches = {name: decode_batch(args.batch, args.min_len, args.max_len, lens=order) for name, order in orders.items()}
+    """The decode launch in batch order (grid (rows, KV heads)) against longest first
+    (`TileConfig.decode_longest_first`: grid (KV heads, rows), rows in AttentionMetadata.decode_order)
+    and, as a control, shortest first the same way: programs start in grid order and each runs
+    its row's key tiles in turn, so long rows started last leave the card idle but for them.
+    Random lengths (--min-len to --max-len), three alternating rounds, both caches; the outputs
+    must be bitwise equal."""
+    spec, q, k, v, cache, meta, lens = decode_batch(args.batch, args.min_len, args.max_len)
+    longest = torch.tensor(np.argsort(-lens, kind="stable"), dtype=torch.int32, device="cuda")
+    shortest = torch.tensor(np.argsort(lens, kind="stable"), dtype=torch.int32, device="cuda")
+    variants = {
+        "batch order": (TritonBackend(TileConfig(decode_longest_first=False)), meta),
+        "longest first": (TritonBackend(), dataclasses.replace(meta, decode_order=longest)),
+        "shortest first": (TritonBackend(), dataclasses.replace(meta, decode_order=shortest)),
+    }
     print(f"decode batch {args.batch}, lengths {args.min_len}-{args.max_len}, {torch.cuda.get_device_name()}")
-    backend = TritonBackend()
-    for cache_name in ("bf16", "fp8"):
-        if cache_name == "fp8":
-            batches = {n: (*b[:4], to_cache_dtype(b[4], torch.float8_e4m3fn), *b[5:]) for n, b in batches.items()}
+    for name, c, itemsize in both_caches(cache):
+        read = int(lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * itemsize
+        outs = {n: b.forward(spec, q, k, v, c, m) for n, (b, m) in variants.items()}
         best: dict[str, float] = {}
         for round_ in range(3):
-            for name, (spec, q, k, v, c, meta, _) in batches.items():
-                t = timed(backend, spec, q, k, v, c, meta, args.iters)
-                best[name] = min(best.get(name, t), t)
-                read = int(lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * (2 if cache_name == "bf16" else 1)
-                print(f"{cache_name} cache, {name}, round {round_ + 1}: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
-        print(f"{cache_name} cache, best of 3: " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in best.items()), flush=True)
+            for n, (backend, m) in variants.items():
+                t = timed(backend, spec, q, k, v, c, m, args.iters)
+                best[n] = min(best.get(n, t), t)
+                print(f"{name} cache, {n}, round {round_ + 1}: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
+        same = all(torch.equal(o, outs["batch order"]) for o in outs.values())
+        print(f"{name} cache, best of 3: " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in best.items())
+              + f"; outputs {'bitwise equal' if same else 'DIFFER'}", flush=True)
 
 
 def both_caches(cache: torch.Tensor):
@@ -188,12 +196,10 @@ def both_caches(cache: torch.Tensor):
     return (("bf16", cache, 2), ("fp8", to_cache_dtype(cache, torch.float8_e4m3fn), 1))
 
 
-def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, seed: int = 0, lens: np.ndarray | None = None):
-    """A decode batch of B rows over a random paged bf16 cache (Qwen3-0.6B's attention shape);
-    `lens`: the rows' lengths, else random in [min_len, max_len)."""
+def decode_batch(B: int, min_len: int, max_len: int, shared_prefix: int = 0, seed: int = 0):
+    """A decode batch of B rows over a random paged bf16 cache (Qwen3-0.6B's attention shape)."""
     Hq, Hk, D, bs = 16, 8, 128, 16
-    if lens is None:
-        lens = np.random.default_rng(seed).integers(min_len, max_len, B)
+    lens = np.random.default_rng(seed).integers(min_len, max_len, B)
     max_blocks = -(-int(lens.max()) // bs)
     num_blocks = B * max_blocks
     dev, dt = "cuda", torch.bfloat16

@@ -30,6 +30,10 @@ class AttentionMetadata:
     # caching shares. A backend with `shared_prefix_granule` reads them once for many rows; any
     # other attends as usual, to the same result.
     shared_prefix_len: torch.Tensor | None = None
+    # [num_reqs] int32, or None: the rows by decreasing length (seq_lens), a permutation. A
+    # backend may start the programs of long rows first (TileConfig.decode_longest_first); a
+    # row's result does not depend on it.
+    decode_order: torch.Tensor | None = None
 
     @classmethod
     def for_capture(
@@ -42,6 +46,7 @@ class AttentionMetadata:
         block_tables: torch.Tensor,  # [>= n, max_num_blocks_per_req]
         slot_mapping: torch.Tensor,  # [>= n * q]
         shared_prefix_len: torch.Tensor | None = None,  # [1]: a capture of decode steps with a shared prefix
+        decode_order: torch.Tensor | None = None,  # [>= n]
     ) -> AttentionMetadata:
         """Metadata of a CUDA-graph capture over the first n rows and n * q tokens of persistent
         buffers. Host-side fields are upper bounds: the captured kernels read each row's real
@@ -58,6 +63,7 @@ class AttentionMetadata:
             block_tables=block_tables[:n],
             slot_mapping=slot_mapping[: n * q],
             shared_prefix_len=shared_prefix_len,
+            decode_order=None if decode_order is None else decode_order[:n],
         )
 
 

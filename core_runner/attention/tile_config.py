@@ -62,6 +62,9 @@ class TileConfig:
     # H100 (batch 256) neither pays: float8 0.183 ms at 128 against 0.184, 0.234 at 96; bf16, held
     # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
+    # The decode launch's grid runs each row's KV heads together, rows in AttentionMetadata.decode_order
+    # (longest first) where the metadata has one; False: grid (rows, KV heads) in batch order.
+    decode_longest_first: bool = True
 
     def prefill_warps(self, head_dim_p2: int) -> int:
         """The prefill launch's warps at a head dim padded to a power of two (`prefill_num_warps`)."""

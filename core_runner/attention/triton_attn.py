@@ -80,6 +80,7 @@ if HAS_TRITON:
         # or out: [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM] each split's state (NUM_SPLITS > 1)
         part_ml_ptr,  # [num_reqs, num_heads, (NUM_SPLITS,) 2] fp32 running max and sum, the same way
         counters_ptr,  # [>= num_reqs * NUM_KV_HEADS] int32 split arrival counters (NUM_SPLITS > 1)
+        row_order_ptr,  # [num_reqs] int32 the rows, longest first (unused unless ROW_ORDER)
         num_reqs,
         scale,
         soft_cap,
@@ -105,13 +106,19 @@ if HAS_TRITON:
         OFFSETS_I32: tl.constexpr = False,  # the cache's element offsets fit in int32 (TileConfig.int32_offsets)
         HALVES: tl.constexpr = False,  # products over the head dim's two halves (TileConfig.decode_head_halves)
         PDL: tl.constexpr = False,  # triton_utils.pdl_launch
+        ROW_ORDER: tl.constexpr = False,  # decode launch: grid (KV heads, rows), rows in row_order's order
     ):
         pdl_enter(PDL)
-        kv_head = tl.program_id(1)
-        if DECODE:
+        if ROW_ORDER:
+            kv_head = tl.program_id(0)
+            row = tl.load(row_order_ptr + tl.program_id(1))
+            q_block = 0
+        elif DECODE:
+            kv_head = tl.program_id(1)
             row = tl.program_id(0)
             q_block = 0
         else:
+            kv_head = tl.program_id(1)
             # Largest row r with qsl[r] // BLOCK_Q + r <= pid: row r's programs start there.
             pid = tl.program_id(0)
             lo: tl.int32 = 0
@@ -313,13 +320,16 @@ def paged_attention(
             dot_precision, kv_fp8, fp8_f16,
         )  # fmt: skip
     no_bias = position_bias is None
+    # The decode launch's programs start in grid order: long rows first, so that the card does not
+    # end with a few long rows' programs running alone (each program runs its row's key tiles in turn).
+    order = meta.decode_order if tiles.decode_longest_first else None
     args = (
         q, q.stride(0), q.stride(1), kv_cache[0], kv_cache[1], out, out.stride(0), out.stride(1),
         meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, meta.query_start_loc,
         q if no_bias else position_bias, 0 if no_bias else position_bias.stride(0),
         0 if no_bias else position_bias.stride(1), 1 if no_bias else position_bias.shape[1],
         sinks if sinks is not None else q, shared if shared is not None else meta.seq_lens, part_acc, part_ml, counters,
-        meta.num_reqs, spec.scale, spec.logits_soft_cap or 1.0, spec.sliding_window or 0,
+        meta.seq_lens if order is None else order, meta.num_reqs, spec.scale, spec.logits_soft_cap or 1.0, spec.sliding_window or 0,
     )  # fmt: skip
     common = dict(
         NUM_KV_HEADS=num_kv_heads,
@@ -340,8 +350,10 @@ def paged_attention(
     )
     # Rows with one query token: always this launch, so a decode row's result never depends on
     # whether prefill rows share its batch.
-    _paged_attention_kernel[(meta.num_reqs, num_kv_heads, splits)](
+    grid = (meta.num_reqs, num_kv_heads, splits) if order is None else (num_kv_heads, meta.num_reqs, splits)
+    _paged_attention_kernel[grid](
         *args,
+        ROW_ORDER=order is not None,
         BLOCK_Q=1,
         BLOCK_M=decode_block_m,
         TILE_N=tiles.decode_tile_n,

@@ -90,4 +90,5 @@ class InputBatch:
             block_tables=self.block_tables_of[kv_group],
             slot_mapping=self.slot_mapping_of[kv_group],
             shared_prefix_len=self.buffers.shared_prefix_len if self.shared_prefix_len else None,
+            decode_order=self.buffers.rows(self.num_reqs).decode_order,
         )

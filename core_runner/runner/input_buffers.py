@@ -31,6 +31,7 @@ class RowViews(NamedTuple):
     num_sampled: torch.Tensor  # [num_reqs]
     num_rejected: torch.Tensor  # [num_reqs]
     num_draft: torch.Tensor  # [num_reqs]
+    decode_order: torch.Tensor  # [num_reqs]
     cu_num_logits: torch.Tensor  # [num_reqs + 1]
     logits_indices: torch.Tensor  # [num_reqs], the logits rows of a step without drafts
     one_logits_row_each: torch.Tensor  # [num_reqs + 1] 0..num_reqs: cu_num_logits of a step without drafts
@@ -74,6 +75,7 @@ class InputBuffers:
             "num_sampled": (torch.int32, max_num_reqs),
             "num_draft": (torch.int32, max_num_reqs),
             "shared_prefix_len": (torch.int32, 1),
+            "decode_order": (torch.int32, max_num_reqs),
         }
         pin = device.type == "cuda"
         # Fields start 16-byte aligned: Triton specializes a pointer argument on 16-byte alignment,
@@ -100,6 +102,8 @@ class InputBuffers:
         self.num_sampled = dev["num_sampled"]  # [max_num_reqs] 1 if the row samples
         self.num_draft = dev["num_draft"]  # [max_num_reqs] drafts scheduled per row
         self.shared_prefix_len = dev["shared_prefix_len"]  # [1] keys every row shares (decode steps; 0: none)
+        # [max_num_reqs] the rows by decreasing length (AttentionMetadata.decode_order), then the padding rows
+        self.decode_order = dev["decode_order"]
         self.num_rejected = torch.zeros(max_num_reqs, **i32)  # [max_num_reqs] always 0 until draft tokens exist
         # Per KV-cache group (runner/kv_cache.py); `block_tables` / `slot_mapping` are group 0's.
         # [groups, max_num_reqs, max_blocks]
@@ -113,6 +117,9 @@ class InputBuffers:
         self.one_logits_row_each = torch.arange(max_num_reqs + 1, **i32)  # [max_num_reqs + 1], never written
         # The staging is rewritten next step only after this step's copy has read it.
         self._copied = torch.cuda.Event() if pin else None
+        self._arange = np.arange(max_num_reqs, dtype=np.int32)
+        self._np["decode_order"][:] = self._arange  # a permutation before the first step too (graph captures)
+        self.decode_order.copy_(torch.from_numpy(self._arange))
         # A step's InputBatch is views of these buffers; the views of a size are made once (each
         # slice is host time, ~15 a step).
         self.rows = functools.lru_cache(maxsize=None)(self._rows)  # at most max_num_reqs + 1 sizes
@@ -122,7 +129,7 @@ class InputBuffers:
     def _rows(self, n: int) -> RowViews:
         return RowViews(
             self.idx_mapping[:n], self.num_computed[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
-            self.num_sampled[:n], self.num_rejected[:n], self.num_draft[:n], self.cu_num_logits[: n + 1],
+            self.num_sampled[:n], self.num_rejected[:n], self.num_draft[:n], self.decode_order[:n], self.cu_num_logits[: n + 1],
             self.logits_indices[:n], self.one_logits_row_each[: n + 1], self.group_block_tables[:, :n],
             tuple(t[:n] for t in self.group_block_tables),
         )  # fmt: skip
@@ -170,6 +177,12 @@ class InputBuffers:
             h["num_draft"][:n] = num_draft_np
             h["num_draft"][n:num_reqs_padded] = 0
         h["shared_prefix_len"][0] = shared_prefix_len
+        order = h["decode_order"]
+        if n > 1:  # longest first (stable: equal lengths keep their batch order)
+            order[:n] = np.argsort(-seq_lens_np, kind="stable")
+        else:
+            order[:n] = 0
+        order[n:num_reqs_padded] = self._arange[n:num_reqs_padded]
         self._staged.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -14,7 +14,8 @@ dim's halves joined in the wrong order, split-KV decode (small decode-only batch
 several cases here split, some are run unsplit too) merging its splits with the wrong weights,
 reading splits that never ran, or leaving an arrival counter set (the next launch then never
 merges: cases run several launches a process), and a row's output changing with the other rows of its batch
-(unsplit launches).
+(unsplit launches) or with the order its programs start in (the decode launch's longest-first grid,
+AttentionMetadata.decode_order, padding rows in the order too).
 
 Kernels run on CPU through the Triton interpreter in one subprocess per test (slow: shapes are
 tiny, tile sizes shrunk to 16 so that short rows still cross several key tiles). The GPU tests at
@@ -62,6 +63,7 @@ class Case:
     sinks: bool = False  # per-head attention-sink logits (GPT-OSS)
     cache_dtype: torch.dtype | None = None  # None: dtype; torch.float8_e4m3fn: kv_cache_dtype="fp8"
     kv_scale: float = 1.0  # K/V magnitude (fp8: beyond 448 saturates)
+    longest_first: bool = False  # AttentionMetadata.decode_order: the rows by decreasing length, as the runner stages it
 
 
 MIXED = ((0, 9), (12, 1), (0, 0), (5, 6), (3, 0), (7, 1), (0, 2), (0, 0))
@@ -116,6 +118,14 @@ CASES = [
          tiles=dataclasses.replace(SMALL_TILES, decode_maxnreg=128)),
     Case("sinks, sliding window 5, unsplit", MIXED, window=5, sinks=True, tiles=NO_SPLIT),
     Case("fp8 cache, window 5, sinks, unsplit", MIXED, window=5, sinks=True, cache_dtype=torch.float8_e4m3fn, tiles=NO_SPLIT),
+    # The decode launch's grid in decode_order (TileConfig.decode_longest_first): mixed batches with
+    # padding rows, split and unsplit, group 3, float8
+    Case("mixed, padding, group 3, longest first", MIXED, num_heads=6, num_kv_heads=2, head_dim=40, pad_tokens=3,
+         longest_first=True),
+    Case("decode at block edges, unsplit, longest first", ((2, 1), (3, 1), (4, 1), (35, 1), (0, 1)), tiles=NO_SPLIT,
+         longest_first=True),
+    Case("split, sinks, window 9, longest first", ((40, 1), (9, 1), (23, 1)), window=9, sinks=True, longest_first=True),
+    Case("fp8 cache, mixed, padding, longest first", MIXED, cache_dtype=torch.float8_e4m3fn, pad_tokens=2, longest_first=True),
     # No bf16 case here: the Triton interpreter's tl.dot returns garbage for bf16 operands
     # (triton 3.9, numpy has no bfloat16); the GPU tests below cover bf16.
 ]
@@ -164,7 +174,14 @@ def build(case: Case, device: str = "cpu", seed: int = 0):
         block_tables=tables.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
     )
+    if case.longest_first:
+        meta = dataclasses.replace(meta, decode_order=longest_first(seq_lens, device))
     return spec, q.to(device), k.to(device), v.to(device), cache.to(device), meta, bias, num_real
+
+
+def longest_first(seq_lens: np.ndarray, device: str) -> torch.Tensor:
+    """AttentionMetadata.decode_order as InputBuffers.stage writes it: rows by decreasing length."""
+    return torch.tensor(np.argsort(-seq_lens, kind="stable"), dtype=torch.int32, device=device)
 
 
 def compare(case: Case, device: str = "cpu") -> None:
@@ -243,6 +260,12 @@ def check_batch_invariance() -> None:
             outs = run_rows(spec, q, k, v, cache, meta, bias, case.tiles, keep)
             for r, o in zip(keep, outs):
                 assert torch.equal(o, full[r]), f"[{case.name}] row {r} in rows {keep} differs from the full batch"
+        # The decode launch's programs in decode_order (longest first) or batch order: the same bytes.
+        ordered = dataclasses.replace(meta, decode_order=longest_first(meta.seq_lens_np, "cpu"))
+        in_batch_order = TritonBackend(dataclasses.replace(case.tiles, decode_longest_first=False))
+        for backend_meta, backend in ((ordered, TritonBackend(case.tiles)), (ordered, in_batch_order)):
+            out = backend.forward(spec, q, k, v, cache.clone(), backend_meta, bias)
+            assert torch.equal(out, torch.cat(full)), f"[{case.name}] the decode launch's row order changed the outputs"
 
 
 def check_freed_blocks_before_the_window_are_ignored() -> None:
@@ -384,6 +407,9 @@ def gpu_rows(batch: int, decode_frac: float, seed: int) -> list[tuple[int, int]]
                             num_kv_heads=4, head_dim=256),
         dataclasses.replace(qwen3_case("fp8 cache, mixed", gpu_rows(64, 0.7, 7), pad_tokens=3), cache_dtype=torch.float8_e4m3fn),
         qwen3_case("decode, batch 1, split", [(3000, 1)]),
+        qwen3_case("decode, batch 256, longest first", gpu_rows(256, 1.0, 9), longest_first=True),
+        dataclasses.replace(qwen3_case("fp8 cache, mixed, longest first", gpu_rows(64, 0.7, 10) + [(0, 0)] * 2, pad_tokens=2,
+                                       longest_first=True), cache_dtype=torch.float8_e4m3fn),
         qwen3_case("decode, batch 3, split, window 256, sinks", [(700, 1), (90, 1), (2000, 1)], window=256, sinks=True),
         dataclasses.replace(qwen3_case("fp8 cache, decode, batch 2, split", [(1500, 1), (33, 1)]), cache_dtype=torch.float8_e4m3fn),
     ],
@@ -407,7 +433,8 @@ def test_gpu_matches_reference(case):
 @needs_cuda
 def test_gpu_batch_invariant():
     """Each row of a mixed batch alone, and inside the decode-only sub-batch: bitwise equal
-    (unsplit decode launches: a split-KV decode of a few rows sums in another order)."""
+    (unsplit decode launches: a split-KV decode of a few rows sums in another order); and the
+    whole batch with the decode launch's rows longest first (AttentionMetadata.decode_order)."""
     case = dataclasses.replace(qwen3_case("mixed", gpu_rows(24, 0.6, 7)), tiles=TileConfig(split_kv_programs=0))
     spec, q, k, v, cache, meta, bias, _ = build(case, "cuda")
     everything = list(range(len(case.rows)))
@@ -416,6 +443,9 @@ def test_gpu_batch_invariant():
     for keep in [[r] for r in everything] + [decode_rows, everything[::-1]]:
         for r, o in zip(keep, run_rows(spec, q, k, v, cache, meta, bias, case.tiles, keep)):
             assert torch.equal(o, full[r]), f"row {r} in rows {keep} differs from the full batch"
+    ordered = dataclasses.replace(meta, decode_order=longest_first(meta.seq_lens_np, "cuda"))
+    out = TritonBackend(case.tiles).forward(spec, q, k, v, cache.clone(), ordered, bias)
+    assert torch.equal(out, torch.cat(full)), "the decode launch's longest-first grid changed the outputs"
 
 
 @needs_cuda

@@ -22,13 +22,16 @@ FLAGS = dict(DECODE=True, USE_WINDOW=False, USE_SOFT_CAP=False, HAS_BIAS=False, 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize(
-    "cache, head_dim, halves",
-    [("bf16", 128, False), ("bf16", 256, False), ("fp8e4nv", 128, False), ("fp8e4nv", 128, True), ("fp8e4nv", 256, True)],
-    ids=["bf16", "bf16 dim 256", "fp8 one product", "fp8 head halves", "fp8 head halves dim 256"],
-)
-def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim, halves):
+    "cache, head_dim, halves, row_order",
+    [("bf16", 128, False, False), ("bf16", 256, False, False), ("fp8e4nv", 128, False, False), ("fp8e4nv", 128, True, False),
+     ("fp8e4nv", 256, True, False), ("bf16", 128, False, True), ("fp8e4nv", 128, True, True)],
+    ids=["bf16", "bf16 dim 256", "fp8 one product", "fp8 head halves", "fp8 head halves dim 256", "bf16 longest first",
+         "fp8 head halves, longest first"],
+)  # fmt: skip
+def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim, halves, row_order):
+    """`row_order`: the grid the runner launches (TileConfig.decode_longest_first, rows read through decode_order)."""
     tiles = TileConfig()
-    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, HALVES=halves)
+    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, HALVES=halves, ROW_ORDER=row_order)
     usage = _compile(compile_for_hopper, cache, head_dim, constexprs, tiles.num_warps, tiles.decode_num_stages)
     assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
@@ -58,7 +61,8 @@ def _compile(compile_for_hopper, cache: str, head_dim: int, constexprs: dict, nu
     fp8 = cache == "fp8e4nv"
     pointers = dict(q_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, out_ptr="bf16", block_tables_ptr="i32",
                     seq_lens_ptr="i32", query_start_loc_ptr="i32", bias_ptr="fp32", sinks_ptr="fp32",
-                    shared_len_ptr="i32", part_acc_ptr="fp32", part_ml_ptr="fp32", counters_ptr="i32")
+                    shared_len_ptr="i32", part_acc_ptr="fp32", part_ml_ptr="fp32", counters_ptr="i32",
+                    row_order_ptr="i32")
     signature = {name: "*" + t for name, t in pointers.items()}
     for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_bh", "stride_bd", "num_distances", "num_reqs"):
         signature[name] = "i32"

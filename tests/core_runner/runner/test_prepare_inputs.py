@@ -85,6 +85,28 @@ def test_padded_rows_are_empty_after_a_larger_step():
     assert buffers.idx_mapping[:3].tolist() == [slot["b"], 0, 0]
     assert buffers.num_sampled[:3].tolist() == [1, 0, 0]
     assert buffers.num_computed[:3].tolist() == [3, 0, 0]
+    assert buffers.decode_order[:3].tolist() == [0, 1, 2], "one row, then the padding rows in place"
+
+
+def test_decode_order_is_the_rows_longest_first():
+    """Guards against: the decode launch's row order (AttentionMetadata.decode_order) missing a
+    row, naming a padding row before a real one, or ordering rows other than by decreasing KV
+    length (ties in batch order)."""
+    from slotrunner.core_runner.runner.input_buffers import InputBuffers
+
+    state, tables, reqs, _ = setup()
+    slot = state.req_id_to_slot
+    buffers = InputBuffers(4, 16, 8, CPU)
+    state.num_computed_tokens_np[slot["a"]] = 9
+    state.num_computed_tokens_np[slot["b"]] = 2
+    order = ["b", "c", "a"]  # KV lengths after the step: 3, 1, 10
+    batch = prepare_inputs(order, np.array([slot[r] for r in order]), np.array([1, 1, 1]), state, tables, buffers, 4, 4)
+    assert batch.seq_lens_np.tolist() == [3, 1, 10]
+    assert buffers.decode_order[:4].tolist() == [2, 0, 1, 3]
+    assert batch.attn_metadata().decode_order.tolist() == [2, 0, 1]
+    state.num_computed_tokens_np[slot["c"]] = 2  # c now ties with b: batch order between them
+    batch = prepare_inputs(order, np.array([slot[r] for r in order]), np.array([1, 1, 1]), state, tables, buffers)
+    assert batch.seq_lens_np.tolist() == [3, 3, 10] and batch.attn_metadata().decode_order.tolist() == [2, 0, 1]
 
 
 def test_staged_fields_start_16_byte_aligned():
@@ -96,5 +118,5 @@ def test_staged_fields_start_16_byte_aligned():
     for max_reqs, max_draft in ((1, 0), (3, 0), (5, 2), (7, 3)):  # odd sizes: int32 fields end mid-granule
         b = InputBuffers(max_reqs, 16, 8, CPU, max_draft)
         for name in ("idx_mapping", "num_computed", "logits_indices", "query_start_loc", "seq_lens", "num_sampled",
-                     "num_draft", "shared_prefix_len"):  # fmt: skip
+                     "num_draft", "shared_prefix_len", "decode_order"):  # fmt: skip
             assert getattr(b, name).data_ptr() % 16 == 0, (max_reqs, max_draft, name)
