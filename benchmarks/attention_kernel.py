@@ -171,10 +171,11 @@ def row_order_ab(args) -> None:
     spec, q, k, v, cache, meta, lens = decode_batch(args.batch, args.min_len, args.max_len)
     longest = torch.tensor(np.argsort(-lens, kind="stable"), dtype=torch.int32, device="cuda")
     shortest = torch.tensor(np.argsort(lens, kind="stable"), dtype=torch.int32, device="cuda")
+    ordered = TritonBackend(TileConfig(decode_longest_first=True))
     variants = {
         "batch order": (TritonBackend(TileConfig(decode_longest_first=False)), meta),
-        "longest first": (TritonBackend(), dataclasses.replace(meta, decode_order=longest)),
-        "shortest first": (TritonBackend(), dataclasses.replace(meta, decode_order=shortest)),
+        "longest first": (ordered, dataclasses.replace(meta, decode_order=longest)),
+        "shortest first": (ordered, dataclasses.replace(meta, decode_order=shortest)),
     }
     print(f"decode batch {args.batch}, lengths {args.min_len}-{args.max_len}, {torch.cuda.get_device_name()}")
     for name, c, itemsize in both_caches(cache):
