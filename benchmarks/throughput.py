@@ -20,6 +20,7 @@ measured wall time.
     python benchmarks/throughput.py --num-requests 64 --peers generate
     python benchmarks/throughput.py --peers none --prefix-caching-ab 2   # caching's cost, off/on x2
     python benchmarks/throughput.py --peers none --phases   # also the time by step shape, and its GPU span
+    python benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_longest_first=True   # a TileConfig field
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -124,12 +125,37 @@ def compiled_since(before: dict[str, list[str]]) -> list[str]:
     return sorted(name for entry, names in triton_cache_entries().items() if entry not in before for name in names)
 
 
+def tile_field(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` of --tile: VALUE as the field's default's type (True / False for a flag)."""
+    import dataclasses
+
+    from slotrunner.core_runner.attention.tile_config import TileConfig
+
+    name, _, value = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(TileConfig)}
+    if name not in fields or not value:
+        raise SystemExit(f"--tile {text!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+    kind = type(fields[name].default)
+    if kind is bool:
+        if value not in ("True", "False"):
+            raise SystemExit(f"--tile {text!r}: {name} takes True or False")
+        return name, value == "True"
+    return name, kind(value)
+
+
 def run_slotrunner(model_dir: str, prompts, out_lens, args, prefix_caching: bool = True) -> dict:
     from slotrunner import LLM, SamplingParams
     from slotrunner.core_runner import triton_utils
     from slotrunner.core_runner.triton_utils import compiles_counted
 
     triton_utils.PDL = not args.no_pdl
+    if args.tile:  # the Triton attention with these TileConfig fields, for this process's engines
+        from slotrunner.core_runner.attention.tile_config import TileConfig
+        from slotrunner.core_runner.attention.triton_attn import TritonBackend
+        from slotrunner.core_runner.runner import model_runner
+
+        tiles = TileConfig(**dict(tile_field(t) for t in args.tile))
+        model_runner.select_attn_backend = lambda device: TritonBackend(tiles)
     t0 = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2100,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -309,6 +335,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch: triton_utils.pdl_launch)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (float8 e4m3 KV cache)")
+    p.add_argument("--tile", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a TileConfig field of the Triton attention (repeatable), e.g. decode_longest_first=True")
     p.add_argument("--peers", default="generate,generate_batch", help="comma list of generate, generate_batch; or none")
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--json", type=Path, help="also write the rows here")

@@ -112,6 +112,9 @@ class AttentionBackend(abc.ABC):
     # (AttentionMetadata.shared_prefix_len) takes prefixes that are a multiple of this; None: it
     # has no such launch, and the runner never computes the prefix for it.
     shared_prefix_granule: int | None = None
+    # Whether the backend reads AttentionMetadata.decode_order (its decode launch starts long rows
+    # first); the runner stages the order only for one that does.
+    orders_decode_rows: bool = False
 
     @abc.abstractmethod
     def forward(

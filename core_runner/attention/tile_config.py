@@ -63,8 +63,12 @@ class TileConfig:
     # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
     # The decode launch's grid runs each row's KV heads together, rows in AttentionMetadata.decode_order
-    # (longest first) where the metadata has one; False: grid (rows, KV heads) in batch order.
-    decode_longest_first: bool = True
+    # (longest first; the runner stages it only when this is on); False: grid (rows, KV heads) in
+    # batch order. A launch whose programs run at a fixed pace (latency-bound: the float8 cache's)
+    # ends with a few long rows' programs running alone when those start last; scheduled longest
+    # first, a simulation of 256 rows of 100-1,400 keys, three programs a multiprocessor, ends
+    # ~13% sooner. Not yet measured on a GPU (`benchmarks/attention_kernel.py --row-order-ab`): off.
+    decode_longest_first: bool = False
 
     def prefill_warps(self, head_dim_p2: int) -> int:
         """The prefill launch's warps at a head dim padded to a power of two (`prefill_num_warps`)."""

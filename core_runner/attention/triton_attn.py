@@ -394,6 +394,10 @@ class TritonBackend(AttentionBackend):
         """The decode launch's key tile: a shared prefix is a whole number of them."""
         return self.tiles.decode_tile_n
 
+    @property
+    def orders_decode_rows(self) -> bool:
+        return self.tiles.decode_longest_first
+
     def forward(
         self,
         spec: AttentionSpec,

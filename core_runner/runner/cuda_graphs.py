@@ -95,7 +95,7 @@ class CudaGraphs:
         return tuple(
             AttentionMetadata.for_capture(
                 n, q, self.max_model_len, b.query_start_loc, b.seq_lens, b.group_block_tables[g], b.group_slot_mapping[g],
-                b.shared_prefix_len if shared else None, b.decode_order,
+                b.shared_prefix_len if shared else None, b.decode_order if self.backend.orders_decode_rows else None,
             )  # fmt: skip
             for g in range(b.group_block_tables.shape[0])
         )

@@ -58,6 +58,9 @@ class InputBatch:
     # Keys at the start of every row that all rows read from the same cache blocks (a decode-only
     # batch over one cached prompt; `buffers.shared_prefix_len` on the device), or 0.
     shared_prefix_len: int = 0
+    # [num_reqs] int32 the rows by decreasing length, where the backend reads it
+    # (AttentionBackend.orders_decode_rows), else None.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_logits(self) -> int:
@@ -90,5 +93,5 @@ class InputBatch:
             block_tables=self.block_tables_of[kv_group],
             slot_mapping=self.slot_mapping_of[kv_group],
             shared_prefix_len=self.buffers.shared_prefix_len if self.shared_prefix_len else None,
-            decode_order=self.buffers.rows(self.num_reqs).decode_order,
+            decode_order=self.decode_order,
         )

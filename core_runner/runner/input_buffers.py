@@ -151,6 +151,7 @@ class InputBuffers:
         num_draft_np: np.ndarray | None = None,  # [num_reqs] drafts per row (speculative decoding)
         shared_prefix_len: int = 0,  # keys every row reads from the same blocks (InputBatch.shared_prefix_len)
         carries_drafts: bool = False,  # some row of num_draft_np has drafts
+        order_decode_rows: bool = False,  # stage decode_order (AttentionBackend.orders_decode_rows)
     ) -> None:
         """Copy the host description of the step to the device. Rows in [num_reqs,
         num_reqs_padded) are padding: slot 0, nothing cached, an empty query, seq_len 0, no
@@ -177,12 +178,13 @@ class InputBuffers:
             h["num_draft"][:n] = num_draft_np
             h["num_draft"][n:num_reqs_padded] = 0
         h["shared_prefix_len"][0] = shared_prefix_len
-        order = h["decode_order"]
-        if n > 1:  # longest first (stable: equal lengths keep their batch order)
-            order[:n] = np.argsort(-seq_lens_np, kind="stable")
-        else:
-            order[:n] = 0
-        order[n:num_reqs_padded] = self._arange[n:num_reqs_padded]
+        if order_decode_rows:
+            order = h["decode_order"]
+            if n > 1:  # longest first (stable: equal lengths keep their batch order)
+                order[:n] = np.argsort(-seq_lens_np, kind="stable")
+            else:
+                order[:n] = 0
+            order[n:num_reqs_padded] = self._arange[n:num_reqs_padded]
         self._staged.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -167,7 +167,7 @@ class ModelRunner:
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled_np, self.req_state, self.block_tables, self.input_buffers,
             num_reqs_padded, num_tokens_padded, self._shared_prefix_len(idx_mapping_np, num_scheduled_np), num_draft_np,
-            rejected,
+            rejected, self.attn_backend.orders_decode_rows,
         )  # fmt: skip
         ms = self.model_state
         ms.preprocess_state(batch)

@@ -32,6 +32,7 @@ def prepare_inputs(
     # Overlapped steps with drafts: (per-slot drafts the last step rejected, rows it applies to --
     # the first ones, cached in the runner); their start moves back by them on the device.
     rejected: tuple[torch.Tensor, int] | None = None,
+    order_decode_rows: bool = False,  # stage the decode launch's row order (AttentionBackend.orders_decode_rows)
 ) -> InputBatch:
     num_reqs = len(req_ids)
     num_computed_np = state.num_computed_tokens_np[idx_mapping_np]
@@ -60,7 +61,7 @@ def prepare_inputs(
     # kernel launch costs more host time than their bytes in the one staging copy.
     b.stage(
         idx_mapping_np, num_computed_np, query_start_loc_np, seq_lens_np, sample_mask_np, num_reqs_padded, num_draft_np,
-        shared_prefix_len, carries_drafts,
+        shared_prefix_len, carries_drafts, order_decode_rows,
     )
     rows, tokens = b.rows(num_reqs), b.tokens(num_tokens)
     by_slot, num_back_rows = (None, 0) if rejected is None else rejected
@@ -127,6 +128,7 @@ def prepare_inputs(
         cu_num_logits=cu_num_logits,
         cu_num_logits_np=cu_num_logits_np,
         shared_prefix_len=shared_prefix_len,
+        decode_order=rows.decode_order if order_decode_rows else None,
     )
 
 

@@ -63,7 +63,13 @@ class Case:
     sinks: bool = False  # per-head attention-sink logits (GPT-OSS)
     cache_dtype: torch.dtype | None = None  # None: dtype; torch.float8_e4m3fn: kv_cache_dtype="fp8"
     kv_scale: float = 1.0  # K/V magnitude (fp8: beyond 448 saturates)
-    longest_first: bool = False  # AttentionMetadata.decode_order: the rows by decreasing length, as the runner stages it
+    # The decode launch's grid in AttentionMetadata.decode_order (TileConfig.decode_longest_first on), the
+    # rows by decreasing length as the runner stages them
+    longest_first: bool = False
+
+    @property
+    def backend_tiles(self) -> TileConfig:
+        return dataclasses.replace(self.tiles, decode_longest_first=True) if self.longest_first else self.tiles
 
 
 MIXED = ((0, 9), (12, 1), (0, 0), (5, 6), (3, 0), (7, 1), (0, 2), (0, 0))
@@ -192,7 +198,7 @@ def compare(case: Case, device: str = "cpu") -> None:
     ref_cache, tri_cache = cache.clone(), cache.clone()
     sinks = (2 * torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(7))).to(device) if case.sinks else None
     expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
-    out = TritonBackend(case.tiles).forward(spec, q, k, v, tri_cache, meta, bias, sinks)
+    out = TritonBackend(case.backend_tiles).forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "the written KV cache differs from write_kv's"
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding tokens' outputs are not zero"
@@ -262,8 +268,9 @@ def check_batch_invariance() -> None:
                 assert torch.equal(o, full[r]), f"[{case.name}] row {r} in rows {keep} differs from the full batch"
         # The decode launch's programs in decode_order (longest first) or batch order: the same bytes.
         ordered = dataclasses.replace(meta, decode_order=longest_first(meta.seq_lens_np, "cpu"))
+        by_length = TritonBackend(dataclasses.replace(case.tiles, decode_longest_first=True))
         in_batch_order = TritonBackend(dataclasses.replace(case.tiles, decode_longest_first=False))
-        for backend_meta, backend in ((ordered, TritonBackend(case.tiles)), (ordered, in_batch_order)):
+        for backend_meta, backend in ((ordered, by_length), (ordered, in_batch_order)):
             out = backend.forward(spec, q, k, v, cache.clone(), backend_meta, bias)
             assert torch.equal(out, torch.cat(full)), f"[{case.name}] the decode launch's row order changed the outputs"
 
@@ -421,7 +428,7 @@ def test_gpu_matches_reference(case):
     ref_cache, tri_cache = cache.clone(), cache.clone()
     sinks = (2 * torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(7))).cuda() if case.sinks else None
     expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
-    out = TritonBackend().forward(spec, q, k, v, tri_cache, meta, bias, sinks)
+    out = TritonBackend(case.backend_tiles).forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     torch.cuda.synchronize()
     assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
@@ -444,7 +451,7 @@ def test_gpu_batch_invariant():
         for r, o in zip(keep, run_rows(spec, q, k, v, cache, meta, bias, case.tiles, keep)):
             assert torch.equal(o, full[r]), f"row {r} in rows {keep} differs from the full batch"
     ordered = dataclasses.replace(meta, decode_order=longest_first(meta.seq_lens_np, "cuda"))
-    out = TritonBackend(case.tiles).forward(spec, q, k, v, cache.clone(), ordered, bias)
+    out = TritonBackend(dataclasses.replace(case.tiles, decode_longest_first=True)).forward(spec, q, k, v, cache.clone(), ordered, bias)
     assert torch.equal(out, torch.cat(full)), "the decode launch's longest-first grid changed the outputs"
 
 

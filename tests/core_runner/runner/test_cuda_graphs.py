@@ -70,6 +70,32 @@ def test_dependent_launches_change_no_bit(qwen3_dir, dtype, monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_longest_first_decode_grid_changes_no_bit(qwen3_dir, kv_cache_dtype, monkeypatch):
+    """The decode launch over its rows longest first (TileConfig.decode_longest_first: the runner
+    stages AttentionMetadata.decode_order, graphs read it) against batch order, graphs and eager:
+    the same tokens and logprobs, bitwise. Guards against a staged order that misses a row or
+    names a padding row, and a captured graph left reading the capture's order."""
+    from slotrunner.core_runner.attention.tile_config import TileConfig
+    from slotrunner.core_runner.attention.triton_attn import TritonBackend
+    from slotrunner.core_runner.runner import model_runner
+
+    def run(longest_first: bool, eager: bool):
+        backend = TritonBackend(TileConfig(decode_longest_first=longest_first))
+        monkeypatch.setattr(model_runner, "select_attn_backend", lambda device: backend)
+        llm = LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=128, max_num_seqs=16,
+                  kv_cache_dtype=kv_cache_dtype)
+        assert llm.engine.runner.attn_backend.orders_decode_rows == longest_first
+        gen = torch.Generator().manual_seed(5)
+        prompts = [{"prompt_token_ids": torch.randint(0, 200, (n,), generator=gen).tolist()} for n in PROMPT_LENS]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=1) for m in OUTPUT_LENS]
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    for eager in (False, True):
+        assert run(True, eager) == run(False, eager), f"eager={eager}"
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_request_prefill_graphs_equal_eager(qwen3_dir, dtype):
     """Prompts served one at a time (each prefill a step of one row, padded to a captured token

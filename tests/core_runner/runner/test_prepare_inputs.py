@@ -85,7 +85,6 @@ def test_padded_rows_are_empty_after_a_larger_step():
     assert buffers.idx_mapping[:3].tolist() == [slot["b"], 0, 0]
     assert buffers.num_sampled[:3].tolist() == [1, 0, 0]
     assert buffers.num_computed[:3].tolist() == [3, 0, 0]
-    assert buffers.decode_order[:3].tolist() == [0, 1, 2], "one row, then the padding rows in place"
 
 
 def test_decode_order_is_the_rows_longest_first():
@@ -100,12 +99,15 @@ def test_decode_order_is_the_rows_longest_first():
     state.num_computed_tokens_np[slot["a"]] = 9
     state.num_computed_tokens_np[slot["b"]] = 2
     order = ["b", "c", "a"]  # KV lengths after the step: 3, 1, 10
-    batch = prepare_inputs(order, np.array([slot[r] for r in order]), np.array([1, 1, 1]), state, tables, buffers, 4, 4)
+    rows = np.array([slot[r] for r in order])
+    batch = prepare_inputs(order, rows, np.array([1, 1, 1]), state, tables, buffers, 4, 4)
+    assert batch.attn_metadata().decode_order is None, "staged only for a backend that reads it"
+    batch = prepare_inputs(order, rows, np.array([1, 1, 1]), state, tables, buffers, 4, 4, order_decode_rows=True)
     assert batch.seq_lens_np.tolist() == [3, 1, 10]
     assert buffers.decode_order[:4].tolist() == [2, 0, 1, 3]
     assert batch.attn_metadata().decode_order.tolist() == [2, 0, 1]
     state.num_computed_tokens_np[slot["c"]] = 2  # c now ties with b: batch order between them
-    batch = prepare_inputs(order, np.array([slot[r] for r in order]), np.array([1, 1, 1]), state, tables, buffers)
+    batch = prepare_inputs(order, rows, np.array([1, 1, 1]), state, tables, buffers, order_decode_rows=True)
     assert batch.seq_lens_np.tolist() == [3, 3, 10] and batch.attn_metadata().decode_order.tolist() == [2, 0, 1]
 
 
