@@ -122,3 +122,35 @@ def test_staged_fields_start_16_byte_aligned():
         for name in ("idx_mapping", "num_computed", "logits_indices", "query_start_loc", "seq_lens", "num_sampled",
                      "num_draft", "shared_prefix_len", "decode_order"):  # fmt: skip
             assert getattr(b, name).data_ptr() % 16 == 0, (max_reqs, max_draft, name)
+
+
+def test_runner_stages_the_order_for_a_backend_that_reads_it(tmp_path, monkeypatch):
+    """Guards against: the runner not staging AttentionMetadata.decode_order for a backend whose
+    `orders_decode_rows` is on (the Triton backend with TileConfig.decode_longest_first), or
+    staging a stale one. A recording reference backend checks every layer's metadata of every
+    step: the real rows by decreasing KV length, ties in batch order."""
+    from slotrunner import LLM, SamplingParams
+    from slotrunner.conformance import build_case
+    from slotrunner.core_runner.attention.torch_ref import TorchRefBackend
+    from slotrunner.core_runner.runner import model_runner
+    from slotrunner.registry import tiny_config
+
+    seen = []
+
+    class Recording(TorchRefBackend):
+        orders_decode_rows = True
+
+        def forward(self, spec, q, k, v, kv_cache, meta, *args, **kwargs):
+            order = meta.decode_order.tolist()
+            lens = meta.seq_lens_np[: meta.num_reqs]
+            assert order == np.argsort(-lens, kind="stable").tolist(), (order, lens)
+            seen.append(meta.num_reqs)
+            return super().forward(spec, q, k, v, kv_cache, meta, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "select_attn_backend", lambda device: Recording())
+    build_case(tiny_config("Qwen3ForCausalLM"), tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 2, 9, 11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 4, 7)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert max(seen) == 4 and min(seen) == 1, "batches of several rows and of one were checked"
