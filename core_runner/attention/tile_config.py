@@ -66,8 +66,9 @@ class TileConfig:
     # (longest first; the runner stages it only when this is on); False: grid (rows, KV heads) in
     # batch order. A launch whose programs run at a fixed pace (latency-bound: the float8 cache's)
     # ends with a few long rows' programs running alone when those start last; scheduled longest
-    # first, a simulation of 256 rows of 100-1,400 keys, three programs a multiprocessor, ends
-    # ~13% sooner. Not yet measured on a GPU (`benchmarks/attention_kernel.py --row-order-ab`): off.
+    # first, a model of 256 rows of 100-1,400 keys, three programs a multiprocessor, ends ~13%
+    # sooner (benchmarks/decode_grid_sim.py). Not yet measured on a GPU (gpu_suite.sh
+    # longest-first-ab): off.
     decode_longest_first: bool = False
 
     def prefill_warps(self, head_dim_p2: int) -> int:

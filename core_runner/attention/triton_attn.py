@@ -320,8 +320,9 @@ def paged_attention(
             dot_precision, kv_fp8, fp8_f16,
         )  # fmt: skip
     no_bias = position_bias is None
-    # The decode launch's programs start in grid order: long rows first, so that the card does not
-    # end with a few long rows' programs running alone (each program runs its row's key tiles in turn).
+    # Programs start in grid order and each runs its row's key tiles in turn: with an order (long
+    # rows first; TileConfig.decode_longest_first), the card does not end with a few long rows'
+    # programs running alone.
     order = meta.decode_order if tiles.decode_longest_first else None
     args = (
         q, q.stride(0), q.stride(1), kv_cache[0], kv_cache[1], out, out.stride(0), out.stride(1),
