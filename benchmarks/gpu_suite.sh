@@ -27,7 +27,8 @@
 # of a batch-1 decode step), prefill-sweep (the prefill launch's query block, key tile, warps and stages over 8,192
 # query tokens, both caches), row-order-ab (the decode launch in batch order against longest first and
 # shortest first, both caches), longest-first-ab (that, then the float8 bench workload with the decode launch's
-# rows longest first against batch order, alternating, twice), profile-prefill (the bench model's prefill of 32 x 512 tokens, kernels by GPU time), rotary-ab (the rotary
+# rows longest first against batch order, alternating, twice), longest-first-splits (that with every decode-only
+# launch's keys split in two against the split rule, by step shape), profile-prefill (the bench model's prefill of 32 x 512 tokens, kernels by GPU time), rotary-ab (the rotary
 # launch with its K/V write at 8,192 tokens by heads a program and warps), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts), overhead-probe (that with the garbage collector off and on, and where inference_mode's entry spends its time under cProfile), overhead-lockstep (overhead with equal prompts: every row crosses a block boundary in the same step, as the figures up to 2026-12-06), launch-ab (that host time with cached Triton launches against
 # Triton's dispatch, three alternating pairs), small-batch (the bench workload's shape at max_num_seqs=6, both caches),
@@ -211,6 +212,11 @@ for s in "${steps[@]}"; do
       for i in 1 2; do
         run_step "fp8-longest-first-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_longest_first=True
         run_step "fp8-batch-order-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_longest_first=False
+      done ;;
+    longest-first-splits)  # the float8 bench workload, rows longest first, with every decode-only launch split in two against the split rule, alternating, twice
+      for i in 1 2; do
+        run_step "fp8-longest-first-split-2-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --phases --tile decode_longest_first=True --tile decode_splits=2
+        run_step "fp8-longest-first-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --phases --tile decode_longest_first=True
       done ;;
     rotary-ab) run_step rotary-ab 90 python3 benchmarks/rotary_kernel.py ;;
     profile-prefill) run_step profile-prefill 120 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --layers 28 --batch 32 --input-len 512 --prefill-kernels --rows 12 --steps 10 ;;
