@@ -207,8 +207,9 @@ for s in "${steps[@]}"; do
     profile-b1) run_step profile-b1 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch 1 --input-len 256 --rows 25 ;;
     prefill-sweep) run_step prefill-sweep 150 python3 benchmarks/attention_kernel.py --prefill-sweep ;;
     row-order-ab) run_step row-order-ab 90 python3 benchmarks/attention_kernel.py --row-order-ab ;;
-    longest-first-ab)  # the decode launch alone by row order, then the float8 bench workload with its rows longest first against batch order, alternating, twice
+    longest-first-ab)  # the decode launch alone by row order (256 and 96 rows), then the float8 bench workload with its rows longest first against batch order, alternating, twice
       run_step row-order-ab 90 python3 benchmarks/attention_kernel.py --row-order-ab
+      run_step row-order-ab-96 90 python3 benchmarks/attention_kernel.py --row-order-ab --batch 96
       for i in 1 2; do
         run_step "fp8-longest-first-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_longest_first=True
         run_step "fp8-batch-order-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_longest_first=False
