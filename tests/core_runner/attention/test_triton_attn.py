@@ -338,6 +338,13 @@ def check_shared_prefix() -> None:
         ref = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], cache.clone(), ref_meta)
         if not torch.allclose(out.float(), expected.float(), atol=1e-6, rtol=1e-5):
             failures.append(f"[{case.name}] differs from the decode launch alone by {(out - expected).abs().max()}")
+        # The decode launch after the prefix launch, its rows longest first: the same bytes.
+        ordered = dataclasses.replace(with_prefix, decode_order=longest_first(with_prefix.seq_lens_np, "cpu"))
+        out_ordered = TritonBackend(dataclasses.replace(case.tiles, decode_longest_first=True)).forward(
+            spec, q, k, v, cache.clone(), ordered
+        )
+        if not torch.equal(out_ordered, out):
+            failures.append(f"[{case.name}] longest first differs by {(out_ordered - out).abs().max()}")
         tol = 1e-4 if case.dtype == torch.float32 else HALF_TOL[case.dtype]
         if not torch.allclose(out[:num_real].float(), ref.float(), atol=tol, rtol=tol):
             failures.append(f"[{case.name}] differs from the reference by {(out[:num_real] - ref).abs().max()}")
