@@ -9,8 +9,8 @@ decode launch (`SHARED_PREFIX`) starts from it at the first key past the prefix.
 
 Every step of the online softmax here is the decode launch's own -- its BLOCK_M and TILE_N, the
 same key tiles from position 0, the same operations in the same order -- so a row's output is
-bitwise what the decode launch alone computes (tests/core_runner/attention/test_triton_attn.py,
-on the interpreter and on the GPU). That is why the tile loop repeats the decode kernel's rather
+bitwise what the decode launch alone computes (tests/core_runner/attention/test_triton_attn.py and
+test_triton_attn_gpu.py: on the interpreter and on the GPU). That is why the tile loop repeats the decode kernel's rather
 than sharing a helper with different masking.
 """
 
