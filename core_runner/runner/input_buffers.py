@@ -178,12 +178,9 @@ class InputBuffers:
             h["num_draft"][:n] = num_draft_np
             h["num_draft"][n:num_reqs_padded] = 0
         h["shared_prefix_len"][0] = shared_prefix_len
-        if order_decode_rows:
+        if order_decode_rows:  # longest first (stable: equal lengths keep their batch order), then the padding rows
             order = h["decode_order"]
-            if n > 1:  # longest first (stable: equal lengths keep their batch order)
-                order[:n] = np.argsort(-seq_lens_np, kind="stable")
-            else:
-                order[:n] = 0
+            order[:n] = np.argsort(-seq_lens_np, kind="stable")
             order[n:num_reqs_padded] = self._arange[n:num_reqs_padded]
         self._staged.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
