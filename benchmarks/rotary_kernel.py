@@ -3,9 +3,12 @@ layer) at a prefill step's size: 8,192 tokens of Qwen3-0.6B's heads (16 query, 8
 by `rotary_qk.MAX_BLOCK_H` (heads one program rotates: 8, the default, gives two programs a
 token; 16 and 32 one) and `rotary_qk.NUM_WARPS` (1, 2, 4: the default), both caches, three
 alternating rounds. In a prefill step of the bench model
-this launch took 16% of the kernel time (benchmarks/RESULTS.md, 2026-12-07).
+this launch took 16% of the kernel time (benchmarks/RESULTS.md, 2026-12-07). At decode sizes a
+launch takes a few microseconds, less than launching it from Python: --graph times it replayed
+from a CUDA graph of that many back-to-back launches.
 
     python benchmarks/rotary_kernel.py
+    python benchmarks/rotary_kernel.py --tokens 256 --graph 100
 
 This is a benchmark, not a test: it asserts nothing about speed.
 """
@@ -23,10 +26,31 @@ from slotrunner.core_runner.attention.backend import kv_cache_shape
 from slotrunner.core_runner.attention.kv_write import KVWrite
 
 
+def graphed_seconds_per_call(fn, calls: int, replays: int) -> float:
+    """Seconds a call of `fn` on the GPU: `calls` calls captured in one CUDA graph (after three
+    eager ones, which compile), the graph replayed `replays` times between CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--graph", type=int, default=0, metavar="N", help="time N launches captured in one CUDA graph, replayed --iters times")
     args = p.parse_args()
     T, H, Hk, D, bs, dev = args.tokens, 16, 8, 128, 16, "cuda"
     qkv = torch.randn(T, (H + 2 * Hk) * D, dtype=torch.bfloat16, device=dev)
@@ -48,7 +72,8 @@ def main() -> None:
             for r in range(3):
                 for block_h, warps in itertools.product((8, 16, 32), (1, 2, 4)):
                     rq.MAX_BLOCK_H, rq.NUM_WARPS = block_h, warps
-                    dt = seconds_per_call(lambda: rq.rotary_qk(positions, q, k, cos_sin, norm, kv), args.iters)
+                    call = lambda: rq.rotary_qk(positions, q, k, cos_sin, norm, kv)  # noqa: E731
+                    dt = graphed_seconds_per_call(call, args.graph, args.iters) if args.graph else seconds_per_call(call, args.iters)
                     print(f"{cache_dtype} cache, round {r + 1}, MAX_BLOCK_H {block_h}, {warps} warps: {dt * 1e6:.1f} us "
                           f"(~{moved / dt / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
     finally:
