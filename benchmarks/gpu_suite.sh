@@ -25,7 +25,7 @@
 # draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone, after serving the run once untimed; deepseek-hf: all 27 layers against transformers in the same process, after that untimed run; qwen3moe-hf: the Qwen3-30B-A3B shape against transformers alike; deepseek-cold: after two tokens a request, with Triton's kernel cache empty; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count; tests-mla: the MLA and float8-cache GPU tests alone; mla-fp8: the MLA decode kernel over a bf16 and a float8 cache by tile, warps, stages; deepseek-fp8: all 27 layers with the float8 latent cache against bf16, alternating, twice), latency, overhead, profile, profile-mm,
 # prefix, pdl-ab (programmatic dependent launch against plain launches: batch-1 latency, the bench workload), skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), prefill-sweep (the prefill launch's query block, key tile, warps and stages over 8,192
-# query tokens, both caches), tests-attention (the attention tests, graphs == eager and the input kernels alone), rotary-decode (the rotary launch at 256 and 64 tokens), row-order-ab (the decode launch in batch order against longest first and
+# query tokens, both caches), tests-longest-first (the GPU attention cases and the engine's bitwise test of the longest-first grid), tests-attention (the attention tests, graphs == eager and the input kernels alone), rotary-decode (the rotary launch at 256 and 64 tokens), row-order-ab (the decode launch in batch order against longest first and
 # shortest first, both caches), longest-first-ab (that, then the float8 bench workload with the decode launch's
 # rows longest first against batch order, alternating, twice), longest-first-splits (that with every decode-only
 # launch's keys split in two against the split rule, by step shape), profile-prefill (the bench model's prefill of 32 x 512 tokens, kernels by GPU time), rotary-ab (the rotary
@@ -132,6 +132,11 @@ for s in "${steps[@]}"; do
         run_step "deepseek-full-reference-router-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none --router reference
         run_step "deepseek-full-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none
       done ;;
+    tests-longest-first)  # the decode launch's longest-first grid alone: the attention launches at real sizes, the engine bitwise
+      t0=$SECONDS
+      timeout 240 python3 -m pytest -n 6 --timeout 200 -p no:cacheprovider tests/core_runner/attention/test_triton_attn_gpu.py \
+        tests/core_runner/runner/test_cuda_graphs.py -k "longest_first or gpu_" >"$out/tests_longest_first.log" 2>&1
+      summary+=("tests-longest-first: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests_longest_first.log")") ;;
     tests-attention)  # the attention launches compiled, graphs == eager, the step's input kernels (a grid or staging change)
       t0=$SECONDS
       timeout 300 python3 -m pytest -n 6 --timeout 240 -p no:cacheprovider tests/core_runner/attention \
