@@ -277,22 +277,29 @@ def graph_split_rows(args) -> None:
 
 def timed_graph(backend, spec, q, k, v, cache, meta, iters: int) -> float:
     """Seconds a call, `iters` calls captured in one CUDA graph and replayed (best of 3 replays)."""
-    backend.forward(spec, q, k, v, cache, meta)  # eagerly first: split counters exist before the capture
+    return graphed_seconds_per_call(lambda: backend.forward(spec, q, k, v, cache, meta), iters)
+
+
+def graphed_seconds_per_call(fn, calls: int, replays: int = 3) -> float:
+    """Seconds a call of `fn` on the GPU, without Python's launch cost: `calls` calls captured in
+    one CUDA graph, best of `replays` replays. `fn` runs eagerly first: it compiles, and what the
+    capture needs (split counters) exists before it."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(iters):
-            backend.forward(spec, q, k, v, cache, meta)
+        for _ in range(calls):
+            fn()
     graph.replay()
     torch.cuda.synchronize()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+        best = min(best, start.elapsed_time(end) / 1e3 / calls)
     return best
 
 

@@ -21,36 +21,16 @@ import itertools
 import torch
 
 import slotrunner.models.layers.rotary_qk as rq
-from attention_kernel import seconds_per_call
+from attention_kernel import graphed_seconds_per_call, seconds_per_call
 from slotrunner.core_runner.attention.backend import kv_cache_shape
 from slotrunner.core_runner.attention.kv_write import KVWrite
-
-
-def graphed_seconds_per_call(fn, calls: int, replays: int) -> float:
-    """Seconds a call of `fn` on the GPU: `calls` calls captured in one CUDA graph (after three
-    eager ones, which compile), the graph replayed `replays` times between CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--graph", type=int, default=0, metavar="N", help="time N launches captured in one CUDA graph, replayed --iters times")
+    p.add_argument("--graph", type=int, default=0, metavar="N", help="time N launches captured in one CUDA graph, best of --iters replays")
     args = p.parse_args()
     T, H, Hk, D, bs, dev = args.tokens, 16, 8, 128, 16, "cuda"
     qkv = torch.randn(T, (H + 2 * Hk) * D, dtype=torch.bfloat16, device=dev)
