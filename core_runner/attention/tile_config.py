@@ -67,9 +67,11 @@ class TileConfig:
     # batch order. A launch whose programs run at a fixed pace (latency-bound: the float8 cache's)
     # ends with a few long rows' programs running alone when those start last; scheduled longest
     # first, a model of 256 rows of 100-1,400 keys, three programs a multiprocessor, ends ~13%
-    # sooner (benchmarks/decode_grid_sim.py). Not yet measured on a GPU (gpu_suite.sh
-    # longest-first-ab): off.
-    decode_longest_first: bool = False
+    # sooner (benchmarks/decode_grid_sim.py). On one H100 (benchmarks/RESULTS.md, 2026-12-07) the
+    # launch alone, best of 3: bf16 cache 0.287 -> 0.276 ms at 256 rows, 0.229 -> 0.216 at 96;
+    # float8 0.209 -> 0.210 and 0.223 -> 0.216, within noise; the bench workload's step within
+    # its noise either way (argsort of the lengths on the host included). Never slower: on.
+    decode_longest_first: bool = True
 
     def prefill_warps(self, head_dim_p2: int) -> int:
         """The prefill launch's warps at a head dim padded to a power of two (`prefill_num_warps`)."""
