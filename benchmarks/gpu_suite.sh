@@ -25,7 +25,7 @@
 # draft a quarter of the target's depth), moe-kernel (moe-act-ab: the MoE activation in the first GEMM against its own launch; qwen3moe-full: the Qwen3-30B-A3B shape, 48 layers, slotrunner alone), qwen3next, deepseek (deepseek-full: all 27 layers, slotrunner alone, after serving the run once untimed; deepseek-hf: all 27 layers against transformers in the same process, after that untimed run; qwen3moe-hf: the Qwen3-30B-A3B shape against transformers alike; deepseek-cold: after two tokens a request, with Triton's kernel cache empty; deepseek-router-ab: that with the router's reference launches against its one launch, twice; profile-deepseek: its decode step's kernels; mla-splits: the MLA decode kernel by split count; tests-mla: the MLA and float8-cache GPU tests alone; mla-fp8: the MLA decode kernel over a bf16 and a float8 cache by tile, warps, stages; deepseek-fp8: all 27 layers with the float8 latent cache against bf16, alternating, twice), latency, overhead, profile, profile-mm,
 # prefix, pdl-ab (programmatic dependent launch against plain launches: batch-1 latency, the bench workload), skinny (the skinny GEMM kernel against cuBLAS, with a tile sweep), profile-b1 (kernels
 # of a batch-1 decode step), prefill-sweep (the prefill launch's query block, key tile, warps and stages over 8,192
-# query tokens, both caches), tests-longest-first (the GPU attention cases and the engine's bitwise test of the longest-first grid), tests-attention (the attention tests, graphs == eager and the input kernels alone), rotary-decode (the rotary launch at 256 and 64 tokens), row-order-ab (the decode launch in batch order against longest first and
+# query tokens, both caches), tests-longest-first (the GPU attention cases and the engine's bitwise test of the longest-first grid), tests-attention (the attention tests, graphs == eager and the input kernels alone), rotary-decode (the rotary launch at 256 and 64 tokens), rotary-sizes (at 1,024, 2,048 and 4,096), row-order-ab (the decode launch in batch order against longest first and
 # shortest first, both caches), longest-first-ab (that, then the float8 bench workload with the decode launch's
 # rows longest first against batch order, alternating, twice), longest-first-bench (its bench workload runs alone), longest-first-splits (that with every decode-only
 # launch's keys split in two against the split rule, by step shape), profile-prefill (the bench model's prefill of 32 x 512 tokens, kernels by GPU time), rotary-ab (the rotary
@@ -235,6 +235,10 @@ for s in "${steps[@]}"; do
     rotary-decode)  # the rotary launch at decode sizes (256 and 64 rows), where 16 heads a program halves the programs
       run_step rotary-256 60 python3 benchmarks/rotary_kernel.py --tokens 256 --graph 100 --iters 20
       run_step rotary-64 60 python3 benchmarks/rotary_kernel.py --tokens 64 --graph 100 --iters 20 ;;
+    rotary-sizes)  # the rotary launch between decode and prefill sizes: where 16 heads a program starts to pay
+      for tokens in 1024 2048 4096; do
+        run_step "rotary-$tokens" 60 python3 benchmarks/rotary_kernel.py --tokens $tokens --graph 20 --iters 10
+      done ;;
     profile-prefill) run_step profile-prefill 120 python3 benchmarks/profile_decode.py --shape qwen3-0.6b --layers 28 --batch 32 --input-len 512 --prefill-kernels --rows 12 --steps 10 ;;
     spec-phases-steady) run_step spec-phases-steady 240 python3 benchmarks/spec_decode.py --qwen3-shape --device cuda --max-tokens 128 --batch-sizes 1 --steady-prompts 8 --phases ;;
     spec-steady) run_step spec-ngram-steady 240 "${SPEC_STEADY[@]}" ;;
