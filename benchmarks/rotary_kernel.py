@@ -1,7 +1,7 @@
 """The rotary launch with the step's K/V write (q/k-norm, RoPE, the cache write: one launch a
 layer) at a prefill step's size: 8,192 tokens of Qwen3-0.6B's heads (16 query, 8 KV, head dim 128),
-by `rotary_qk.MAX_BLOCK_H` (heads one program rotates: 8, the default, gives two programs a
-token; 16 and 32 one) and `rotary_qk.NUM_WARPS` (1, 2, 4: the default), both caches, three
+by heads one program rotates (`rotary_qk.MAX_BLOCK_H` and `WIDE_BLOCK_H`, both set: 8, the
+default below 1,024 tokens, gives two programs a token; 16, the default from there, and 32 one) and `rotary_qk.NUM_WARPS` (1, 2, 4: the default), both caches, three
 alternating rounds. In a prefill step of the bench model
 this launch took 16% of the kernel time (benchmarks/RESULTS.md, 2026-12-07). At decode sizes a
 launch takes a few microseconds, less than launching it from Python: --graph times it replayed
@@ -44,20 +44,20 @@ def main() -> None:
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
     moved = T * (H + 2 * Hk) * D * 2 * 2  # q and k read and written, v read, k and v written (16-bit)
     print(f"rotary launch with the K/V write, {T} tokens, {H}/{Hk} heads x {D}, {torch.cuda.get_device_name()}")
-    defaults = rq.MAX_BLOCK_H, rq.NUM_WARPS
+    defaults = rq.MAX_BLOCK_H, rq.WIDE_BLOCK_H, rq.NUM_WARPS
     try:
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             cache = torch.zeros(kv_cache_shape(T // bs + 16, bs, Hk, D), dtype=torch.bfloat16, device=dev).to(cache_dtype)
             kv = KVWrite(cache, v, slots, out)
             for r in range(3):
                 for block_h, warps in itertools.product((8, 16, 32), (1, 2, 4)):
-                    rq.MAX_BLOCK_H, rq.NUM_WARPS = block_h, warps
+                    rq.MAX_BLOCK_H, rq.WIDE_BLOCK_H, rq.NUM_WARPS = block_h, block_h, warps
                     call = lambda: rq.rotary_qk(positions, q, k, cos_sin, norm, kv)  # noqa: E731
                     dt = graphed_seconds_per_call(call, args.graph, args.iters) if args.graph else seconds_per_call(call, args.iters)
                     print(f"{cache_dtype} cache, round {r + 1}, MAX_BLOCK_H {block_h}, {warps} warps: {dt * 1e6:.1f} us "
                           f"(~{moved / dt / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
     finally:
-        rq.MAX_BLOCK_H, rq.NUM_WARPS = defaults
+        rq.MAX_BLOCK_H, rq.WIDE_BLOCK_H, rq.NUM_WARPS = defaults
 
 
 if __name__ == "__main__":

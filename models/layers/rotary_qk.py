@@ -54,7 +54,14 @@ def rotary_qk_ref(
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
 
 
-MAX_BLOCK_H = 8  # heads of q (and of k) one program rotates: grid (tokens, cdiv(heads, MAX_BLOCK_H))
+# Heads of q (and of k) one program rotates: grid (tokens, cdiv(heads, block)). Below
+# WIDE_FROM_TOKENS tokens MAX_BLOCK_H, from there WIDE_BLOCK_H. On one H100 (Qwen3-0.6B's 16/8
+# heads, 4 warps, benchmarks/RESULTS.md 2026-12-07): 8 heads are faster at 64-256 tokens (float8
+# cache 3.8 against 4.1 us at 256), 16 from 1,024 tokens up (bf16 6.2 -> 5.5 us at 1,024, 10.7
+# -> 9.2 at 2,048, 67.5 -> 60-64 at 8,192; float8 10.9 -> 10.3, 20.4 -> 18.6, 84.4 -> 77).
+MAX_BLOCK_H = 8
+WIDE_BLOCK_H = 16
+WIDE_FROM_TOKENS = 1024
 NUM_WARPS = 4  # the launch's warps (benchmarks/rotary_kernel.py varies both)
 
 if HAS_TRITON:
@@ -246,7 +253,8 @@ def rotary_qk(
         rotary_qk_native(lib, positions, q, k, cos_sin)
         return q, k
     half = rotary_dim // 2
-    block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), MAX_BLOCK_H)
+    widest = WIDE_BLOCK_H if num_tokens >= WIDE_FROM_TOKENS else MAX_BLOCK_H
+    block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), widest)
     has_norm = qk_norm is not None
     q_w, k_w, q_eps, k_eps = qk_norm[:4] if has_norm else (cos_sin, cos_sin, 0.0, 0.0)
     grid = (num_tokens, triton.cdiv(max(num_heads, k.shape[1]), block_h))

@@ -206,10 +206,26 @@ def test_interpreted_models_match_transformers(run_interpreted):
     run_interpreted(_check_interpreted_models)
 
 
+def _check_wide_blocks(device: str = "cpu", dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16)):
+    """The launch at prefill sizes (rotary_qk.WIDE_FROM_TOKENS tokens up) rotates WIDE_BLOCK_H
+    heads a program: the same checks with every launch taking that width, so 12 q heads and 4 KV
+    heads share one program, masked past them."""
+    import slotrunner.models.layers.rotary_qk as rq
+
+    saved = rq.WIDE_FROM_TOKENS
+    rq.WIDE_FROM_TOKENS = 1
+    try:
+        _check_against_reference(device, dtypes)
+        _check_cache_write(device, dtypes)
+    finally:
+        rq.WIDE_FROM_TOKENS = saved
+
+
 def _check_all_interpreted():
     _check_against_reference()
     _check_cache_write()
     _check_layer_calls()
+    _check_wide_blocks()
 
 
 def test_rotary_kernel_matches_reference(run_interpreted):
@@ -238,6 +254,7 @@ def test_compiled_rotary_matches_reference():
     _check_against_reference("cuda", (torch.float32, torch.float16, torch.bfloat16))
     _check_cache_write("cuda", (torch.float32, torch.float16, torch.bfloat16))
     _check_layer_calls("cuda")
+    _check_wide_blocks("cuda", (torch.float32, torch.float16, torch.bfloat16))
 
 
 @needs_cuda
