@@ -69,8 +69,9 @@ class TileConfig:
     # first, a model of 256 rows of 100-1,400 keys, three programs a multiprocessor, ends ~13%
     # sooner (benchmarks/decode_grid_sim.py). On one H100 (benchmarks/RESULTS.md, 2026-12-07) the
     # launch alone, best of 3: bf16 cache 0.287 -> 0.276 ms at 256 rows, 0.229 -> 0.216 at 96;
-    # float8 0.209 -> 0.210 and 0.223 -> 0.216, within noise; the bench workload's step within
-    # its noise either way (argsort of the lengths on the host included). Never slower: on.
+    # float8 0.209 -> 0.210 and 0.223 -> 0.216, within noise. The bench workload (the host's
+    # argsort of the lengths included), alternating runs on a second H100: float8 28.0K -> 28.6-29.1K
+    # tok/s, bf16 20.4-20.6K -> 21.1-21.2K. On.
     decode_longest_first: bool = True
 
     def prefill_warps(self, head_dim_p2: int) -> int:
