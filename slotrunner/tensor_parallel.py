@@ -108,7 +108,7 @@ class TensorParallelLaunch:
                 proc.terminate()
                 proc.join(_JOIN_TIMEOUT_S)
         if self.tp.world_size > 1:  # joined (a launch that failed to join owns no group)
-            destroy_tensor_parallel(wait_for_others=told)
+            destroy_tensor_parallel(wait_for_others=told, tp=self.tp)
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
 

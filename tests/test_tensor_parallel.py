@@ -265,6 +265,10 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging(two_ranks):
     two_ranks.close()
     # The process group is gone: another parallel engine could start in this process.
     assert not torch.distributed.is_initialized()
+    # And no handle keeps it alive: a held one kept gloo's threads running until the interpreter
+    # tore them down at exit, where a rank aborted now and then.
+    tp = two_ranks.engine.tensor_parallel.tp
+    assert tp.device_group is None and tp.cpu_group is None, "close() kept the process groups' handles"
 
 
 def _two_ranks_equal_one(directory, engine: dict, prompts: list) -> None:

@@ -113,6 +113,16 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def release(self) -> None:
+        """Drop the handles of the process groups this group has left (destroy_tensor_parallel).
+        `destroy_process_group` unregisters them, but a handle still held keeps gloo's worker
+        threads (six a rank on CPU) running until the interpreter shuts down and tears them down
+        there, which is where a rank aborted at exit now and then ("terminate called without an
+        active exception"). Without the handles they stop here, while Python still runs. A
+        collective called afterwards fails: no process group is initialized."""
+        object.__setattr__(self, "device_group", None)  # frozen: the layers share this one object
+        object.__setattr__(self, "cpu_group", None)
+
     def leave_together(self) -> None:
         """After rank 0's stop message: wait until every rank has it before any leaves the
         group. A rank that tears its group down while another's last collective is still in
@@ -176,8 +186,10 @@ def init_tensor_parallel(
 LEAVE_WAIT = timedelta(seconds=10)  # rank 0's wait for the other ranks to leave (destroy_tensor_parallel)
 
 
-def destroy_tensor_parallel(wait_for_others: bool = True) -> None:
-    """Leave the process group (if any); the process may join another afterwards.
+def destroy_tensor_parallel(wait_for_others: bool = True, tp: TensorParallelGroup | None = None) -> None:
+    """Leave the process group (if any); the process may join another afterwards. `tp`: this
+    process's group object (the one its layers hold), whose process-group handles are dropped
+    as soon as it has left (`TensorParallelGroup.release`).
 
     Rank 0 leaves last. It hosts the group's store (the env:// and tcp:// rendezvous of a
     torchrun-style launch), and a rank still tearing its groups down when that store went away
@@ -191,6 +203,8 @@ def destroy_tensor_parallel(wait_for_others: bool = True) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank != 0:
         dist.destroy_process_group()
+        if tp is not None:
+            tp.release()
         try:
             store.set(f"slotrunner/left/{rank}", "1")
         except Exception:  # rank 0 gone already: nobody waits for the mark
@@ -202,3 +216,5 @@ def destroy_tensor_parallel(wait_for_others: bool = True) -> None:
         except Exception as e:  # a rank that died or hangs: leave without it
             logger.warning("tensor-parallel shutdown: not every rank left within %s: %s", LEAVE_WAIT, e)
     dist.destroy_process_group()
+    if tp is not None:
+        tp.release()
