@@ -13,6 +13,9 @@ first with the old grid and shortest first.
     python benchmarks/decode_grid_sim.py --rows 128 --min-len 100 --max-len 1400 --slots 264
 
 Its figures say what ordering can buy at most; `attention_kernel.py --row-order-ab` measures it.
+On one H100 (benchmarks/RESULTS.md, 2026-12-07) the model's float8 gain (1.20x -> 1.05x at 256
+rows) did not appear: the float8 launch took the same time in every order, while the bf16
+launch, which the model gives less, ran 4-6% faster longest first.
 """
 
 from __future__ import annotations
