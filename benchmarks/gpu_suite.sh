@@ -87,7 +87,7 @@ for s in "${steps[@]}"; do
   case $s in
     tests)
       t0=$SECONDS
-      timeout 420 python3 -m pytest -n 6 --timeout 300 -p no:cacheprovider "${GPU_TESTS[@]}" >"$out/tests.log" 2>&1
+      timeout 420 python3 -m pytest -n 6 --timeout 300 --durations 30 -p no:cacheprovider "${GPU_TESTS[@]}" >"$out/tests.log" 2>&1  # the slowest 30 listed: what to trim when device time is short
       summary+=("tests: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests.log")") ;;
     suite)
       t0=$SECONDS
