@@ -197,7 +197,9 @@ def destroy_tensor_parallel(wait_for_others: bool = True, tp: TensorParallelGrou
     other rank marks its departure in the store once it has left, and rank 0, when
     `wait_for_others` (it told them to leave and they heard), waits for those marks -- at most
     LEAVE_WAIT -- before it leaves."""
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # left already (cleanup_dist_env_and_memory): drop the handles still
+        if tp is not None:
+            tp.release()
         return
     store = dist.distributed_c10d._get_default_store()  # kept alive past the groups by this reference
     rank, world_size = dist.get_rank(), dist.get_world_size()
