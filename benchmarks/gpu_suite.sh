@@ -74,6 +74,13 @@ run_step() {  # name, seconds, command...
   echo "=== $name: rc=$rc, $((SECONDS - t0)) s" >>"$out/bench.log"
   summary+=("$name: rc=$rc, $((SECONDS - t0)) s")
 }
+run_tests() {  # name, seconds, command...: a pytest run into $out/<name>.log, its last line in the summary
+  local name=$1 limit=$2
+  shift 2
+  local log="$out/${name//-/_}.log" t0=$SECONDS
+  timeout "$limit" "$@" >"$log" 2>&1
+  summary+=("$name: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$log")")
+}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -85,14 +92,9 @@ run_step() {  # name, seconds, command...
 
 for s in "${steps[@]}"; do
   case $s in
-    tests)
-      t0=$SECONDS
-      timeout 420 python3 -m pytest -n 6 --timeout 300 --durations 30 -p no:cacheprovider "${GPU_TESTS[@]}" >"$out/tests.log" 2>&1  # the slowest 30 listed: what to trim when device time is short
-      summary+=("tests: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests.log")") ;;
-    suite)
-      t0=$SECONDS
-      OMP_NUM_THREADS=1 timeout 400 python3 -m pytest -n 14 --timeout 300 -p no:cacheprovider tests >"$out/suite.log" 2>&1
-      summary+=("suite: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/suite.log")") ;;
+    tests)  # the slowest 30 listed: what to trim when device time is short
+      run_tests tests 420 python3 -m pytest -n 6 --timeout 300 --durations 30 -p no:cacheprovider "${GPU_TESTS[@]}" ;;
+    suite) run_tests suite 400 env OMP_NUM_THREADS=1 python3 -m pytest -n 14 --timeout 300 -p no:cacheprovider tests ;;
     throughput) run_step throughput 150 python3 benchmarks/throughput.py --peers none ;;
     throughput-phases) run_step throughput-phases 150 python3 benchmarks/throughput.py --peers none --phases ;;
     eager-forward) run_step eager-forward 120 python3 benchmarks/eager_forward.py --profile 30 ;;
@@ -133,23 +135,17 @@ for s in "${steps[@]}"; do
         run_step "deepseek-full-$i" 150 python3 benchmarks/moe_throughput.py --shape deepseek-v2-lite --peers none
       done ;;
     tests-longest-first)  # the decode launch's longest-first grid alone: the attention launches at real sizes, the engine bitwise
-      t0=$SECONDS
-      timeout 240 python3 -m pytest -n 6 --timeout 200 -p no:cacheprovider tests/core_runner/attention/test_triton_attn_gpu.py \
-        tests/core_runner/runner/test_cuda_graphs.py -k "longest_first or gpu_" >"$out/tests_longest_first.log" 2>&1
-      summary+=("tests-longest-first: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests_longest_first.log")") ;;
+      run_tests tests-longest-first 240 python3 -m pytest -n 6 --timeout 200 -p no:cacheprovider \
+        tests/core_runner/attention/test_triton_attn_gpu.py tests/core_runner/runner/test_cuda_graphs.py -k "longest_first or gpu_" ;;
     tests-attention)  # the attention launches compiled, graphs == eager, the step's input kernels (a grid or staging change)
-      t0=$SECONDS
-      timeout 300 python3 -m pytest -n 6 --timeout 240 -p no:cacheprovider tests/core_runner/attention \
-        tests/core_runner/runner/test_cuda_graphs.py tests/core_runner/runner/test_input_kernels.py >"$out/tests_attention.log" 2>&1
-      summary+=("tests-attention: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests_attention.log")") ;;
+      run_tests tests-attention 300 python3 -m pytest -n 6 --timeout 240 -p no:cacheprovider tests/core_runner/attention \
+        tests/core_runner/runner/test_cuda_graphs.py tests/core_runner/runner/test_input_kernels.py ;;
     tests-mla)  # the MLA kernels (a float8 cache too) compiled, DeepSeek's bf16 conformance, graphs == eager, float8 engines
-      t0=$SECONDS
-      timeout 300 python3 -m pytest -n 4 --timeout 240 -p no:cacheprovider tests/models/layers/test_mla_decode.py \
+      run_tests tests-mla 300 python3 -m pytest -n 4 --timeout 240 -p no:cacheprovider tests/models/layers/test_mla_decode.py \
         tests/models/layers/test_mla_prefill.py tests/core_runner/attention/test_fp8_kv_cache.py \
         "tests/conformance/test_decoders_gpu.py::test_bf16_matches_transformers_bf16[DeepseekV2ForCausalLM]" \
         "tests/conformance/test_decoders_gpu.py::test_bf16_matches_transformers_bf16[DeepseekV3ForCausalLM]" \
-        tests/models/test_deepseek.py::test_cuda_graphs_equal_eager >"$out/tests_mla.log" 2>&1
-      summary+=("tests-mla: rc=$?, $((SECONDS - t0)) s: $(tail -n 1 "$out/tests_mla.log")") ;;
+        tests/models/test_deepseek.py::test_cuda_graphs_equal_eager ;;
     mla-fp8)  # the MLA decode kernel over a bf16 and a float8 cache, by key tile, warps and stages
       run_step mla-fp8-64 150 python3 benchmarks/mla_decode.py --rows 64 --seq-len 640 --kernel-splits 0 --cache-dtype bf16,fp8 --tile-n 16,32 --warps 4,8 --stages 2,3 --repeats 200
       run_step mla-fp8-256 120 python3 benchmarks/mla_decode.py --rows 256 --seq-len 2048 --kernel-splits 0 --cache-dtype bf16,fp8 --tile-n 16,32 --warps 4,8 --repeats 100 ;;
