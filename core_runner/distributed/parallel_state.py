@@ -197,16 +197,20 @@ def destroy_tensor_parallel(wait_for_others: bool = True, tp: TensorParallelGrou
     other rank marks its departure in the store once it has left, and rank 0, when
     `wait_for_others` (it told them to leave and they heard), waits for those marks -- at most
     LEAVE_WAIT -- before it leaves."""
-    if not dist.is_initialized():  # left already (cleanup_dist_env_and_memory): drop the handles still
+
+    def leave() -> None:
+        if dist.is_initialized():  # not when left already (cleanup_dist_env_and_memory): only the handles then
+            dist.destroy_process_group()
         if tp is not None:
             tp.release()
+
+    if not dist.is_initialized():
+        leave()
         return
     store = dist.distributed_c10d._get_default_store()  # kept alive past the groups by this reference
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank != 0:
-        dist.destroy_process_group()
-        if tp is not None:
-            tp.release()
+        leave()
         try:
             store.set(f"slotrunner/left/{rank}", "1")
         except Exception:  # rank 0 gone already: nobody waits for the mark
@@ -217,6 +221,4 @@ def destroy_tensor_parallel(wait_for_others: bool = True, tp: TensorParallelGrou
             store.wait([f"slotrunner/left/{r}" for r in range(1, world_size)], LEAVE_WAIT)
         except Exception as e:  # a rank that died or hangs: leave without it
             logger.warning("tensor-parallel shutdown: not every rank left within %s: %s", LEAVE_WAIT, e)
-    dist.destroy_process_group()
-    if tp is not None:
-        tp.release()
+    leave()
