@@ -129,9 +129,20 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr = 0,  # 0: grid (blocks, column tiles); > 0: one dimension, GemmTiles.group_m
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        if GROUP_M == 0:  # consecutive programs take the blocks, for one column tile at a time
+            pid_m = tl.program_id(0)
+            pid_n = tl.program_id(1)
+        else:  # GROUP_M blocks at a time take every column tile: their rows of A stay in L2
+            pid = tl.program_id(0)
+            num_pid_n = tl.cdiv(N, BLOCK_N)
+            num_pid_m = tl.num_programs(0) // num_pid_n
+            first_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
+            size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+            in_group = pid % (GROUP_M * num_pid_n)
+            pid_m = first_m + in_group % size_m
+            pid_n = in_group // size_m
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the last expert's run: the worst-case grid's spare programs
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -201,6 +212,31 @@ def pick_block_m(num_rows: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 256 else 128
 
 
+@dataclass(frozen=True)
+class GemmTiles:
+    """A grouped GEMM launch's shape. None of it changes a row's sums (BLOCK_K is fixed per
+    dtype): only which program computes which tile, and when."""
+
+    block_n: int  # weight rows a program reads (gated: gate and up, half each)
+    num_warps: int
+    num_stages: int = _NUM_STAGES
+    # 0: a 2D grid whose consecutive programs take the blocks of rows for one column tile (each
+    # tile of weights meets its expert's blocks together). g > 0: g blocks at a time take every
+    # column tile, so that their gathered rows of A are read from L2, not HBM, by all but the
+    # first (Triton's grouped ordering).
+    group_m: int = 0
+
+
+def gemm_tiles(block_m: int) -> GemmTiles:
+    """The launch shape for blocks of `block_m` rows (`TILES` where a benchmark set one)."""
+    if block_m in TILES:
+        return TILES[block_m]
+    return GemmTiles(block_n=128 if block_m >= 64 else 64, num_warps=8 if block_m >= 128 else 4)  # wide tiles once blocks are tall
+
+
+TILES: dict[int, GemmTiles] = {}  # by block_m: benchmarks try other launch shapes (read per call)
+
+
 def grouped_gemm(
     a: torch.Tensor,  # [num_a_rows, K]
     w: torch.Tensor,  # [num_experts, N, K]
@@ -209,7 +245,7 @@ def grouped_gemm(
     align: MoeAlignment,
     a_row_div: int,
     topk_weights: torch.Tensor | None = None,  # [num_rows] float32: scale each row (second GEMM)
-    block_n: int | None = None,
+    tiles: GemmTiles | None = None,  # None: gemm_tiles(align.block_m)
     act: int = -1,  # gated_value's code: w is [gate | up], out = act(gate) * up (first GEMM)
 ) -> None:
     num_rows, n = out.shape
@@ -218,17 +254,19 @@ def grouped_gemm(
     assert out.is_contiguous() and w.dtype == a.dtype, (out.stride(), w.dtype, a.dtype)
     assert w.shape[1] == (2 * n if act >= 0 else n), f"weight rows {w.shape[1]} for {n} output columns (act {act})"
     block_k = _BLOCK_K[a.dtype]
-    block_n = block_n or (128 if align.block_m >= 64 else 64)  # wide tiles pay off once blocks are tall
+    tiles = tiles or gemm_tiles(align.block_m)
+    block_n = tiles.block_n
     if act >= 0:
         block_n //= 2  # two products a program (gate and up): the same tile of weights as unfused
-    grid = (align.block_expert.shape[0], triton.cdiv(n, block_n))
+    num_blocks, num_cols = align.block_expert.shape[0], triton.cdiv(n, block_n)
+    grid = (num_blocks, num_cols) if tiles.group_m == 0 else (num_blocks * num_cols,)
     _fused_moe_kernel[grid](
         a, w, w if bias is None else bias, out, out if topk_weights is None else topk_weights,
         align.sorted_rows, align.block_expert, align.num_padded,
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), 0 if bias is None else bias.stride(0),
         A_ROW_DIV=a_row_div, ACT=act, LIBDEVICE=not TRITON_INTERPRET, HAS_BIAS=bias is not None,
         MUL_WEIGHT=topk_weights is not None, IEEE=a.dtype == torch.float32, BLOCK_M=align.block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=8 if align.block_m >= 128 else 4, num_stages=_NUM_STAGES,
+        BLOCK_K=block_k, GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         enable_fp_fusion=act < 0,  # the activation's products each rounded, as the reference's (no fma)
     )  # fmt: skip
 

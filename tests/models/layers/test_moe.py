@@ -14,6 +14,8 @@ every layer until the end or accepts a layer with an expert missing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -214,10 +216,40 @@ def _check_kernel(device: str = "cpu", dtypes=(torch.float32, torch.float16)):
                     torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{name}: {m}")
                 else:  # roundings at the same points, sums in other orders
                     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    _check_launch_orders(device)
     x = torch.zeros(0, 32, device=device)
     empty = fused_moe(x, torch.zeros(4, 32, 32, device=device), torch.zeros(4, 32, 16, device=device),
                       torch.zeros(0, 2, device=device), torch.zeros(0, 2, dtype=torch.long, device=device), SILU)  # fmt: skip
     assert empty.shape == (0, 32)
+
+
+def _check_launch_orders(device: str):
+    """The grouped launch order (`GemmTiles.group_m`) gives the same bits as the default launch:
+    it moves tiles between programs, not terms between sums (group sizes that do not divide the
+    blocks leave a short last group). Other column tiles and warps stay within the reference's
+    tolerance (the products' shapes may change, not the BLOCK_K steps)."""
+    from slotrunner.models.layers import fused_moe as fm
+
+    cases = [(19, 4, 2, 40, 20, SILU, False, 16), (33, 3, 1, 64, 48, ExpertActivation("relu2", gated=False), False, 32),
+             (11, 6, 2, 32, 40, ExpertActivation("gelu_pytorch_tanh"), True, 16)]  # fmt: skip
+    for num_tokens, num_experts, top_k, hidden, inter, act, bias, block_m in cases:
+        args = [t.to(device) if isinstance(t, torch.Tensor) else t
+                for t in _moe_inputs(num_tokens, num_experts, top_k, hidden, inter, torch.float32, act, bias)]  # fmt: skip
+        want = fused_moe(*args[:6], b_in=args[6], b_out=args[7], block_m=block_m)
+        default = fm.gemm_tiles(block_m)
+        ref = fused_moe_ref(*args)
+        for tiles in (replace(default, group_m=1), replace(default, group_m=3), fm.GemmTiles(16, 4, group_m=2),
+                      fm.GemmTiles(64, 8, 2, group_m=0)):  # fmt: skip
+            fm.TILES[block_m] = tiles
+            try:
+                got = fused_moe(*args[:6], b_in=args[6], b_out=args[7], block_m=block_m)
+            finally:
+                fm.TILES.clear()
+            name = f"{tiles}, tokens={num_tokens} experts={num_experts} {act}"
+            if tiles.block_n == default.block_n:
+                assert torch.equal(got, want), f"{name}: the launch order changed the output"
+            else:
+                torch.testing.assert_close(got, ref, **FP32_TOL, msg=lambda m: f"{name}: {m}")
 
 
 def test_fused_moe_kernel_matches_reference(run_interpreted):
