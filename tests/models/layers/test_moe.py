@@ -183,6 +183,7 @@ KERNEL_CASES = [
     (33, 3, 1, 64, 48, ExpertActivation("relu2", gated=False), False, 32),  # NemotronH's plain experts
     (7, 6, 3, 32, 16, ExpertActivation("silu", swiglu_limit=1.5, swiglu_alpha=1.702), True, 16),  # GPT-OSS
     (11, 6, 2, 32, 40, ExpertActivation("gelu_pytorch_tanh"), True, 16),  # fused act with biases (up's at N)
+    (300, 8, 4, 32, 80, SILU, False, None),  # prefill blocks of 128 rows (the default pick), grouped order, 2 column tiles
 ]
 
 
@@ -323,13 +324,14 @@ def test_grouped_gemm_compiles_for_hopper(compile_for_hopper, block_m, act):
     signature = dict(a_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", c_ptr="*bf16", topk_weights_ptr="*fp32",
                      sorted_rows_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_rows="i32", N="i32",
                      K="i32", stride_am="i64", stride_we="i64", stride_wn="i64", stride_be="i64")  # fmt: skip
-    block_n = (128 if block_m >= 64 else 64) // (2 if act >= 0 else 1)  # grouped_gemm's tiles
+    tiles = fused_moe.gemm_tiles(block_m)  # grouped_gemm's launch shape
+    block_n = tiles.block_n // (2 if act >= 0 else 1)
     # As Triton specializes a launch of contiguous weights: stride_wk == 1, the sizes and the
     # other strides multiples of 16 (Qwen3-30B-A3B: 2048 / 768 / 1536).
     constexprs = dict(A_ROW_DIV=6 if act >= 0 else 1, ACT=act, LIBDEVICE=True, HAS_BIAS=False, MUL_WEIGHT=act < 0,
-                      IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, stride_wk=1)  # fmt: skip
-    usage = compile_for_hopper(fused_moe._fused_moe_kernel, signature, constexprs, num_warps=8 if block_m >= 128 else 4,
-                               num_stages=fused_moe._NUM_STAGES, divisible=("N", "K", "stride_am", "stride_we", "stride_wn"))
+                      IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, stride_wk=1, GROUP_M=tiles.group_m)  # fmt: skip
+    usage = compile_for_hopper(fused_moe._fused_moe_kernel, signature, constexprs, num_warps=tiles.num_warps,
+                               num_stages=tiles.num_stages, divisible=("N", "K", "stride_am", "stride_we", "stride_wn"))
     assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("DYNAMIC_SHARED:")[1].split()[0]) <= 232_448, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) > 0, f"the tiles' loads are not pipelined: {usage}"
