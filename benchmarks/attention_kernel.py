@@ -12,6 +12,7 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --split-sweep   # keys of each row split over programs, both caches
     python benchmarks/attention_kernel.py --ab int32_offsets       # int64 against int32 cache offsets, both caches
     python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
+    python benchmarks/attention_kernel.py --ab decode_prefetch_blocks  # block ids a tile early, at 2 and 3 stages
     python benchmarks/attention_kernel.py --graph-split-rows 8,16,32,64,128 --min-len 1000 --max-len 1700
     python benchmarks/attention_kernel.py --prefill-sweep   # the prefill launch's tiles, warps, stages
     python benchmarks/attention_kernel.py --row-order-ab    # rows in batch order against longest first
@@ -123,7 +124,10 @@ def main() -> None:
 # The TileConfig fields --ab compares, the default first. What each does, and its registers, is
 # beside it in tile_config.py (decode_maxnreg: 128 registers fit four float8 programs a
 # multiprocessor, 96 five; shared memory allows five).
-AB_VALUES = {"int32_offsets": (True, False), "decode_head_halves": (True, False), "decode_maxnreg": (0, 128, 96)}
+AB_VALUES = {"int32_offsets": (True, False), "decode_head_halves": (True, False), "decode_maxnreg": (0, 128, 96),
+             # with 3 stages: compiled for sm_90, only prefetched block ids let the loop wait for one tile, not all
+             "decode_prefetch_blocks": ({}, {"decode_prefetch_blocks": True}, {"decode_num_stages": 3},
+                                        {"decode_prefetch_blocks": True, "decode_num_stages": 3})}
 
 
 def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:
@@ -132,15 +136,17 @@ def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:
     Hk, D = spec.num_kv_heads, spec.head_dim
     for name, c, itemsize in both_caches(cache):
         read = int(lens.sum()) * Hk * D * 2 * itemsize
-        backends = {value: TritonBackend(TileConfig(**{field: value})) for value in AB_VALUES[field]}
-        outs = {value: b.forward(spec, q, k, v, c, meta) for value, b in backends.items()}
+        variants = {(f"{field}={value}" if not isinstance(value, dict) else str(value or "default")):
+                    TileConfig(**(value if isinstance(value, dict) else {field: value})) for value in AB_VALUES[field]}  # fmt: skip
+        backends = {label: TritonBackend(tiles) for label, tiles in variants.items()}
+        outs = {label: b.forward(spec, q, k, v, c, meta) for label, b in backends.items()}
         for round_ in range(3):
-            for value, backend in backends.items():
+            for label, backend in backends.items():
                 t = timed(backend, spec, q, k, v, c, meta, iters)
-                print(f"{name} cache, {field}={value}, round {round_ + 1}: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
-        default = outs[AB_VALUES[field][0]]
-        for value, out in list(outs.items())[1:]:
-            print(f"{name}, {field}={value}: outputs {'bitwise equal' if torch.equal(out, default) else 'DIFFER'} to the default's", flush=True)
+                print(f"{name} cache, {label}, round {round_ + 1}: {t * 1e3:.3f} ms  {read / t / 1e12:.2f} TB/s", flush=True)
+        default = next(iter(outs.values()))
+        for label, out in list(outs.items())[1:]:
+            print(f"{name}, {label}: outputs {'bitwise equal' if torch.equal(out, default) else 'DIFFER'} to the default's", flush=True)
 
 
 def split_sweep(spec, q, k, v, cache, meta, lens, iters: int) -> None:

@@ -62,6 +62,11 @@ class TileConfig:
     # H100 (batch 256) neither pays: float8 0.183 ms at 128 against 0.184, 0.234 at 96; bf16, held
     # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
+    # The decode launch loads each key tile's block ids one tile early, so that the next tile's
+    # K/V copies need not wait for them (compiled for sm_90 with 2 stages, the pipeliner issues a
+    # tile's copies right after the block-id load, both after the previous tile's products).
+    # Outputs unchanged (the same tiles, the same sums). Off until measured on a GPU.
+    decode_prefetch_blocks: bool = False
     # The decode launch's grid runs each row's KV heads together, rows in AttentionMetadata.decode_order
     # (longest first; the runner stages it only when this is on); False: grid (rows, KV heads) in
     # batch order. A launch whose programs run at a fixed pace (latency-bound: the float8 cache's)

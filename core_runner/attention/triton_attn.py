@@ -107,6 +107,7 @@ if HAS_TRITON:
         HALVES: tl.constexpr = False,  # products over the head dim's two halves (TileConfig.decode_head_halves)
         PDL: tl.constexpr = False,  # triton_utils.pdl_launch
         ROW_ORDER: tl.constexpr = False,  # decode launch: grid (KV heads, rows), rows in row_order's order
+        PREFETCH_BLOCKS: tl.constexpr = False,  # each tile's block ids loaded a tile early (TileConfig.decode_prefetch_blocks)
     ):
         pdl_enter(PDL)
         if ROW_ORDER:
@@ -199,10 +200,16 @@ if HAS_TRITON:
         n = tl.arange(0, TILE_N)
         block_row = block_tables_ptr + row.to(tl.int64) * stride_bt
         kv_col = kv_head * HEAD_DIM
+        if PREFETCH_BLOCKS:  # the first tile's block ids; each tile then loads the next one's
+            block_next = tl.load(block_row + (kv_start + n) // BLOCK_SIZE, mask=kv_start + n < kv_end, other=0)
         for tile_start in range(kv_start, kv_end, TILE_N):
             k_pos = tile_start + n  # [TILE_N]
             k_ok = k_pos < kv_end
-            block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+            if PREFETCH_BLOCKS:
+                block = block_next
+                block_next = tl.load(block_row + (k_pos + TILE_N) // BLOCK_SIZE, mask=k_pos + TILE_N < kv_end, other=0)
+            else:
+                block = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
             if not OFFSETS_I32:
                 block = block.to(tl.int64)
             slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE  # [TILE_N]
@@ -362,6 +369,7 @@ def paged_attention(
         SHARED_PREFIX=shared is not None,
         NUM_SPLITS=splits,
         HALVES=tiles.decode_head_halves and kv_fp8 and head_dim == common["HEAD_DIM_P2"] and head_dim >= 32,
+        PREFETCH_BLOCKS=tiles.decode_prefetch_blocks,
         num_stages=tiles.decode_num_stages,
         **({"maxnreg": tiles.decode_maxnreg} if tiles.decode_maxnreg else {}),
         **common,

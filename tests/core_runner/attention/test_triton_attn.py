@@ -199,6 +199,9 @@ def compare(case: Case, device: str = "cpu") -> None:
     expected = TorchRefBackend().forward(spec, q[:num_real], k[:num_real], v[:num_real], ref_cache, ref_meta, bias, sinks)
     out = TritonBackend(case.backend_tiles).forward(spec, q, k, v, tri_cache, meta, bias, sinks)
     assert out.shape == q.shape and out.dtype == q.dtype
+    # The decode launch with each tile's block ids loaded a tile early: the same tiles, the same bytes.
+    prefetched = TritonBackend(dataclasses.replace(case.backend_tiles, decode_prefetch_blocks=True))
+    assert torch.equal(prefetched.forward(spec, q, k, v, cache.clone(), meta, bias, sinks), out), "prefetched block ids changed the output"
     assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "the written KV cache differs from write_kv's"
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding tokens' outputs are not zero"
     real_rows = [r for r, (_, n) in enumerate(case.rows) if n]

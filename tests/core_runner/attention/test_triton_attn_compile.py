@@ -22,20 +22,25 @@ FLAGS = dict(DECODE=True, USE_WINDOW=False, USE_SOFT_CAP=False, HAS_BIAS=False, 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize(
-    "cache, head_dim, halves, row_order",
-    [("bf16", 128, False, False), ("bf16", 256, False, False), ("fp8e4nv", 128, False, False), ("fp8e4nv", 128, True, False),
-     ("fp8e4nv", 256, True, False), ("bf16", 128, False, True), ("fp8e4nv", 128, True, True)],
+    "cache, head_dim, halves, row_order, prefetch",
+    [("bf16", 128, False, False, 0), ("bf16", 256, False, False, 0), ("fp8e4nv", 128, False, False, 0),
+     ("fp8e4nv", 128, True, False, 0), ("fp8e4nv", 256, True, False, 0), ("bf16", 128, False, True, 0),
+     ("fp8e4nv", 128, True, True, 0), ("fp8e4nv", 128, True, True, 2), ("fp8e4nv", 128, True, True, 3),
+     ("bf16", 128, False, True, 3)],
     ids=["bf16", "bf16 dim 256", "fp8 one product", "fp8 head halves", "fp8 head halves dim 256", "bf16 longest first",
-         "fp8 head halves, longest first"],
+         "fp8 head halves, longest first", "fp8 prefetched block ids", "fp8 prefetched block ids, 3 stages",
+         "bf16 prefetched block ids, 3 stages"],
 )  # fmt: skip
-def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim, halves, row_order):
-    """`row_order`: the grid the runner launches (TileConfig.decode_longest_first, rows read through decode_order)."""
+def test_decode_launch_compiles_pipelined_without_spill(compile_for_hopper, cache, head_dim, halves, row_order, prefetch):
+    """`row_order`: the grid the runner launches (TileConfig.decode_longest_first, rows read through decode_order).
+    `prefetch`: TileConfig.decode_prefetch_blocks at that many stages (0: off, the default stages)."""
     tiles = TileConfig()
-    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, HALVES=halves, ROW_ORDER=row_order)
-    usage = _compile(compile_for_hopper, cache, head_dim, constexprs, tiles.num_warps, tiles.decode_num_stages)
+    constexprs = dict(SHAPE, **FLAGS, TILE_N=tiles.decode_tile_n, HALVES=halves, ROW_ORDER=row_order, PREFETCH_BLOCKS=prefetch > 0)
+    usage = _compile(compile_for_hopper, cache, head_dim, constexprs, tiles.num_warps, prefetch or tiles.decode_num_stages)
     assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
     assert "GDC_WAITS:1" in usage, f"a Hopper launches it dependent (triton_utils.pdl_launch): one wait: {usage}"
+    assert int(usage.split("DYNAMIC_SHARED:")[1].split()[0]) <= 232_448, usage
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
