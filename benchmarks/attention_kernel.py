@@ -12,7 +12,7 @@ read per second, to compare with the ~4.8 TB/s of one H200.
     python benchmarks/attention_kernel.py --split-sweep   # keys of each row split over programs, both caches
     python benchmarks/attention_kernel.py --ab int32_offsets       # int64 against int32 cache offsets, both caches
     python benchmarks/attention_kernel.py --ab decode_head_halves  # one product against the head dim's halves
-    python benchmarks/attention_kernel.py --ab decode_prefetch_blocks  # block ids a tile early or not, at 3 and 2 stages
+    python benchmarks/attention_kernel.py --ab decode_prefetch_blocks  # block ids a tile early, at 2 and 3 stages
     python benchmarks/attention_kernel.py --graph-split-rows 8,16,32,64,128 --min-len 1000 --max-len 1700
     python benchmarks/attention_kernel.py --prefill-sweep   # the prefill launch's tiles, warps, stages
     python benchmarks/attention_kernel.py --row-order-ab    # rows in batch order against longest first
@@ -126,8 +126,8 @@ def main() -> None:
 # multiprocessor, 96 five; shared memory allows five).
 AB_VALUES = {"int32_offsets": (True, False), "decode_head_halves": (True, False), "decode_maxnreg": (0, 128, 96),
              # with 3 stages: compiled for sm_90, only prefetched block ids let the loop wait for one tile, not all
-             "decode_prefetch_blocks": ({}, {"decode_prefetch_blocks": False}, {"decode_num_stages": 2},
-                                        {"decode_prefetch_blocks": False, "decode_num_stages": 2})}
+             "decode_prefetch_blocks": ({}, {"decode_prefetch_blocks": True}, {"decode_num_stages": 3},
+                                        {"decode_prefetch_blocks": True, "decode_num_stages": 3})}
 
 
 def switch_ab(field: str, spec, q, k, v, cache, meta, lens, iters: int) -> None:

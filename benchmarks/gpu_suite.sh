@@ -27,7 +27,7 @@
 # of a batch-1 decode step), prefill-sweep (the prefill launch's query block, key tile, warps and stages over 8,192
 # query tokens, both caches), tests-longest-first (the GPU attention cases and the engine's bitwise test of the longest-first grid), tests-attention (the attention tests, graphs == eager and the input kernels alone), rotary-decode (the rotary launch at 256 and 64 tokens), rotary-sizes (at 1,024, 2,048 and 4,096), row-order-ab (the decode launch in batch order against longest first and
 # shortest first, both caches), longest-first-ab (that, then the float8 bench workload with the decode launch's
-# rows longest first against batch order, alternating, twice), longest-first-bench (its bench workload runs alone), prefetch-ab (the decode launch with each tile's block ids loaded a tile early or not, at 3 and 2 stages, then the float8 bench workload with the default against neither, alternating, twice), longest-first-splits (that with every decode-only
+# rows longest first against batch order, alternating, twice), longest-first-bench (its bench workload runs alone), prefetch-ab (the decode launch with each tile's block ids loaded a tile early, at 2 and 3 stages, then the float8 bench workload with it at 3 stages against the default, alternating, twice), longest-first-splits (that with every decode-only
 # launch's keys split in two against the split rule, by step shape), profile-prefill (the bench model's prefill of 32 x 512 tokens, kernels by GPU time), rotary-ab (the rotary
 # launch with its K/V write at 8,192 tokens by heads a program and warps), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
 # with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts), overhead-probe (that with the garbage collector off and on, and where inference_mode's entry spends its time under cProfile), overhead-lockstep (overhead with equal prompts: every row crosses a block boundary in the same step, as the figures up to 2026-12-06), launch-ab (that host time with cached Triton launches against
@@ -230,8 +230,8 @@ for s in "${steps[@]}"; do
       run_step prefetch-ab-256 120 python3 benchmarks/attention_kernel.py --ab decode_prefetch_blocks
       run_step prefetch-ab-96 120 python3 benchmarks/attention_kernel.py --ab decode_prefetch_blocks --batch 96
       for i in 1 2; do
-        run_step "fp8-prefetch-3-stages-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8
-        run_step "fp8-no-prefetch-2-stages-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_prefetch_blocks=False --tile decode_num_stages=2
+        run_step "fp8-prefetch-3-stages-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8 --tile decode_prefetch_blocks=True --tile decode_num_stages=3
+        run_step "fp8-default-$i" 150 python3 benchmarks/throughput.py --peers none --kv-cache-dtype fp8
       done ;;
     longest-first-splits)  # the float8 bench workload, rows longest first, with every decode-only launch split in two against the split rule, alternating, twice
       for i in 1 2; do

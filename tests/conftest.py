@@ -166,8 +166,7 @@ def compile_for_hopper():
     gives a program at most 232,448), `ASYNC_COPIES:<n>` (loads issued as asynchronous
     copies to shared memory: those the software pipeliner took), `SHARED_BYTE_LOADS:<n>`
     (reads of shared memory one byte an instruction, in the PTX), `GDC_WAITS:<n>` (programmatic
-    dependent launch's waits, in the PTX), `ASYNC_WAIT_MAX:<n>` (the most copy groups any wait
-    leaves in flight: 0 when every wait drains them all, no loads overlapping the loop's work). Constexprs the kernel gives a default take it unless
+    dependent launch's waits, in the PTX). Constexprs the kernel gives a default take it unless
     given. Skips where Triton or its NVIDIA backend is missing.
 
     Every pointer is compiled as 16-byte aligned, as the JIT specializes a launch whose tensors
@@ -176,7 +175,6 @@ def compile_for_hopper():
     launch runs. `divisible` names integer arguments to compile as multiples of 16 as well."""
     import inspect
     import os
-    import re
     import subprocess
     import tempfile
 
@@ -208,12 +206,10 @@ def compile_for_hopper():
             out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
         usage = " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
         copies = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")  # loads the pipeliner made asynchronous
-        # The most copy groups any wait leaves in flight (0: every wait drains all of them).
-        waits = [int(w) for w in re.findall(r"ttg\.async_wait .*\{num = (\d+) : i32\}", compiled.asm["ttgir"])]
         ptx = compiled.asm["ptx"]
         byte_loads = ptx.count("ld.shared.b8")  # shared-memory reads of one byte each
         gdc = ptx.count("griddepcontrol.wait")  # programmatic dependent launch's waits (triton_utils.pdl_enter)
         return (f"{usage} DYNAMIC_SHARED:{compiled.metadata.shared} ASYNC_COPIES:{copies} SHARED_BYTE_LOADS:{byte_loads}"
-                f" GDC_WAITS:{gdc} ASYNC_WAIT_MAX:{max(waits, default=0)}")
+                f" GDC_WAITS:{gdc}")
 
     return compile

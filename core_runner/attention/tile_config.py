@@ -25,11 +25,7 @@ class TileConfig:
     # 64 M rows, a 256-wide accumulator (head dims 129-256) takes 255 registers and spills 48
     # bytes; at 8 warps 196, no spill (tests/core_runner/attention/test_triton_attn_compile.py).
     prefill_num_warps: int = 0
-    # The decode launch's pipeline stages; 0: 3 where the head dim (padded to a power of two) is at
-    # most 128 (with decode_prefetch_blocks the loop then waits for one tile while the next one's
-    # copies fly), 2 above (at 256, 3 stages over bf16 ask 274,432 bytes of shared memory, more
-    # than a multiprocessor has, and spill over float8).
-    decode_num_stages: int = 0
+    decode_num_stages: int = 2
     prefill_num_stages: int = 2
     shared_num_stages: int = 1  # the shared-prefix launch (its tile shapes are the decode launch's)
     # A decode-only launch of at most 6 rows splits each row's keys over the most programs, a power
@@ -66,15 +62,11 @@ class TileConfig:
     # H100 (batch 256) neither pays: float8 0.183 ms at 128 against 0.184, 0.234 at 96; bf16, held
     # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
-    # The decode launch loads each key tile's block ids one tile early, in registers. Without it,
-    # compiled for sm_90 (Triton 3.6 and 3.9), the pipeliner stages the block ids through shared
-    # memory and every iteration waits for all copies in flight (async_wait num = 0), at 2 stages
-    # or 3: a tile's K/V copies are issued after the previous tile's products and waited for at
-    # once. With it and 3 stages the loop waits for one tile while the next one's copies fly
-    # (num = 4 over float8's four copies, 2 over bf16's), no spill (float8 146 registers, bf16
-    # 107 under 3.6). Outputs bitwise equal. On one H100 (benchmarks/RESULTS.md, 2026-12-07): the
-    # float8 bench workload 26,860-26,867 -> 27,828-28,188 tok/s, alternating processes.
-    decode_prefetch_blocks: bool = True
+    # The decode launch loads each key tile's block ids one tile early, so that the next tile's
+    # K/V copies need not wait for them (compiled for sm_90 with 2 stages, the pipeliner issues a
+    # tile's copies right after the block-id load, both after the previous tile's products).
+    # Outputs unchanged (the same tiles, the same sums). Off until measured on a GPU.
+    decode_prefetch_blocks: bool = False
     # The decode launch's grid runs each row's KV heads together, rows in AttentionMetadata.decode_order
     # (longest first; the runner stages it only when this is on); False: grid (rows, KV heads) in
     # batch order. A launch whose programs run at a fixed pace (latency-bound: the float8 cache's)
@@ -86,10 +78,6 @@ class TileConfig:
     # argsort of the lengths included), alternating runs on a second H100: float8 28.0K -> 28.6-29.1K
     # tok/s, bf16 20.4-20.6K -> 21.1-21.2K. On.
     decode_longest_first: bool = True
-
-    def decode_stages(self, head_dim_p2: int) -> int:
-        """The decode launch's stages at a head dim padded to a power of two (`decode_num_stages`)."""
-        return self.decode_num_stages or (3 if head_dim_p2 <= 128 else 2)
 
     def prefill_warps(self, head_dim_p2: int) -> int:
         """The prefill launch's warps at a head dim padded to a power of two (`prefill_num_warps`)."""
@@ -106,8 +94,6 @@ class TileConfig:
             raise ValueError(f"decode_splits must be 0 (the rule) or a power of two <= {MAX_SPLITS}, got {self.decode_splits}")
         if self.prefill_num_warps not in (0, 1, 2, 4, 8, 16):
             raise ValueError(f"prefill_num_warps must be 0 (by head dim) or a power of two up to 16, got {self.prefill_num_warps}")
-        if not 0 <= self.decode_num_stages <= 8:
-            raise ValueError(f"decode_num_stages must be 0 (by head dim) or 1-8, got {self.decode_num_stages}")
         if self.decode_maxnreg and not 32 <= self.decode_maxnreg <= 255:
             raise ValueError(f"decode_maxnreg must be 0 (the compiler's choice) or 32-255 registers, got {self.decode_maxnreg}")
 

@@ -370,7 +370,7 @@ def paged_attention(
         NUM_SPLITS=splits,
         HALVES=tiles.decode_head_halves and kv_fp8 and head_dim == common["HEAD_DIM_P2"] and head_dim >= 32,
         PREFETCH_BLOCKS=tiles.decode_prefetch_blocks,
-        num_stages=tiles.decode_stages(common["HEAD_DIM_P2"]),
+        num_stages=tiles.decode_num_stages,
         **({"maxnreg": tiles.decode_maxnreg} if tiles.decode_maxnreg else {}),
         **common,
     )

@@ -53,7 +53,3 @@ def test_tile_config_rejects_small_tiles():
         TileConfig(split_kv_max=32)
     with pytest.raises(ValueError, match="decode_maxnreg must be 0"):
         TileConfig(decode_maxnreg=300)
-    with pytest.raises(ValueError, match="decode_num_stages must be 0"):
-        TileConfig(decode_num_stages=-1)
-    assert TileConfig().decode_stages(128) == 3 and TileConfig().decode_stages(256) == 2  # shared memory at 256
-    assert TileConfig(decode_num_stages=2).decode_stages(128) == 2
