@@ -62,10 +62,14 @@ class TileConfig:
     # H100 (batch 256) neither pays: float8 0.183 ms at 128 against 0.184, 0.234 at 96; bf16, held
     # at three programs by its shared memory, 0.313-0.321 against 0.292. Off; kept for measurements.
     decode_maxnreg: int = 0
-    # The decode launch loads each key tile's block ids one tile early, so that the next tile's
-    # K/V copies need not wait for them (compiled for sm_90 with 2 stages, the pipeliner issues a
-    # tile's copies right after the block-id load, both after the previous tile's products).
-    # Outputs unchanged (the same tiles, the same sums). Off until measured on a GPU.
+    # The decode launch loads each key tile's block ids one tile early, in registers. Compiled for
+    # sm_90 (Triton 3.6 and 3.9) without it, every iteration waits for all copies in flight even
+    # at 3 stages (the block ids go through shared memory and are waited for with the copies);
+    # with it and 3 stages the loop waits for one tile only. Outputs bitwise equal. On one H100
+    # (float8) neither paid: prefetched at 2 stages, 256 rows, 0.180 against 0.183-0.193 ms
+    # (100-1,400 keys) and 0.288-0.291 against 0.291-0.292 (500-2,000), but 96 rows 0.211-0.218
+    # against 0.198-0.206; at 3 stages 0.193-0.195 and 0.303-0.308, slower. bf16 equal in every
+    # variant. Off; kept for measurements (`attention_kernel.py --ab decode_prefetch_blocks`).
     decode_prefetch_blocks: bool = False
     # The decode launch's grid runs each row's KV heads together, rows in AttentionMetadata.decode_order
     # (longest first; the runner stages it only when this is on); False: grid (rows, KV heads) in
