@@ -216,8 +216,9 @@ def pick_block_m(num_rows: int, num_experts: int) -> int:
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """A grouped GEMM launch's shape. None of it changes a row's sums (BLOCK_K is fixed per
-    dtype): only which program computes which tile, and when."""
+    """A grouped GEMM launch's shape. None of it changes the order of a row's sums over K
+    (BLOCK_K is fixed per dtype): the launch order moves whole tiles between programs (bitwise
+    the same), the column tile and warps may change the MMA instruction that computes them."""
 
     block_n: int  # weight rows a program reads (gated: gate and up, half each)
     num_warps: int
