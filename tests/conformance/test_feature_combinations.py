@@ -4,18 +4,27 @@ engine arguments, equals its run alone (`check_batch_invariance`).
 The per-family suites check each feature in a fixed setting; users turn several on at once.
 Here each case draws its workload (shared prompt prefixes, repetitive prompts that n-gram
 drafts match, greedy and seeded sampling) and runs it under n-gram speculation beside async
-scheduling over chunked prefills, beside preemption, and beside prefix caching (`random_variants`). One architecture per kind of per-request state: plain KV (Llama), MLA's
+scheduling over chunked prefills, beside preemption, and beside prefix caching
+(`random_variants`). One architecture per kind of per-request state: plain KV (Llama), MLA's
 latent cache with MoE (DeepSeek-V2), KV-cache groups (Gemma 2: sliding and full layers), and a
 recurrent state beside KV (Bamba).
+
+A second test runs `generate()` with random seeded sampling parameters (n > 1, penalties,
+top-k/p, min-p, logit bias, allowed ids, stop ids, min_tokens, logprobs) under all of those
+features at once, against a one-slot engine without them: keyed sampling noise makes the
+sampled tokens comparable. The engine's draft gate is replaced by one that always drafts, so
+that verification and rollback run every step they may.
 
 Guards against: a feature that is right alone and wrong beside another -- a rollback of
 rejected drafts that misses a prefix-cached block or a checkpointed state, a preempted request
 re-admitted with a stale draft count, an async step that schedules past a speculated row, a
-chunk boundary that lands inside a draft run.
+chunk boundary that lands inside a draft run, a draft accepted that the target did not pick, a
+sampling parameter lost when its row is preempted, re-admitted or served from the prefix cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -25,6 +34,22 @@ from slotrunner.conformance import BatchVariant, check_batch_invariance, single_
 from slotrunner.core_runner.config import blocks_to_hold
 
 ARCHITECTURES = ["LlamaForCausalLM", "DeepseekV2ForCausalLM", "Gemma2ForCausalLM", "BambaForCausalLM"]
+
+
+class AlwaysDrafts:
+    """A draft gate that proposes drafts every step it may: the engine's own gate withholds them
+    when they do not pay on this machine's clock, which would leave the rollback paths untested."""
+
+    def want_drafts(self) -> bool:
+        return True
+
+    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
+        pass
+
+
+def always_draft(llm) -> None:
+    if llm.engine.scheduler.draft_gate is not None:
+        llm.engine.scheduler.draft_gate = AlwaysDrafts()
 
 
 def random_workload(rng: random.Random, vocab: int, max_model_len: int) -> tuple[list, list]:
@@ -72,8 +97,72 @@ def test_random_feature_combinations_equal_each_request_alone(architecture, tmp_
         windows = case.make_llm(max_num_seqs=1).config.kv_cache_windows
         prompts, params = random_workload(rng, case.oracle.hf_model.config.vocab_size, case.max_model_len)
         variants = random_variants(rng, blocks_to_hold(windows, 2, case.max_model_len, 64))
-        results = check_batch_invariance(case.make_llm, prompts, params, variants, max_model_len=case.max_model_len)
+        results = check_batch_invariance(case.make_llm, prompts, params, variants, on_engine=always_draft,
+                                         max_model_len=case.max_model_len)
     failed = [f"{r.name} {v.engine_args}: {r.detail}" for r, v in zip(results, variants) if not r.passed]
     assert not failed, "\n".join(failed)
     # (check_batch_invariance fails a variant that must preempt and did not, even with every
     # request run to max_model_len, and a second run that took nothing from the prefix cache.)
+
+
+def random_sampling_params(rng: random.Random, vocab: int) -> SamplingParams:
+    """Seeded sampling with any of the parameters that read per-request state on the device
+    (penalties over the history, min_tokens, stop ids, logit bias, allowed ids, logprobs)."""
+    kw = dict(n=rng.choice([1, 1, 2, 3]), temperature=rng.choice([0.0, 0.7, 1.0, 1.5]), seed=rng.randrange(10**6),
+              max_tokens=rng.randrange(1, 12), ignore_eos=rng.random() < 0.7)  # fmt: skip
+    if kw["temperature"] == 0.0 and kw["n"] > 1:
+        kw["temperature"] = 0.8
+    options = {
+        "top_k": lambda: rng.choice([1, 3, 20]), "top_p": lambda: rng.choice([0.5, 0.9]), "min_p": lambda: 0.05,
+        "logprobs": lambda: rng.choice([0, 2]), "min_tokens": lambda: rng.randrange(0, kw["max_tokens"] + 1),
+        "stop_token_ids": lambda: [rng.randrange(3, vocab) for _ in range(3)],
+        "logit_bias": lambda: {rng.randrange(3, vocab): 3.0}, "allowed_token_ids": lambda: [rng.randrange(3, vocab) for _ in range(20)],
+    }  # fmt: skip
+    for name, value in options.items():
+        if rng.random() < 0.3:
+            kw[name] = value()
+    if rng.random() < 0.3:  # one penalty (a penalized row takes no drafts: it reads the history)
+        kw |= rng.choice([{"repetition_penalty": rng.choice([0.8, 1.3])}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.4}])
+    return SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3NextForCausalLM"])
+def test_sampling_parameters_under_combined_features_equal_a_plain_engine(architecture, tmp_path):
+    """generate() with random seeded sampling parameters, under n-gram speculation, async
+    scheduling, chunked prefill, prefix caching and a scarce pool at once, gives each request the
+    tokens and finish reasons a one-slot engine without those features gives it."""
+    from slotrunner import LLM
+    from slotrunner.conformance import build_case
+    from slotrunner.registry import tiny_config
+
+    rng = random.Random(f"{architecture}-sampling")
+    config = tiny_config(architecture)
+    config.architectures = [architecture]
+    with single_thread():
+        build_case(config, tmp_path)
+        common = dict(device="cpu", dtype="float32", max_model_len=64, block_size=4)
+        plain = LLM(str(tmp_path), max_num_seqs=1, enable_prefix_caching=False, **common)
+        combined = LLM(str(tmp_path), **common | {
+            "max_num_seqs": 3, "max_num_batched_tokens": 5, "enable_prefix_caching": True, "async_scheduling": True,
+            "block_size": 2, "num_kv_blocks": 80,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        })  # fmt: skip
+        always_draft(combined)
+        # Repetitive prompts, so that the n-gram speculator proposes drafts (for the rows whose
+        # sampling reads no history), half of them opening with a shared prefix.
+        shared = [rng.randrange(3, config.vocab_size) for _ in range(rng.randrange(4, 9))]
+        prompts = []
+        for _ in range(8):
+            ids = [rng.randrange(3, config.vocab_size) for _ in range(rng.randrange(2, 5))] * 8
+            prompts.append({"prompt_token_ids": (shared if rng.random() < 0.5 else []) + ids[: rng.randrange(6, 24)]})
+        params = [random_sampling_params(rng, config.vocab_size) for _ in prompts]
+        # Outputs drawn from the prompt's own tokens keep the speculator's n-grams matching, so
+        # that drafts come every step (a random model's free outputs rarely repeat the prompt).
+        params = [dataclasses.replace(sp, allowed_token_ids=sorted(set(p["prompt_token_ids"]))) if rng.random() < 0.6 else sp
+                  for p, sp in zip(prompts, params)]  # fmt: skip
+        want = [plain.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        got = combined.generate(prompts, params, use_tqdm=False)
+    for i, (g, w) in enumerate(zip(got, want)):
+        ours = [(c.token_ids, c.finish_reason) for c in g.outputs]
+        theirs = [(c.token_ids, c.finish_reason) for c in w.outputs]
+        assert ours == theirs, f"request {i} ({params[i]}): {ours} against {theirs} alone"
