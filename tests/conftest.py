@@ -44,6 +44,30 @@ def smollm2_hf_dir(tmp_path_factory):
     return directory
 
 
+class AlwaysDrafts:
+    """A draft gate that always wants drafts. The engine's gate (core_runner/engine/draft_gate.py)
+    withholds them once they cost more than they save on this machine's clock -- a loaded
+    machine, a draft never accepted -- which would leave what drafts do untested."""
+
+    def want_drafts(self) -> bool:
+        return True
+
+    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
+        pass
+
+
+@pytest.fixture
+def with_drafts():
+    """A function that gives an engine that speculates `AlwaysDrafts` and returns it."""
+
+    def install(llm):
+        if llm.engine.scheduler.draft_gate is not None:
+            llm.engine.scheduler.draft_gate = AlwaysDrafts()
+        return llm
+
+    return install
+
+
 @pytest.fixture
 def run_interpreted():
     """Run a module-level check function of a test file in a subprocess where Triton kernels

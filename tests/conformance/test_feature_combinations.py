@@ -12,8 +12,8 @@ recurrent state beside KV (Bamba).
 A second test runs `generate()` with random seeded sampling parameters (n > 1, penalties,
 top-k/p, min-p, logit bias, allowed ids, stop ids, min_tokens, logprobs) under all of those
 features at once, against a one-slot engine without them: keyed sampling noise makes the
-sampled tokens comparable. The engine's draft gate is replaced by one that always drafts, so
-that verification and rollback run every step they may.
+sampled tokens comparable. The engine's draft gate is replaced by one that always drafts (conftest's
+`with_drafts`), so that verification and rollback run every step they may.
 
 Guards against: a feature that is right alone and wrong beside another -- a rollback of
 rejected drafts that misses a prefix-cached block or a checkpointed state, a preempted request
@@ -35,21 +35,6 @@ from slotrunner.core_runner.config import blocks_to_hold
 
 ARCHITECTURES = ["LlamaForCausalLM", "DeepseekV2ForCausalLM", "Gemma2ForCausalLM", "BambaForCausalLM"]
 
-
-class AlwaysDrafts:
-    """A draft gate that proposes drafts every step it may: the engine's own gate withholds them
-    when they do not pay on this machine's clock, which would leave the rollback paths untested."""
-
-    def want_drafts(self) -> bool:
-        return True
-
-    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
-        pass
-
-
-def always_draft(llm) -> None:
-    if llm.engine.scheduler.draft_gate is not None:
-        llm.engine.scheduler.draft_gate = AlwaysDrafts()
 
 
 def random_workload(rng: random.Random, vocab: int, max_model_len: int) -> tuple[list, list]:
@@ -90,14 +75,14 @@ def random_variants(rng: random.Random, scarce_blocks: int) -> list[BatchVariant
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_random_feature_combinations_equal_each_request_alone(architecture, tmp_path):
+def test_random_feature_combinations_equal_each_request_alone(architecture, tmp_path, with_drafts):
     rng = random.Random(f"{architecture}-1")
     with single_thread():
         case = tiny_case(architecture, tmp_path)
         windows = case.make_llm(max_num_seqs=1).config.kv_cache_windows
         prompts, params = random_workload(rng, case.oracle.hf_model.config.vocab_size, case.max_model_len)
         variants = random_variants(rng, blocks_to_hold(windows, 2, case.max_model_len, 64))
-        results = check_batch_invariance(case.make_llm, prompts, params, variants, on_engine=always_draft,
+        results = check_batch_invariance(case.make_llm, prompts, params, variants, on_engine=with_drafts,
                                          max_model_len=case.max_model_len)
     failed = [f"{r.name} {v.engine_args}: {r.detail}" for r, v in zip(results, variants) if not r.passed]
     assert not failed, "\n".join(failed)
@@ -127,7 +112,7 @@ def random_sampling_params(rng: random.Random, vocab: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3NextForCausalLM"])
-def test_sampling_parameters_under_combined_features_equal_a_plain_engine(architecture, tmp_path):
+def test_sampling_parameters_under_combined_features_equal_a_plain_engine(architecture, tmp_path, with_drafts):
     """generate() with random seeded sampling parameters, under n-gram speculation, async
     scheduling, chunked prefill, prefix caching and a scarce pool at once, gives each request the
     tokens and finish reasons a one-slot engine without those features gives it."""
@@ -147,7 +132,7 @@ def test_sampling_parameters_under_combined_features_equal_a_plain_engine(archit
             "block_size": 2, "num_kv_blocks": 80,
             "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
         })  # fmt: skip
-        always_draft(combined)
+        with_drafts(combined)
         # Repetitive prompts, so that the n-gram speculator proposes drafts (for the rows whose
         # sampling reads no history), half of them opening with a shared prefix.
         shared = [rng.randrange(3, config.vocab_size) for _ in range(rng.randrange(4, 9))]

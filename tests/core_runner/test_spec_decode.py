@@ -235,23 +235,14 @@ def test_steps_with_drafts_overlap(llama_dir, baseline, engine_args):
         assert engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
 
-class AlwaysGate:
-    def want_drafts(self) -> bool:
-        return True
-
-    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
-        pass
-
-
-def test_overlapped_steps_with_drafts_keep_the_pipeline_full(llama_dir):
+def test_overlapped_steps_with_drafts_keep_the_pipeline_full(llama_dir, with_drafts):
     """Guards against a step with accepted drafts counting each accepted token off the tokens
     its request has in flight (one a step): the request then looked idle with a step still in
     flight and went unscheduled every third step, emptying the pipeline (on one H200 a batch of
     16 ran 0.42x plain decoding). Every step of a speculating request that is not at its end
     schedules it."""
     llm = LLM(str(llama_dir), device="cpu", max_model_len=96, block_size=4, speculative_config=NGRAM, async_scheduling=True)
-    scheduler = llm.engine.scheduler
-    scheduler.draft_gate = AlwaysGate()
+    scheduler = with_drafts(llm).engine.scheduler
     seen = record_acceptance(llm)
     idle_steps, schedule = [], scheduler.schedule
 

@@ -320,17 +320,9 @@ def test_which_models_capture_draft_steps(arch, want, tmp_path):
     assert draft_graph_query_len(runner.model, runner.model_state, 0) == 1
 
 
-class AlwaysGate:
-    def want_drafts(self) -> bool:
-        return True
-
-    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
-        pass
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_draft_model_graphs_equal_eager(qwen3_dir, dtype):
+def test_draft_model_graphs_equal_eager(qwen3_dir, dtype, with_drafts):
     """A draft equal to the target, its one-token forwards replayed from its own graphs (and the
     target's verify steps from the draft-step graphs): the tokens of eager steps, every draft
     accepted in fp32."""
@@ -344,7 +336,7 @@ def test_draft_model_graphs_equal_eager(qwen3_dir, dtype):
                   speculative_config=spec)  # fmt: skip
         # Drafts every step in both runs: the gate's timing-dependent choices would make the
         # two runs' steps differ (and bf16 rounds a verify step differently from a plain one).
-        llm.engine.scheduler.draft_gate = AlwaysGate()
+        with_drafts(llm)
         graphs = llm.engine.runner.speculator.graphs
         assert (graphs is None) == eager
         outs = llm.generate(prompts, params, use_tqdm=False)

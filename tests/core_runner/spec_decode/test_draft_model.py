@@ -38,23 +38,6 @@ def dirs(tmp_path_factory):
     return root
 
 
-class AlwaysGate:
-    """A draft gate that always wants drafts: the tests below check what drafts do, which the
-    real gate (core_runner/engine/draft_gate.py) may withhold after a short warm-up when they
-    cost more than they save -- on a loaded machine, or a draft that is never accepted."""
-
-    def want_drafts(self) -> bool:
-        return True
-
-    def observe(self, with_drafts: bool, seconds: float, num_emitted: int) -> None:
-        pass
-
-
-def with_drafts(llm: LLM) -> LLM:
-    llm.engine.scheduler.draft_gate = AlwaysGate()
-    return llm
-
-
 def draft_config(path, k: int = 3) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
@@ -89,7 +72,7 @@ def baseline(dirs):
     ],
     ids=["one-batch", "chunked", "preempting"],
 )
-def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_args):
+def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_args, with_drafts):
     llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "target"), **engine_args))
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -103,7 +86,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(dirs, baseline, engine_a
         assert llm.engine.scheduler.num_preemptions > 0, "the preempting case must preempt"
 
 
-def test_a_drafts_picks_score_no_logprobs(dirs, baseline, monkeypatch):
+def test_a_drafts_picks_score_no_logprobs(dirs, baseline, monkeypatch, with_drafts):
     """A row that asks for logprobs gets them for the tokens the target emits; the draft's k
     picks a step are not emitted, so they skip the log-softmax over the vocabulary: every
     scoring is one of the target's own steps (one per sample_tokens call at most)."""
@@ -124,7 +107,7 @@ def test_a_drafts_picks_score_no_logprobs(dirs, baseline, monkeypatch):
     assert 0 < len(scored) <= len(steps), (len(scored), len(steps))
 
 
-def test_a_different_draft_is_rarely_accepted_and_changes_nothing(dirs, baseline):
+def test_a_different_draft_is_rarely_accepted_and_changes_nothing(dirs, baseline, with_drafts):
     llm = with_drafts(LLM(str(dirs / "target"), device="cpu", max_model_len=64, block_size=4, speculative_config=draft_config(dirs / "other", k=4)))
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -134,7 +117,7 @@ def test_a_different_draft_is_rarely_accepted_and_changes_nothing(dirs, baseline
     assert drafts > 50 and accepted / drafts < MAX_RANDOM_ACCEPTANCE, (accepted, drafts)
 
 
-def test_prefix_cache_hits_carry_the_drafts_kv(dirs):
+def test_prefix_cache_hits_carry_the_drafts_kv(dirs, with_drafts):
     """A request that starts from another's cached blocks skips their prefill in the draft too:
     the draft's KV in those blocks must be there (shared block ids), or its drafts go wrong."""
     rng = random.Random(9)
@@ -151,7 +134,7 @@ def test_prefix_cache_hits_carry_the_drafts_kv(dirs):
     assert got.metrics.num_accepted_tokens == got.metrics.num_draft_tokens > 0
 
 
-def test_drafts_stop_at_max_model_len(dirs):
+def test_drafts_stop_at_max_model_len(dirs, with_drafts):
     """Requests that run into max_model_len: the draft never writes past the last block."""
     kw = dict(device="cpu", max_model_len=24, block_size=4)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 10, 19, 22)]
@@ -219,7 +202,7 @@ def test_steps_without_drafts_keep_the_draft_in_step(dirs, baseline, period, asy
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_a_proposal_waits_on_the_gpu_once(dirs):
+def test_gpu_a_proposal_waits_on_the_gpu_once(dirs, with_drafts):
     """On CUDA a proposal reads the accepted counts back once (the forwards' layout needs them);
     any other host-device wait (an index copied without non_blocking, a value read back) stalls
     each of the k forwards' launches behind the GPU, and changes no token. Counted under
