@@ -24,7 +24,7 @@ what runs on CPU (its `unique().tolist()` is a host sync, harmless there).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 import torch.nn.functional as F
@@ -238,8 +238,11 @@ def gemm_tiles(block_m: int) -> GemmTiles:
     and 0.88 to ~0.55 ms (Qwen3-30B-A3B), the first by 3-7% (`moe_kernel.py --prefill-sweep`).
     Decode blocks (16, 32 rows) read each expert's weights once a step whatever the order, and
     keep the 2D grid."""
-    if block_m in TILES:
-        return TILES[block_m]
+    return TILES.get(block_m) or _default_tiles(block_m)
+
+
+@cache  # one object per block size, not one per launch
+def _default_tiles(block_m: int) -> GemmTiles:
     if block_m >= 64:  # wide tiles once blocks are tall
         return GemmTiles(block_n=128, num_warps=8 if block_m >= 128 else 4, group_m=1)
     return GemmTiles(block_n=64, num_warps=4)
