@@ -21,7 +21,7 @@ from slotrunner.core_runner.attention.backend import AttentionMetadata
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
 from slotrunner.core_runner.spec_decode.draft_graphs import DraftDecodeGraphs
 
-from test_draft_model import dirs, baseline, draft_config, make_requests, with_drafts  # noqa: F401  (fixtures)
+from test_draft_model import dirs, baseline, draft_config, make_requests  # noqa: F401  (fixtures)
 
 K = 4
 
@@ -67,7 +67,7 @@ class BufferReplay(DraftDecodeGraphs):
         return got
 
 
-def _with_buffer_replay(root, prefill_lens: tuple[int, ...] = ()) -> tuple[LLM, BufferReplay]:
+def _with_buffer_replay(root, with_drafts, prefill_lens: tuple[int, ...] = ()) -> tuple[LLM, BufferReplay]:
     """An engine whose draft (the target itself) runs through BufferReplay at sizes 1, 3, 6: two
     rows pad to 3, four or five to 6, more run eagerly."""
     llm = with_drafts(LLM(str(root / "target"), device="cpu", max_model_len=64, block_size=4, max_num_seqs=8,
@@ -82,8 +82,8 @@ def _with_buffer_replay(root, prefill_lens: tuple[int, ...] = ()) -> tuple[LLM, 
     return llm, graphs
 
 
-def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, baseline):  # noqa: F811
-    llm, graphs = _with_buffer_replay(dirs)
+def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, baseline, with_drafts):  # noqa: F811
+    llm, graphs = _with_buffer_replay(dirs, with_drafts)
     prompts, params = make_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in baseline]
@@ -93,12 +93,12 @@ def test_draft_forwards_through_the_buffers_keep_every_draft_accepted(dirs, base
     assert graphs.replays == sum(graphs.by_query_len.values())
 
 
-def test_one_prompt_catches_up_through_the_graph_of_its_length(dirs, baseline):  # noqa: F811
+def test_one_prompt_catches_up_through_the_graph_of_its_length(dirs, baseline, with_drafts):  # noqa: F811
     """Prompts served one at a time: the draft's catch-up over a prompt of 14 tokens replays the
     one-row graph of 16 (2 padding tokens), one of 5 the decode rows' catch-up graph, one of 23
     (past the longest captured) runs eagerly; every draft is still accepted, and every replay
     is checked against an eager forward (BufferReplay)."""
-    llm, graphs = _with_buffer_replay(dirs, prefill_lens=(4, 8, 16))
+    llm, graphs = _with_buffer_replay(dirs, with_drafts, prefill_lens=(4, 8, 16))
     assert graphs.prefill_lens == [8, 16]  # those longer than a decode row's catch-up
     prompts, params = make_requests()
     lens = [len(p["prompt_token_ids"]) for p in prompts]
@@ -110,11 +110,11 @@ def test_one_prompt_catches_up_through_the_graph_of_its_length(dirs, baseline): 
     assert graphs.by_query_len[1] > 0 and graphs.by_query_len[K + 1] > 0, graphs.by_query_len
 
 
-def test_a_batch_of_prompts_catches_up_through_one_graph(dirs, baseline):  # noqa: F811
+def test_a_batch_of_prompts_catches_up_through_one_graph(dirs, baseline, with_drafts):  # noqa: F811
     """The eight prompts (1 to 23 tokens) arrive together: the draft's catch-up over all of them
     is one forward of eight rows replayed from the (8 rows, 32 tokens a row) graph, checked
     against an eager forward (BufferReplay); every draft is still accepted."""
-    llm, graphs = _with_buffer_replay(dirs, prefill_lens=(8, 16, 32))
+    llm, graphs = _with_buffer_replay(dirs, with_drafts, prefill_lens=(8, 16, 32))
     assert (8, 32) in graphs.prompt_keys and graphs.prompt_rows == [2, 4, 8], (graphs.prompt_keys, graphs.prompt_rows)
     replayed, replay = [], graphs._replay
     graphs._replay = lambda n, q, tokens: replayed.append((n, q)) or replay(n, q, tokens)
@@ -147,7 +147,7 @@ def test_fits():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_prompt_catch_up_replays_its_graph_and_keeps_every_draft_accepted(dirs):  # noqa: F811
+def test_gpu_prompt_catch_up_replays_its_graph_and_keeps_every_draft_accepted(dirs, with_drafts):  # noqa: F811
     """On CUDA (fp32, graphs captured for real): prompts of 14, 40 and 100 tokens served one at a
     time; the draft (the target itself) catches up over each through the one-row graph of 16, 64
     and 128 tokens, and every draft is accepted, tokens equal to a run without drafts."""
@@ -167,7 +167,7 @@ def test_gpu_prompt_catch_up_replays_its_graph_and_keeps_every_draft_accepted(di
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_prompts_arriving_together_catch_up_through_one_graph(dirs):  # noqa: F811
+def test_gpu_prompts_arriving_together_catch_up_through_one_graph(dirs, with_drafts):  # noqa: F811
     """On CUDA (fp32, graphs captured for real): prompts of 14, 40 and 100 tokens served together;
     the draft (the target itself) catches up over the three through the graph of 4 rows of 128
     tokens, and every draft is accepted, tokens equal to a run without drafts."""
