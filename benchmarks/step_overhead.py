@@ -15,6 +15,7 @@ drafts on).
 
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000
+    python benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000 --pipelined
     python benchmarks/step_overhead.py --device cpu --count-ops 10 --temperature 0.8
     python benchmarks/step_overhead.py --device cuda --batch-sizes 1,16 --ngram 4 --count-ops 5
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --device cpu --clock thread --profile 30
@@ -28,6 +29,13 @@ its overhead inflates the step times printed beside it).
 collections run inside whatever step allocates past the threshold; cProfile charges them to the
 function that allocated). `--profile-sort cumulative` and `--profile-callees REGEX` show where a
 function's time goes below it.
+
+`--pipelined` times the engine's own loop instead (`LLMEngine.step`, async scheduling): each step
+schedules and launches step N+1, then waits for step N's tokens (launched a step earlier) and
+processes them. Its step is the period of that loop, and `wait` is the part of it spent blocked on
+the device (the output copy's event): `host` = `total` - `wait` is the host's own time per step.
+The default mode runs the parts of one step in order and waits for its tokens at once, so its
+`sample` holds the device's round trip too (the logits, the sampling launches, the copy back).
 
 `--count-ops N` counts, over N more steps after the timed ones, what the host dispatches per step
 (median), by the step's parts: `calls`, torch calls made from Python (functions and tensor
@@ -175,10 +183,58 @@ def one_step(engine, runner, batch: int, part: Callable[[str], object], query_le
     assert len(sched.num_scheduled_tokens) == batch and all(n == query_len for n in sched.num_scheduled_tokens.values())
 
 
+def pipelined_steps(engine, runner, batch: int, steps: int, timed, parts: dict[str, list[float]], clock,
+                    query_len: int = 1) -> None:
+    """`steps` steps of the engine's own loop (async scheduling), each part timed by wrapping the
+    method that does it: `LLMEngine.step` calls them in its order, not this function."""
+    from slotrunner.core_runner.runner.async_output import AsyncOutput
+
+    def wrap(obj, name: str, part: str):
+        method = getattr(obj, name)
+
+        def timed_call(*args, **kwargs):
+            with timed(part):
+                out = method(*args, **kwargs)
+            if name == "schedule":  # every step carries the whole batch, each row query_len tokens
+                assert len(out.num_scheduled_tokens) == batch and set(out.num_scheduled_tokens.values()) == {query_len}
+            return out
+
+        setattr(obj, name, timed_call)
+
+    def get(self):  # AsyncOutput.get, its wait and its host work timed apart
+        if self._done is not None:
+            with timed("wait"):
+                self._done.synchronize()
+        with timed("output"):
+            return self._finish(self._host)
+
+    scheduler, plain_get = engine.scheduler, AsyncOutput.get
+    wrap(scheduler, "schedule", "schedule")
+    wrap(runner, "execute_model", "prepare+forward")
+    wrap(runner, "sample_tokens", "sample+copy")
+    wrap(engine, "_process", "update")
+    AsyncOutput.get = get
+    try:
+        engine.step(final_only=True)  # the first timed step settles an untimed one: start with one in flight
+        for k in parts:
+            parts[k].clear()
+        for _ in range(steps):
+            t0 = clock()
+            engine.step(final_only=True)
+            parts["total"].append(1e3 * (clock() - t0))
+            for k in ("wait", "output"):  # a step that waited on nothing
+                parts[k] += [0.0] * (len(parts["total"]) - len(parts[k]))
+    finally:
+        AsyncOutput.get = plain_get
+        for name in ("schedule", "execute_model", "sample_tokens", "_process"):
+            vars(scheduler if name == "schedule" else engine if name == "_process" else runner).pop(name)
+    parts["host"] = [t - w for t, w in zip(parts["total"], parts["wait"])]
+
+
 def measure(
     model_dir: str, device: str, batch: int, steps: int, clock=time.perf_counter, profile: cProfile.Profile | None = None,
     count_steps: int = 0, list_ops: bool = False, temperature: float = 0.0, ngram: int = 0, prompt_len: int = 8,
-    lockstep: bool = False,
+    lockstep: bool = False, pipelined: bool = False,
 ) -> dict[str, float]:
     from slotrunner import LLM, SamplingParams
 
@@ -214,7 +270,7 @@ def measure(
         engine.step()  # prefill, in chunks of the step's budget
     for _ in range(5):  # warm decode steps
         engine.step()
-    parts: dict[str, list[float]] = {k: [] for k in PARTS + ("total",)}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS + ("total",) + (("wait", "output") if pipelined else ())}
 
     @contextmanager
     def timed(name: str) -> Iterator[None]:
@@ -224,11 +280,14 @@ def measure(
 
     if profile is not None:
         profile.enable()
-    for _ in range(steps):
-        sync()
-        t0 = clock()
-        one_step(engine, runner, batch, timed, 1 + ngram)
-        parts["total"].append(1e3 * (clock() - t0))
+    if pipelined:
+        pipelined_steps(engine, runner, batch, steps, timed, parts, clock, 1 + ngram)
+    else:
+        for _ in range(steps):
+            sync()
+            t0 = clock()
+            one_step(engine, runner, batch, timed, 1 + ngram)
+            parts["total"].append(1e3 * (clock() - t0))
     if profile is not None:
         profile.disable()
     result = {k: statistics.median(v) for k, v in parts.items()}
@@ -276,6 +335,8 @@ def main() -> None:
                    help="tokens a prompt, plus the row's index modulo the block size unless --lockstep")
     p.add_argument("--lockstep", action="store_true",
                    help="every prompt exactly --prompt-len tokens: all rows cross block boundaries in the same step")
+    p.add_argument("--pipelined", action="store_true",
+                   help="time the engine's own loop (LLMEngine.step, async scheduling): a step's period, and its wait on the device apart")
     p.add_argument("--triton-dispatch", action="store_true", help="launch every Triton kernel through Triton's own dispatch (no CachedLaunch)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -291,7 +352,8 @@ def main() -> None:
         for b in sizes:
             profile = cProfile.Profile() if args.profile else None
             rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops,
-                                                args.temperature, args.ngram, args.prompt_len, args.lockstep)))
+                                                args.temperature, args.ngram, args.prompt_len, args.lockstep,
+                                                args.pipelined)))
             if profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
                 stats = pstats.Stats(profile).sort_stats(args.profile_sort)
@@ -305,7 +367,7 @@ def main() -> None:
                     gc.disable()
                 try:
                     r = measure(d, args.device, b, args.steps, clock, None, 0, False, args.temperature, args.ngram,
-                                args.prompt_len, args.lockstep)
+                                args.prompt_len, args.lockstep, args.pipelined)
                 finally:
                     gc.enable()
                 rows.append(dict(batch=f"{b} gc {collector}", **r))
@@ -317,12 +379,14 @@ def main() -> None:
     if args.triton_dispatch:
         sampling += ", Triton kernels through Triton's dispatch"
     prompts = f"{args.prompt_len}-token prompts" if args.lockstep else f"prompts of {args.prompt_len} + (row mod block size) tokens"
+    loop = "the engine's loop (async scheduling, a step's tokens processed in the next step)" if args.pipelined else "one step's parts in order"
     print(f"host time per decode step, model forward replaced by a no-op; {name}, {what}, {sampling}, "
-          f"{prompts}, median of {args.steps} steps, ms")
-    print(f"{'batch':>10} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}")
+          f"{prompts}, {loop}, median of {args.steps} steps, ms")
+    extra = ("host", "wait", "output") if args.pipelined else ()
+    print(f"{'batch':>10} {'total':>8} {'schedule':>9} {'prepare':>9} {'sample':>8} {'update':>8}" + "".join(f" {k:>8}" for k in extra))
     for r in rows:
         print(f"{r['batch']:>10} {r['total']:>8.3f} {r['schedule']:>9.3f} {r['prepare+forward']:>9.3f} "
-              f"{r['sample+copy']:>8.3f} {r['update']:>8.3f}")
+              f"{r['sample+copy']:>8.3f} {r['update']:>8.3f}" + "".join(f" {r[k]:>8.3f}" for k in extra))
     if args.count_ops:
         print(f"per decode step, median of {args.count_ops} steps: torch calls / aten ops / kernels")
         print(f"{'batch':>6} {'total':>14} {'schedule':>14} {'prepare':>14} {'sample':>14} {'update':>14}")
