@@ -84,8 +84,13 @@ class EncoderDecoderModelState(ModelState):
     # prefix of an identical encoder input; its cross-attention row is reused the same way.
     shares_prefix_kv = True
     # Decode steps replay CUDA graphs: the cross-attention metadata lives in persistent buffers
-    # that prepare_attn rewrites in place (prepare_dummy_attn hands them to the capture).
+    # that prepare_attn rewrites in place (prepare_dummy_attn hands them to the capture). The
+    # cross-attention launch reads a row's query tokens from the device too, so steps whose rows
+    # carry drafts and one request's prefill chunk replay graphs as well (the encoder runs
+    # before, in preprocess_state).
     supports_cuda_graphs = True
+    cuda_graphs_with_drafts = True
+    cuda_graphs_for_prefill = True
 
     @classmethod
     def process_prompt(cls, prompt: PromptType, ctx: IntakeContext) -> ProcessedPrompt:
@@ -190,7 +195,6 @@ class EncoderDecoderModelState(ModelState):
         self._row_encoder_lens[:n].copy_(torch.from_numpy(lens_np), non_blocking=True)
         self._row_tables[:n, 0].copy_(torch.from_numpy(rows_np), non_blocking=True)
         return CrossAttnMetadata(
-            rows_np=rows_np,
             encoder_lens=self._row_encoder_lens[:n],
             encoder_lens_np=lens_np,
             block_tables=self._row_tables[:n],
@@ -198,7 +202,6 @@ class EncoderDecoderModelState(ModelState):
 
     def prepare_dummy_attn(self, num_reqs: int) -> CrossAttnMetadata:
         return CrossAttnMetadata(
-            rows_np=np.zeros(num_reqs, dtype=np.int64),
             encoder_lens=self._row_encoder_lens[:num_reqs],
             encoder_lens_np=np.zeros(num_reqs, dtype=np.int32),
             block_tables=self._row_tables[:num_reqs],

@@ -131,14 +131,14 @@ class RealRowsAttention:
     def __init__(self, inner, meta) -> None:
         self.inner, self.meta = inner, meta
 
-    def forward(self, spec, q, k, v, kv_cache, meta, rotate=None, **kwargs):
+    def forward(self, spec, q, k, v, kv_cache, meta, position_bias=None, sinks=None, rotate=None):
         import torch
 
         if rotate is not None:  # the layer's rotary embedding, over every token as a replay runs it
             q, k = rotate(q, k, None)
         r = self.meta.num_tokens
         out = torch.zeros_like(q)
-        out[:r] = self.inner.forward(spec, q[:r], k[:r], v[:r], kv_cache, self.meta, **kwargs)
+        out[:r] = self.inner.forward(spec, q[:r], k[:r], v[:r], kv_cache, self.meta, position_bias, sinks)
         return out
 
 

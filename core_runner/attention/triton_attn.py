@@ -108,6 +108,7 @@ if HAS_TRITON:
         PDL: tl.constexpr = False,  # triton_utils.pdl_launch
         ROW_ORDER: tl.constexpr = False,  # decode launch: grid (KV heads, rows), rows in row_order's order
         PREFETCH_BLOCKS: tl.constexpr = False,  # each tile's block ids loaded a tile early (TileConfig.decode_prefetch_blocks)
+        CAUSAL: tl.constexpr = True,  # False: every query token of a row sees all of its keys (cross-attention)
     ):
         pdl_enter(PDL)
         if ROW_ORDER:
@@ -159,7 +160,9 @@ if HAS_TRITON:
         q = attention_q(q, scale, k_cache_ptr.dtype.element_ty, KV_FP8, FP8_F16)
 
         first_pos = context + q_block * BLOCK_Q
-        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys past the last query are masked
+        kv_end = seq_len
+        if CAUSAL:
+            kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys past the last query are masked
         kv_start = 0
         split = 0
         if NUM_SPLITS > 1:  # this program's share of the row's key tiles (split_kv.py)
@@ -229,7 +232,9 @@ if HAS_TRITON:
             if USE_SOFT_CAP:
                 s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
             dist = q_pos[:, None] - k_pos[None, :]
-            allowed = row_ok[:, None] & k_ok[None, :] & (dist >= 0)
+            allowed = row_ok[:, None] & k_ok[None, :]
+            if CAUSAL:
+                allowed = allowed & (dist >= 0)
             if USE_WINDOW:
                 allowed = allowed & (dist < sliding_window)
             if HAS_BIAS:
@@ -283,6 +288,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] contiguous
     tiles: TileConfig = TileConfig(),
     sinks: torch.Tensor | None = None,  # [num_heads]
+    causal: bool = True,  # False: each query token sees every key of its row (specification: cross_attention_ref)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding tokens left as given
     """Causal paged attention of every real query token (specification: paged_attention_ref)."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -306,6 +312,9 @@ def paged_attention(
             f"position_bias {tuple(position_bias.shape)} for {num_heads} heads"
         )
     assert sinks is None or sinks.shape == (num_heads,), f"sinks {tuple(sinks.shape)} for {num_heads} heads"
+    assert causal or (spec.sliding_window is None and position_bias is None and sinks is None), (
+        "attention without the causal mask takes no sliding window, position bias or sinks"
+    )
     group = num_heads // num_kv_heads
     decode_block_m = max(16, triton.next_power_of_2(group))
     shared = meta.shared_prefix_len if shared_prefix_applies(spec, position_bias, sinks) else None
@@ -353,6 +362,7 @@ def paged_attention(
         KV_FP8=kv_fp8,
         FP8_F16=fp8_f16,
         OFFSETS_I32=tiles.int32_offsets and kv_cache.numel() < 2**32,  # each of K and V under 2^31 elements
+        CAUSAL=causal,
         num_warps=tiles.num_warps,
         **pdl_launch(q.device),
     )

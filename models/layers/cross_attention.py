@@ -5,6 +5,14 @@ of the layer's cache (`cross_kv`, bound by the family's ModelState like the page
 bound to `Attention`; requests with the same encoder input read the same row). Each step,
 `CrossAttnMetadata` says which row and how many encoder positions every batch row uses; the
 layer reads it from the forward context.
+
+Where Triton runs, every step is one paged-attention launch pair without the causal mask: a
+row's cache row is its one block (of max_encoder_len positions), its encoder length is its
+sequence length, and every query token of the row sees all of it -- one-token rows (decode) and
+rows of several tokens (a decoder prompt, speculative drafts) alike. It reads only device
+tensors, so decode steps, steps with drafts and one request's prefill replay CUDA graphs.
+Elsewhere `cross_attention_ref` attends row by row; it reads the rows and lengths from those same
+tensors, as a replayed graph would.
 """
 
 from __future__ import annotations
@@ -24,14 +32,14 @@ from slotrunner.models.layers.dense_attention import dense_attention
 
 @dataclass(frozen=True)
 class CrossAttnMetadata(FamilyAttnMetadata):
-    """Per batch row: the cache row whose encoder K/V it reads, and the encoder length there."""
+    """Per batch row: the cache row whose encoder K/V it reads, and the encoder length there.
+    The tensors may be views of persistent buffers that each step rewrites (CUDA graphs)."""
 
-    rows_np: np.ndarray  # [num_reqs] int64, cache row of each batch row
     encoder_lens: torch.Tensor  # [num_reqs] int32
-    encoder_lens_np: np.ndarray  # [num_reqs]
+    encoder_lens_np: np.ndarray  # [num_reqs] the same on the host (the kernel's metadata carries it; no one reads it)
     # Each batch row's cache row as a one-block table: the row cache seen as a paged cache whose
-    # block size is max_encoder_len, so decode rows run through the paged-attention kernel.
-    block_tables: torch.Tensor | None = None  # [num_reqs, 1] int32
+    # block size is max_encoder_len, so the rows run through the paged-attention kernel.
+    block_tables: torch.Tensor  # [num_reqs, 1] int32
 
 
 def cross_kv_shape(max_num_seqs: int, max_encoder_len: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -48,13 +56,15 @@ def cross_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """Reference: batch row by batch row, every query token attends to all encoder positions of
-    its cache row."""
+    its cache row (rows and lengths read from the metadata's tensors)."""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for i in range(len(meta.rows_np)):
+    num_reqs = len(query_start_loc_np) - 1
+    rows, lens = meta.block_tables[:num_reqs, 0].tolist(), meta.encoder_lens[:num_reqs].tolist()
+    for i in range(num_reqs):
         start, end = int(query_start_loc_np[i]), int(query_start_loc_np[i + 1])
         if end == start:
             continue
-        row, n = int(meta.rows_np[i]), int(meta.encoder_lens_np[i])
+        row, n = rows[i], lens[i]
         assert n > 0, f"batch row {i} (cache row {row}) has no encoder output: its encoder never ran"
         out[start:end] = dense_attention(q[start:end], cross_kv[0, row, :n], cross_kv[1, row, :n], scale)
     return out
@@ -93,14 +103,14 @@ class CrossAttention(nn.Module):
         meta = ctx.family_attn
         assert isinstance(meta, CrossAttnMetadata), f"cross-attention needs CrossAttnMetadata, got {type(meta).__name__}"
         q = q.view(-1, self.num_heads, self.head_dim)
-        if ctx.attn.max_query_len == 1 and meta.block_tables is not None and use_triton(q.device):
-            return self._decode_paged(q, meta, ctx.attn)
+        if use_triton(q.device):
+            return self._paged(q, meta, ctx.attn)
         return cross_attention_ref(q, self.cross_kv, meta, ctx.attn.query_start_loc_np, self.scale)
 
-    def _decode_paged(self, q: torch.Tensor, meta: CrossAttnMetadata, attn: AttentionMetadata) -> torch.Tensor:
-        """One query token per row attends to every encoder position: exactly what the causal
-        paged kernel computes when the row's "sequence" is its encoder output and the query sits
-        at its last position. Graph safe: reads only device tensors."""
+    def _paged(self, q: torch.Tensor, meta: CrossAttnMetadata, attn: AttentionMetadata) -> torch.Tensor:
+        """Every query token of a row attends to every encoder position of its cache row: the
+        paged kernel without its causal mask, the row's "sequence" its encoder output. Graph
+        safe: reads only device tensors (the host ints are the step's shape)."""
         from slotrunner.core_runner.attention.triton_attn import paged_attention
 
         paged = AttentionMetadata(
@@ -110,12 +120,12 @@ class CrossAttention(nn.Module):
             query_start_loc_np=attn.query_start_loc_np,
             seq_lens=meta.encoder_lens,
             seq_lens_np=meta.encoder_lens_np,
-            max_query_len=1,
+            max_query_len=attn.max_query_len,
             max_seq_len=self.cross_kv.shape[2],
             block_tables=meta.block_tables,
             slot_mapping=attn.slot_mapping,
         )
-        out = paged_attention(self.spec, q, self.cross_kv, paged, out=torch.zeros_like(q))  # padding rows stay 0
+        out = paged_attention(self.spec, q, self.cross_kv, paged, out=torch.zeros_like(q), causal=False)  # padding rows stay 0
         return out.view(-1, self.num_heads * self.head_dim)
 
 

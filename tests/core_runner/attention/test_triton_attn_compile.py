@@ -58,6 +58,22 @@ def test_prefill_launch_compiles_pipelined_without_spill(compile_for_hopper, cac
     assert int(usage.split("ASYNC_COPIES:")[1].split()[0]) >= 2, f"the key and value loads are not pipelined: {usage}"
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "several query tokens"])
+def test_cross_attention_launches_compile_without_spill(compile_for_hopper, decode):
+    """Cross-attention's launches (`causal=False`) as an encoder-decoder runs them: Whisper's
+    shape (head dim 64, one query head a KV head), a cache row of 1,500 encoder positions as
+    one block."""
+    tiles = TileConfig()
+    block_q = 1 if decode else tiles.prefill_block_m
+    constexprs = {**SHAPE, **FLAGS, "GROUP": 1, "BLOCK_SIZE": 1500, "DECODE": decode, "BLOCK_Q": block_q,
+                  "BLOCK_M": max(16, block_q), "TILE_N": tiles.decode_tile_n if decode else tiles.prefill_tile_n,
+                  "HALVES": False, "CAUSAL": False}  # fmt: skip
+    warps = tiles.num_warps if decode else tiles.prefill_warps(64)
+    usage = _compile(compile_for_hopper, "bf16", 64, constexprs, warps, tiles.decode_num_stages if decode else tiles.prefill_num_stages)
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
+
+
 def _compile(compile_for_hopper, cache: str, head_dim: int, constexprs: dict, num_warps: int, num_stages: int) -> str:
     """The paged-attention kernel compiled for sm_90 with Qwen3-0.6B's runtime arguments."""
     from slotrunner.core_runner.attention import triton_attn

@@ -182,6 +182,35 @@ def test_whisper_graphs_equal_eager(tmp_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize("arch", ["BartForConditionalGeneration", "T5ForConditionalGeneration"])
+def test_encoder_decoder_draft_and_prefill_graphs_equal_eager(arch, tmp_path, with_drafts):
+    """Encoder-decoders replay the graphs of steps whose rows carry n-gram drafts and of one
+    request's prefill chunk: their cross-attention launch (no causal mask) reads each row's query
+    tokens, cache row and encoder length from the device. Tokens equal eager steps; every such
+    graph replays at least once."""
+    from slotrunner.conformance import build_case
+
+    build_case(tiny_config(arch), tmp_path)
+    motif = [7, 19, 23, 44, 12]
+    prompts = [{"encoder_prompt": {"prompt_token_ids": [40 + i, 8, 9 + i, 60]}, "decoder_prompt": {"prompt_token_ids": d}}
+               for i, d in enumerate([motif * 4 + [30], motif * 3 + [31], [5, 9, 11], motif * 5])]  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 25, 30)]
+    runs, replays = [], {}
+    for eager in (False, True):
+        llm = with_drafts(LLM(str(tmp_path), device="cuda", dtype="bfloat16", enforce_eager=eager, max_model_len=128,
+                              max_num_seqs=4, speculative_config=SPEC))  # fmt: skip
+        graphs = llm.engine.runner.cuda_graphs
+        assert (graphs is None) == eager
+        if graphs is not None:  # count the replays by tokens a row
+            run = graphs.run
+            graphs.run = lambda batch, run=run: replays.setdefault(batch.num_tokens_padded // batch.num_reqs_padded, []).append(1) or run(batch)
+        one = [llm.generate([p], params[i], use_tqdm=False)[0].outputs[0].token_ids for i, p in enumerate(prompts)]
+        runs.append((one, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]))
+    assert runs[0] == runs[1]
+    assert 1 + SPEC["num_speculative_tokens"] in replays and any(q > 4 for q in replays), sorted(replays)
+
+
+@needs_cuda
 @pytest.mark.parametrize("arch", ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"])
 def test_recurrent_hybrid_graphs_equal_eager_and_decode_does_not_sync(arch, tmp_path, run_decode_steps_without_sync):
     """Recurrent hybrids replay decode graphs: the rows' state indices are rewritten in the
@@ -205,18 +234,23 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.parametrize("enforce", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration", "BartForConditionalGeneration",
+                                  "T5ForConditionalGeneration"])
 def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arch):
     """Decode steps whose rows carry n-gram drafts replay the graphs captured at 1 + k tokens a
     row (rows with fewer drafts padded), padded to a captured batch size; steps with a prefill
     chunk run eagerly. Tokens equal a run without speculation. With the family's
     `cuda_graphs_with_drafts` off, such steps run eagerly and the tokens are the same. Qwen2-VL:
-    the multimodal family, its M-RoPE positions written per token of the draft rows."""
+    the multimodal family, its M-RoPE positions written per token of the draft rows. BART, T5:
+    the encoder-decoder family, its cross-attention rows rewritten in the captured metadata (T5:
+    a relative position bias over the draft rows)."""
     from slotrunner.conformance import build_case
 
     build_case(tiny_config(arch), tmp_path)
     motif = [7, 19, 23, 44, 12]  # no media placeholder id (3, 4 in the tiny configs)
     prompts = [{"prompt_token_ids": motif * 6 + [i + 30]} for i in range(3)] + [{"prompt_token_ids": [5, 9, 11]}]
+    if "ConditionalGeneration" in arch and "VL" not in arch:  # the motif in the decoder's prompt; encoder inputs differ
+        prompts = [{"encoder_prompt": {"prompt_token_ids": [40 + i, 8, 9 + i]}, "decoder_prompt": p} for i, p in enumerate(prompts)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 30, 30)]
     common = dict(device="cpu", max_model_len=128, max_num_seqs=4, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **common).generate(prompts, params, use_tqdm=False)]
@@ -239,7 +273,8 @@ def test_draft_steps_replay_their_graphs(tmp_path, replayed_decode, enforce, arc
         assert graphs.replays[q] > 0 and graphs.padded > 0, graphs.replays
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration", "BambaForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration", "BambaForCausalLM",
+                                  "T5ForConditionalGeneration"])
 def test_one_request_prefill_replays_its_graph(tmp_path, replayed_decode, arch):
     """A step that is one request's prefill chunk alone replays the one-row graph of the next
     captured token count (padding tokens dropped, never cached): prompts of 3..100 tokens, a
@@ -255,6 +290,8 @@ def test_one_request_prefill_replays_its_graph(tmp_path, replayed_decode, arch):
     lens = (3, 17, 40, 64, 100, 150, 150)
     prompts = [{"prompt_token_ids": torch.randint(10, 200, (n,), generator=gen).tolist()} for n in lens]
     prompts[-1] = {"prompt_token_ids": prompts[-2]["prompt_token_ids"][:120] + [5] * 30}  # shares 120 tokens
+    if arch.startswith("T5"):  # the decoder's prompt carries the lengths; one encoder input (cached blocks need it equal)
+        prompts = [{"encoder_prompt": {"prompt_token_ids": [40, 8, 9]}, "decoder_prompt": p} for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     common = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 
@@ -304,7 +341,8 @@ def test_full_decode_steps_of_an_unlisted_row_limit_replay_a_graph(tmp_path, rep
     assert graphs.replays[1] >= 7, graphs.replays  # every decode step after the one prefill step
 
 
-@pytest.mark.parametrize(("arch", "want"), [("Qwen3ForCausalLM", 4), ("DeepseekV2ForCausalLM", 1), ("BambaForCausalLM", 1)])
+@pytest.mark.parametrize(("arch", "want"), [("Qwen3ForCausalLM", 4), ("DeepseekV2ForCausalLM", 1), ("BambaForCausalLM", 1),
+                                           ("BartForConditionalGeneration", 4)])
 def test_which_models_capture_draft_steps(arch, want, tmp_path):
     """Guards against: capturing decode-with-drafts steps of a model whose cache layer lays
     multi-token rows out on the host (MLA's per-row expansion: a replay would keep the capture's
