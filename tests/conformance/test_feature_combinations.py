@@ -6,8 +6,9 @@ Here each case draws its workload (shared prompt prefixes, repetitive prompts th
 drafts match, greedy and seeded sampling) and runs it under n-gram speculation beside async
 scheduling over chunked prefills, beside preemption, and beside prefix caching
 (`random_variants`). One architecture per kind of per-request state: plain KV (Llama), MLA's
-latent cache with MoE (DeepSeek-V2), KV-cache groups (Gemma 2: sliding and full layers), and a
-recurrent state beside KV (Bamba).
+latent cache with MoE (DeepSeek-V2), KV-cache groups (Gemma 2: sliding and full layers), a
+recurrent state beside KV (Bamba), and cross-attention rows beside KV (T5: the workload's prompts
+are its decoder prompts, over a few encoder inputs).
 
 A second test runs `generate()` with random seeded sampling parameters (n > 1, penalties,
 top-k/p, min-p, logit bias, allowed ids, stop ids, min_tokens, logprobs) under all of those
@@ -33,19 +34,22 @@ from slotrunner import SamplingParams
 from slotrunner.conformance import BatchVariant, check_batch_invariance, single_thread, tiny_case
 from slotrunner.core_runner.config import blocks_to_hold
 
-ARCHITECTURES = ["LlamaForCausalLM", "DeepseekV2ForCausalLM", "Gemma2ForCausalLM", "BambaForCausalLM"]
+ARCHITECTURES = ["LlamaForCausalLM", "DeepseekV2ForCausalLM", "Gemma2ForCausalLM", "BambaForCausalLM", "T5ForConditionalGeneration"]
 
 
 
-def random_workload(rng: random.Random, vocab: int, max_model_len: int) -> tuple[list, list]:
+def random_workload(rng: random.Random, vocab: int, max_model_len: int, seq2seq: bool = False) -> tuple[list, list]:
     prompts, params = [], []
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 20))] for _ in range(2)]
+    encoder_inputs = [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))] for _ in range(2 if seq2seq else 0)]
     for _ in range(rng.randrange(3, 9)):
         ids = (rng.choice(prefixes) if rng.random() < 0.6 else []) + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))]
         if rng.random() < 0.3:  # repetitive: the n-gram speculator finds matches
             ids = (ids[:3] * 6)[: rng.randrange(4, 18)]
         max_tokens = rng.randrange(1, 14)
         prompts.append({"prompt_token_ids": ids[: max_model_len - max_tokens - 1]})
+        if seq2seq:  # those tokens as the decoder's prompt
+            prompts[-1] = {"encoder_prompt": {"prompt_token_ids": rng.choice(encoder_inputs)}, "decoder_prompt": prompts[-1]}
         greedy = rng.random() < 0.6
         params.append(SamplingParams(temperature=0.0 if greedy else rng.choice([0.5, 1.0]), top_k=0 if greedy else rng.choice([0, 5]),
                                      seed=rng.randrange(10**6), max_tokens=max_tokens, ignore_eos=True))  # fmt: skip
@@ -80,7 +84,8 @@ def test_random_feature_combinations_equal_each_request_alone(architecture, tmp_
     with single_thread():
         case = tiny_case(architecture, tmp_path)
         windows = case.make_llm(max_num_seqs=1).config.kv_cache_windows
-        prompts, params = random_workload(rng, case.oracle.hf_model.config.vocab_size, case.max_model_len)
+        seq2seq = case.oracle.hf_model.config.is_encoder_decoder
+        prompts, params = random_workload(rng, case.oracle.hf_model.config.vocab_size, case.max_model_len, seq2seq)
         variants = random_variants(rng, blocks_to_hold(windows, 2, case.max_model_len, 64))
         results = check_batch_invariance(case.make_llm, prompts, params, variants, on_engine=with_drafts,
                                          max_model_len=case.max_model_len)
