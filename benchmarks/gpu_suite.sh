@@ -30,7 +30,7 @@
 # rows longest first against batch order, alternating, twice), longest-first-bench (its bench workload runs alone), prefetch-ab (the decode launch with each tile's block ids loaded a tile early, at 2 and 3 stages, then the float8 bench workload with it at 3 stages against the default, alternating, twice), longest-first-splits (that with every decode-only
 # launch's keys split in two against the split rule, by step shape), profile-prefill (the bench model's prefill of 32 x 512 tokens, kernels by GPU time), rotary-ab (the rotary
 # launch with its K/V write at 8,192 tokens by heads a program and warps), spec-ngram (the n-gram case of spec alone), spec-steady (n-gram on the prompts whose outputs switch token least: nearly every draft accepted), spec-phases-steady (its batch-1 case with the phases timed), spec-phases (its batch-1 and batch-16 cases with the engine's phases timed per step), overhead-spec (host time of a step
-# with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts), overhead-pipelined (that in the engine's own loop, async: a step's period with its wait on the device apart, then overhead-long again), overhead-probe (that with the garbage collector off and on, and where inference_mode's entry spends its time under cProfile), overhead-lockstep (overhead with equal prompts: every row crosses a block boundary in the same step, as the figures up to 2026-12-06), launch-ab (that host time with cached Triton launches against
+# with n-gram drafts, all accepted, and its profile), overhead-long (host time at 1 and 256 rows with 1,000-token prompts), overhead-lines (the engine's loop at 1 and 256 rows, each line of its host functions timed), overhead-pipelined (that in the engine's own loop, async: a step's period with its wait on the device apart, then overhead-long again), overhead-probe (that with the garbage collector off and on, and where inference_mode's entry spends its time under cProfile), overhead-lockstep (overhead with equal prompts: every row crosses a block boundary in the same step, as the figures up to 2026-12-06), launch-ab (that host time with cached Triton launches against
 # Triton's dispatch, three alternating pairs), small-batch (the bench workload's shape at max_num_seqs=6, both caches),
 # split-graphs (the decode attention by split count at 1-32 rows, from CUDA graphs), suite (the whole CPU
 # test suite, in parallel, under this machine's packages).
@@ -173,6 +173,9 @@ for s in "${steps[@]}"; do
       run_step split-graphs 150 python3 benchmarks/attention_kernel.py --graph-split-rows 1,2,4,6,8,16,32 --min-len 1000 --max-len 1700 ;;
     overhead) run_step overhead 120 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,8,64,256,512 ;;
     overhead-long) run_step overhead-long 180 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000 ;;
+    overhead-lines)  # each line of a decode step's host functions timed (line_profiler: a wheel carried in dist/ is installed first)
+        ls dist/line_profiler-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps dist/line_profiler-*.whl
+        run_step overhead-lines 180 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,256 --prompt-len 1000 --pipelined --line-profile ;;
     overhead-pipelined)  # that host time in the engine's own loop (a step's period, its wait on the device apart), then in parts again
         run_step overhead-pipelined 180 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,64,256 --prompt-len 1000 --pipelined
         run_step overhead-long 180 python3 benchmarks/step_overhead.py --device cuda --batch-sizes 1,64,256 --prompt-len 1000 ;;

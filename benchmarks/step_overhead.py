@@ -37,6 +37,10 @@ the device (the output copy's event): `host` = `total` - `wait` is the host's ow
 The default mode runs the parts of one step in order and waits for its tokens at once, so its
 `sample` holds the device's round trip too (the logits, the sampling launches, the copy back).
 
+`--line-profile` times every line of the step's host functions (`LINE_PROFILED`, or the dotted
+names given) with line_profiler, where it is installed: its overhead inflates the step, not the
+lines' ranking.
+
 `--count-ops N` counts, over N more steps after the timed ones, what the host dispatches per step
 (median), by the step's parts: `calls`, torch calls made from Python (functions and tensor
 methods; reads of shape, dtype, strides and the like left out), each costing host time on any
@@ -168,6 +172,48 @@ def kernels_counted_by(counter: OpCounter) -> Iterator[None]:
 
 
 PARTS = ("schedule", "prepare+forward", "sample+copy", "update")
+# The functions of a decode step's host path, for --line-profile.
+LINE_PROFILED = (
+    "slotrunner.core_runner.engine.engine.LLMEngine._step",
+    "slotrunner.core_runner.engine.scheduler.Scheduler.schedule",
+    "slotrunner.core_runner.runner.model_runner.ModelRunner.execute_model",
+    "slotrunner.core_runner.runner.model_runner.ModelRunner._update_states",
+    "slotrunner.core_runner.runner.prepare_inputs.prepare_inputs",
+    "slotrunner.core_runner.runner.input_buffers.InputBuffers.stage",
+    "slotrunner.core_runner.runner.input_kernels.build_step_inputs",
+    "slotrunner.core_runner.runner.model_runner.ModelRunner.sample_tokens",
+    "slotrunner.core_runner.runner.model_runner.ModelRunner._sample",
+    "slotrunner.core_runner.sample.sampler.Sampler.__call__",
+    "slotrunner.core_runner.runner.prepare_inputs.post_update",
+    "slotrunner.core_runner.runner.async_output.AsyncOutput.__init__",
+    "slotrunner.core_runner.engine.engine.LLMEngine._process",
+    "slotrunner.core_runner.engine.scheduler.Scheduler.update",
+)
+
+
+def line_profiler_for(names: tuple[str, ...]):
+    """A line_profiler.LineProfiler over the functions named by dotted path (module, then
+    attributes); None where line_profiler is not installed."""
+    try:
+        from line_profiler import LineProfiler
+    except ImportError:
+        print("--line-profile: line_profiler is not installed (pip install line_profiler); skipped")
+        return None
+    lp = LineProfiler()
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            lp.add_function(obj)
+            break
+        else:
+            raise ValueError(f"--line-profile: cannot import {name!r}")
+    return lp
 
 
 def one_step(engine, runner, batch: int, part: Callable[[str], object], query_len: int = 1) -> None:
@@ -325,6 +371,8 @@ def main() -> None:
     p.add_argument("--profile-sort", default="tottime", help="with --profile: pstats sort key (tottime, cumulative, ...)")
     p.add_argument("--profile-callees", metavar="REGEX", default="",
                    help="with --profile: also list what the functions matching REGEX call, and who calls them")
+    p.add_argument("--line-profile", nargs="?", const=",".join(LINE_PROFILED), default="", metavar="NAMES",
+                   help="time each line of the step's host functions (line_profiler; comma-separated dotted names, default LINE_PROFILED)")
     p.add_argument("--gc-ab", action="store_true",
                    help="each batch size twice more: Python's garbage collector off (gc.disable after a collect), then on")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling at this temperature (default greedy)")
@@ -351,10 +399,15 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(CONFIG))
         for b in sizes:
             profile = cProfile.Profile() if args.profile else None
+            if args.line_profile:
+                profile = line_profiler_for(tuple(args.line_profile.split(",")))
             rows.append(dict(batch=b, **measure(d, args.device, b, args.steps, clock, profile, args.count_ops, args.list_ops,
                                                 args.temperature, args.ngram, args.prompt_len, args.lockstep,
                                                 args.pipelined)))
-            if profile is not None:
+            if profile is not None and args.line_profile:
+                print(f"--- batch {b}: {args.steps} steps, line by line (us)")
+                profile.print_stats(output_unit=1e-6, stripzeros=True)
+            elif profile is not None:
                 print(f"--- batch {b}: {args.steps} steps")
                 stats = pstats.Stats(profile).sort_stats(args.profile_sort)
                 stats.print_stats(args.profile)
