@@ -15,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from slotrunner.core_runner.runner.async_output import step_stream
+
 _ALIGN = 16  # bytes: each staged field's start
 _NP_DTYPE = {torch.int32: np.int32, torch.int64: np.int64}
 # Token counts whose views stay cached: decode steps repeat a few, prefill chunks vary.
@@ -115,8 +117,10 @@ class InputBuffers:
         self.slot_mapping = self.group_slot_mapping[0]  # [max_num_tokens] -1 on padding tokens
         self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
         self.one_logits_row_each = torch.arange(max_num_reqs + 1, **i32)  # [max_num_reqs + 1], never written
-        # The staging is rewritten next step only after this step's copy has read it.
+        # The staging is rewritten next step only after this step's copy has read it. The event is
+        # recorded on the stream current at construction, the runner's step stream (step_stream).
         self._copied = torch.cuda.Event() if pin else None
+        self._stream = step_stream(device)
         self._arange = np.arange(max_num_reqs, dtype=np.int32)
         self._np["decode_order"][:] = self._arange  # a permutation before the first step too (graph captures)
         self.decode_order.copy_(torch.from_numpy(self._arange))
@@ -180,8 +184,8 @@ class InputBuffers:
         h["shared_prefix_len"][0] = shared_prefix_len
         if order_decode_rows:  # longest first (stable: equal lengths keep their batch order), then the padding rows
             order = h["decode_order"]
-            order[:n] = np.argsort(-seq_lens_np, kind="stable")
+            order[:n] = np.argsort(-seq_lens_np, kind="stable") if n > 1 else 0
             order[n:num_reqs_padded] = self._arange[n:num_reqs_padded]
         self._staged.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(self._stream)

@@ -20,7 +20,7 @@ from slotrunner.core_runner.attention.cache_spec import multi_token_rows_captura
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.attn_backend import select_attn_backend
-from slotrunner.core_runner.runner.async_output import AsyncOutput, done
+from slotrunner.core_runner.runner.async_output import AsyncOutput, check_step_stream, done, step_stream
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
@@ -107,7 +107,7 @@ class ModelRunner:
             assert config.kv_cache_windows == (None,), "a draft model reads the target's block ids: one full-attention group"
             allocate_kv_cache(draft_model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
         self.speculator: Speculator | None = None if spec is None else build_speculator(config, self.attn_backend, draft_model)
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = step_stream(self.device)  # every step's kernels, copies and events
         # Keys of a shared prefix come in multiples of this (None: the backend has no
         # shared-prefix launch, or no prefix is ever shared, or its cache has several groups).
         granule = self.attn_backend.shared_prefix_granule
@@ -144,6 +144,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> None:
         """Update slot tables from the scheduler's decisions, then run the forward."""
         assert self._executed is None, "execute_model called twice without sample_tokens"
+        check_step_stream(self._stream)
         self._update_states(sched)
         if sched.is_empty:
             return
@@ -236,7 +237,7 @@ class ModelRunner:
             row_logprobs = [[entry] if entry is not None else None for entry in logprobs]
             return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, no_drafts)
 
-        return AsyncOutput(tensors, finish, self._copy_stream)
+        return AsyncOutput(tensors, finish, self._stream)
 
     def _sample_and_verify(self, step: _ExecutedStep, max_draft: int) -> AsyncOutput:
         """Speculative decoding's sample_tokens: the target picks a token at every logits row
@@ -322,7 +323,7 @@ class ModelRunner:
             next_drafts = packed_np[:, width + 1].tolist()
             return ModelRunnerOutput(batch.req_ids, sampled_ids, row_logprobs, prompt_logprobs, next_drafts)
 
-        return AsyncOutput(tensors, finish, self._copy_stream)
+        return AsyncOutput(tensors, finish, self._stream)
 
     @torch.inference_mode(False)  # plain views, whoever asks first
     def _first_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -96,3 +96,20 @@ def test_features_keep_greedy_tokens(arch, tmp_path):
     plain = _run(tmp_path, **PLAIN)
     for name, kwargs in FEATURES.items():
         _assert_same(_run(tmp_path, f"{arch}: {name}", **kwargs), plain, f"{arch}: {name}")
+
+
+def test_steps_on_another_stream_are_refused_and_the_engine_carries_on(tmp_path):
+    """Guards against: a step launched under `torch.cuda.stream(other)` racing its output copy and
+    staging event, which are queued on the stream the engine was built on (async_output.step_stream):
+    the step fails with a message naming both streams, its requests end with "abort", and the
+    engine serves the next call on its own stream."""
+    from slotrunner.core_runner.engine.engine import StepFailedError
+
+    build_case(tiny_config("Qwen3ForCausalLM"), tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([{"prompt_token_ids": [5, 9, 11]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.cuda.stream(torch.cuda.Stream()):
+        with pytest.raises((StepFailedError, RuntimeError), match="CUDA stream current when it was built"):
+            llm.generate([{"prompt_token_ids": [5, 9, 11]}], params, use_tqdm=False)
+    assert llm.generate([{"prompt_token_ids": [5, 9, 11]}], params, use_tqdm=False)[0].outputs[0].token_ids == want
