@@ -46,6 +46,10 @@ class Scheduler:
     admission and preemption count what each group really needs.
     """
 
+    # Steady decode rows take schedule()'s short path (off: every row takes the general one; a
+    # test runs both on the same workloads and compares every step).
+    steady_rows = True
+
     def __init__(self, config: EngineConfig, prefix_caching: bool = False, async_scheduling: bool = False) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -221,10 +225,30 @@ class Scheduler:
         room = bm.room  # req_id -> tokens its blocks hold: most decode rows stay within it
         cached_reqs, num_scheduled, running = out.cached_reqs, out.num_scheduled_tokens, self.running
         cached_ids, cached_computed = cached_reqs.req_ids, cached_reqs.num_computed_tokens
+        # Most rows of most steps under async scheduling are steady decode rows: one token
+        # pending, every known token computed, no drafts, blocks that hold the next token. Such a
+        # row takes the short path below (what the general path does for it, in fewer lines);
+        # any other row, and any feature that changes what a row does, the general path.
+        steady = self.steady_rows and async_scheduling and not (checkpoints or windows or lookahead or use_drafts)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
+            if steady and request.num_pending == 1 and not request.num_inflight_drafts:
+                num_output = len(request.output_token_ids)
+                num_computed = request.num_computed_tokens
+                num_known = len(request.prompt_token_ids) + num_output
+                req_id = request.req_id
+                # Its blocks hold the pending token, so its known tokens filled no block since the
+                # step that grew it, which registered every full one (prefix caching): nothing to register.
+                if num_computed == num_known and num_output + 1 < request.max_output and num_computed < room.get(req_id, 0):
+                    cached_ids.append(req_id)
+                    cached_computed.append(num_computed)
+                    num_scheduled[req_id] = 1
+                    request.num_computed_tokens = num_known + 1
+                    request.num_pending = 2
+                    budget -= 1
+                    continue
             num_pending, inflight = request.num_pending, request.num_inflight_drafts
             num_output = len(request.output_token_ids)
             # Request.done_when_pending_arrive(max_model_len, inflight > 0), inlined (every row)
