@@ -1,4 +1,5 @@
-"""Content hashes of full KV-cache blocks: the keys of the prefix cache.
+"""Content hashes of full KV-cache blocks: the keys of the prefix cache, and a request's blocks
+hashed and registered in it as the steps that write them are scheduled.
 
 A block's hash chains its parent's hash, its token ids and the extra keys of the request that
 touch it (a media item's content hash over its placeholder span, the encoder input for a
@@ -12,8 +13,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from slotrunner.core_runner.engine.intake import KeySpan
+
+if TYPE_CHECKING:
+    from slotrunner.core_runner.engine.block_manager import BlockManager
+    from slotrunner.core_runner.engine.request import Request
 
 _ROOT = b"slotrunner-prefix-cache-v1"
 
@@ -70,3 +76,34 @@ def extend_block_hashes(
         parent = hash_block(parent, data[(i - first) * width : (i - first + 1) * width], keys)
         hashes.append(parent)
     return hashes
+
+
+def hash_request_blocks(request: Request, num_tokens: int, block_size: int) -> None:
+    """Extend `request.block_hashes` over its full blocks among its first `num_tokens` tokens
+    (the blocks hashed before are not read again), with its family's key spans."""
+    start = len(request.block_hashes) * block_size  # the first block to hash: tokens before it are not copied
+    spans = () if request.family_inputs is None else request.family_inputs.cache_key_spans()
+    extend_block_hashes(request.block_hashes, request.token_ids_from(start), num_tokens, block_size, spans, start=start)
+
+
+def register_full_blocks(block_manager: BlockManager, request: Request, num_tokens: int, block_size: int) -> None:
+    """Register in the prefix cache the request's full blocks among its first `num_tokens`
+    tokens -- those a step writes or wrote before -- whose tokens are all known: not drafts, not
+    pending (async scheduling). The watermark stops at the last such block, so a block that holds
+    drafts or pending tokens now is registered by a later step, once its tokens are known."""
+    num_full = min(num_tokens, request.num_tokens) // block_size
+    registered = request.num_registered_blocks
+    if num_full <= registered:
+        return  # most decode steps: no block filled since the last call
+    hashes = request.block_hashes
+    # A decode row filled one block with no key over it (no family inputs: no key spans): its
+    # hash and registration alone, without the general paths' calls (~1.5 us a row each step
+    # that fills a block; -8 to -10% of schedule() at 256 rows).
+    if num_full == registered + 1 and request.family_inputs is None:
+        if len(hashes) == registered:
+            append_block_hash(hashes, request.token_ids_from(registered * block_size)[:block_size])
+        block_manager.cache_block(request.req_id, registered, hashes[registered])
+    else:
+        hash_request_blocks(request, num_tokens, block_size)
+        block_manager.cache(request.req_id, hashes, registered, num_full)
+    request.num_registered_blocks = num_full

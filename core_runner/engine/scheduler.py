@@ -6,7 +6,7 @@ import time
 from collections import deque
 
 from slotrunner.core_runner.config import EngineConfig, blocks_to_hold
-from slotrunner.core_runner.engine.block_hash import append_block_hash, extend_block_hashes
+from slotrunner.core_runner.engine.block_hash import hash_request_blocks, register_full_blocks
 from slotrunner.core_runner.engine.block_manager import BlockManager, CachedPrefix
 from slotrunner.core_runner.engine.draft_gate import DraftGate
 from slotrunner.core_runner.engine.request import Request, RequestStatus
@@ -292,11 +292,11 @@ class Scheduler:
             cached_computed.append(num_computed)
             num_scheduled[req_id] = num_new
             # Hashes cover known tokens only: blocks that hold drafts are registered later.
-            # Most decode steps fill no block: this is _cache_blocks' own check, saving the call
+            # Most decode steps fill no block: this is register_full_blocks' own check, saving the call
             # (known tokens only: under async scheduling a row's last token is still pending).
             if prefix_caching and min(end, num_known) // block_size > request.num_registered_blocks:
-                self._cache_blocks(request, end)
-            if checkpoints:  # its blocks up to a checkpoint position are hashed by _cache_blocks
+                register_full_blocks(bm, request, end, block_size)
+            if checkpoints:  # its blocks up to a checkpoint position are hashed by register_full_blocks
                 self.state_checkpoints.request_save(request, num_computed, num_new, out.state_checkpoints)
             request.num_computed_tokens = end  # _advance, inlined (every row)
             if async_scheduling and end >= num_known + request.num_inflight_drafts + num_pending:
@@ -347,7 +347,8 @@ class Scheduler:
             out.num_scheduled_tokens[request.req_id] = num_new
             # Registered now, before the next waiting request looks: it may take these blocks in
             # this very step, since every layer writes the whole batch's K/V before it attends.
-            self._cache_blocks(request, num_computed + num_new)
+            if self.prefix_caching:
+                register_full_blocks(self.block_manager, request, num_computed + num_new, self.block_size)
             if self.state_checkpoints is not None:
                 self.state_checkpoints.request_save(request, num_computed, num_new, out.state_checkpoints)
             self._advance(request, num_computed + num_new)
@@ -385,7 +386,7 @@ class Scheduler:
         its full blocks, leaving at least one token to compute (it must produce logits)."""
         if not self.prefix_caching or not request.cacheable:
             return None
-        self._hash_blocks(request, request.num_tokens)
+        hash_request_blocks(request, request.num_tokens, self.block_size)
         return self.block_manager.find_cached(request.block_hashes, (request.num_tokens - 1) // self.block_size)
 
     # -- recurrent-state checkpoints (state_checkpoints.py) ----------------------------------
@@ -403,33 +404,6 @@ class Scheduler:
             if cached.num_blocks != num_blocks:  # a sliding window's blocks before the cut are gone
                 return self.block_manager.find_cached(request.block_hashes, 0), None
         return cached, entry
-
-    def _hash_blocks(self, request: Request, num_tokens: int) -> None:
-        start = len(request.block_hashes) * self.block_size  # the first block to hash: tokens before it are not copied
-        spans = () if request.family_inputs is None else request.family_inputs.cache_key_spans()
-        extend_block_hashes(request.block_hashes, request.token_ids_from(start), num_tokens, self.block_size, spans, start=start)
-
-    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the request's full blocks among its first `num_tokens` tokens -- those this
-        step writes or wrote before -- whose tokens are all known: not drafts, not pending
-        (async scheduling). The watermark stops at the last such block, so a block that holds
-        drafts or pending tokens now is registered by a later step, once its tokens are known."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        registered = request.num_registered_blocks
-        if not self.prefix_caching or num_full <= registered:
-            return  # most decode steps: no block filled since the last call
-        hashes = request.block_hashes
-        # A decode row filled one block with no key over it (no family inputs: `_hash_blocks`'s
-        # spans are empty): its hash and registration alone, without the general paths' calls
-        # (~1.5 us a row each step that fills a block; -8 to -10% of schedule() at 256 rows).
-        if num_full == registered + 1 and request.family_inputs is None:
-            if len(hashes) == registered:
-                append_block_hash(hashes, request.token_ids_from(registered * self.block_size)[: self.block_size])
-            self.block_manager.cache_block(request.req_id, registered, hashes[registered])
-        else:
-            self._hash_blocks(request, num_tokens)
-            self.block_manager.cache(request.req_id, hashes, registered, num_full)
-        request.num_registered_blocks = num_full
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> list[list[int]] | None:
         """Grow `request`, which needs more blocks, to hold `num_tokens` tokens, preempting from
