@@ -33,7 +33,8 @@ function's time goes below it.
 `--pipelined` times the engine's own loop instead (`LLMEngine.step`, async scheduling): each step
 schedules and launches step N+1, then waits for step N's tokens (launched a step earlier) and
 processes them. Its step is the period of that loop, and `wait` is the part of it spent blocked on
-the device (the output copy's event): `host` = `total` - `wait` is the host's own time per step.
+the device (events synchronized: the output copy's, rarely the staging copy's): `host` = `total` -
+`wait` is the host's own time per step. `output` is `AsyncOutput.get`, its wait included.
 The default mode runs the parts of one step in order and waits for its tokens at once, so its
 `sample` holds the device's round trip too (the logits, the sampling launches, the copy back).
 
@@ -235,31 +236,31 @@ def pipelined_steps(engine, runner, batch: int, steps: int, timed, parts: dict[s
     method that does it: `LLMEngine.step` calls them in its order, not this function."""
     from slotrunner.core_runner.runner.async_output import AsyncOutput
 
-    def wrap(obj, name: str, part: str):
+    wrapped = []
+
+    def wrap(obj, name: str, part: str, check=None):
         method = getattr(obj, name)
 
         def timed_call(*args, **kwargs):
             with timed(part):
                 out = method(*args, **kwargs)
-            if name == "schedule":  # every step carries the whole batch, each row query_len tokens
-                assert len(out.num_scheduled_tokens) == batch and set(out.num_scheduled_tokens.values()) == {query_len}
+            if check is not None:
+                check(out)
             return out
 
         setattr(obj, name, timed_call)
+        wrapped.append((obj, name, method))
 
-    def get(self):  # AsyncOutput.get, its wait and its host work timed apart
-        if self._done is not None:
-            with timed("wait"):
-                self._done.synchronize()
-        with timed("output"):
-            return self._finish(self._host)
+    def whole_batch(out) -> None:  # every step carries the whole batch, each row query_len tokens
+        assert len(out.num_scheduled_tokens) == batch and set(out.num_scheduled_tokens.values()) == {query_len}
 
-    scheduler, plain_get = engine.scheduler, AsyncOutput.get
-    wrap(scheduler, "schedule", "schedule")
+    wrap(engine.scheduler, "schedule", "schedule", whole_batch)
     wrap(runner, "execute_model", "prepare+forward")
     wrap(runner, "sample_tokens", "sample+copy")
     wrap(engine, "_process", "update")
-    AsyncOutput.get = get
+    wrap(AsyncOutput, "get", "output")  # the wait for the copy's event (timed in "wait" too), then the host lists
+    if torch.cuda.is_available():  # every wait of a step on the device: the output copy's, the staging copy's
+        wrap(torch.cuda.Event, "synchronize", "wait")
     try:
         engine.step(final_only=True)  # the first timed step settles an untimed one: start with one in flight
         for k in parts:
@@ -268,12 +269,13 @@ def pipelined_steps(engine, runner, batch: int, steps: int, timed, parts: dict[s
             t0 = clock()
             engine.step(final_only=True)
             parts["total"].append(1e3 * (clock() - t0))
-            for k in ("wait", "output"):  # a step that waited on nothing
-                parts[k] += [0.0] * (len(parts["total"]) - len(parts[k]))
+            parts["wait"] += [0.0] * (len(parts["total"]) - len(parts["wait"]))  # a step that waited on nothing
     finally:
-        AsyncOutput.get = plain_get
-        for name in ("schedule", "execute_model", "sample_tokens", "_process"):
-            vars(scheduler if name == "schedule" else engine if name == "_process" else runner).pop(name)
+        for obj, name, method in wrapped:
+            if isinstance(obj, type):
+                setattr(obj, name, method)
+            else:
+                del obj.__dict__[name]
     parts["host"] = [t - w for t, w in zip(parts["total"], parts["wait"])]
 
 

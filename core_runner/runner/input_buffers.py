@@ -118,9 +118,10 @@ class InputBuffers:
         self.cu_num_logits = torch.zeros(max_num_reqs + 1, **i32)  # [max_num_reqs + 1]
         self.one_logits_row_each = torch.arange(max_num_reqs + 1, **i32)  # [max_num_reqs + 1], never written
         # The staging is rewritten next step only after this step's copy has read it. The event is
-        # recorded on the stream current at construction, the runner's step stream (step_stream).
+        # recorded on the stream current at construction: the steps' stream (step_stream), which
+        # the runner takes from here.
         self._copied = torch.cuda.Event() if pin else None
-        self._stream = step_stream(device)
+        self.stream = step_stream(device)
         self._arange = np.arange(max_num_reqs, dtype=np.int32)
         self._np["decode_order"][:] = self._arange  # a permutation before the first step too (graph captures)
         self.decode_order.copy_(torch.from_numpy(self._arange))
@@ -188,4 +189,4 @@ class InputBuffers:
             order[n:num_reqs_padded] = self._arange[n:num_reqs_padded]
         self._staged.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
-            self._copied.record(self._stream)
+            self._copied.record(self.stream)

@@ -20,7 +20,7 @@ from slotrunner.core_runner.attention.cache_spec import multi_token_rows_captura
 from slotrunner.core_runner.config import EngineConfig
 from slotrunner.core_runner.runner.scheduler_output import SchedulerOutput
 from slotrunner.core_runner.runner.attn_backend import select_attn_backend
-from slotrunner.core_runner.runner.async_output import AsyncOutput, check_step_stream, done, step_stream
+from slotrunner.core_runner.runner.async_output import AsyncOutput, check_step_stream, done
 from slotrunner.core_runner.runner.block_table import BlockTables
 from slotrunner.core_runner.runner.cuda_graphs import CudaGraphs
 from slotrunner.core_runner.attention.forward_context import ForwardContext, forward_context
@@ -107,7 +107,7 @@ class ModelRunner:
             assert config.kv_cache_windows == (None,), "a draft model reads the target's block ids: one full-attention group"
             allocate_kv_cache(draft_model, config.num_kv_blocks, config.block_size, config.dtype, self.device)
         self.speculator: Speculator | None = None if spec is None else build_speculator(config, self.attn_backend, draft_model)
-        self._stream = step_stream(self.device)  # every step's kernels, copies and events
+        self._stream = self.input_buffers.stream  # every step's kernels, copies and events (step_stream)
         # Keys of a shared prefix come in multiples of this (None: the backend has no
         # shared-prefix launch, or no prefix is ever shared, or its cache has several groups).
         granule = self.attn_backend.shared_prefix_granule
